@@ -1,0 +1,564 @@
+"""Checkpoint manifests: a SHA-256 per tensor of a safetensors checkpoint, and a digest over them.
+
+A manifest pins the exact bytes of a checkpoint. ``weightroll manifest DIR`` writes one; the worker
+extension loads it with :func:`load_manifest` and, before any byte reaches a live tensor, checks
+what each rank read with :meth:`Manifest.verify`; the sidecar loads it too, so a corrupt, stale or
+tampered manifest fails the update before generation is paused.
+
+Format (JSON, ``weightroll.manifest/v1``)::
+
+    {"format": "weightroll.manifest/v1", "version": "v2" | null, "baseVersion": "v1" | null,
+     "tensors": {"<name>": {"file": "model-00001-of-00002.safetensors", "dtype": "BF16",
+                            "shape": [512, 128], "nbytes": 131072, "sha256": "<hex>"}},
+     "totalBytes": 131072, "digest": "<hex>"}
+
+Invariants:
+    * ``sha256`` is over the tensor's raw bytes exactly as stored in the file (little-endian,
+      row-major, the safetensors layout); no dtype conversion happens anywhere.
+    * ``digest`` is SHA-256 over the canonical JSON of ``tensors`` — keys sorted, separators
+      ``,`` and ``:`` (no spaces), ASCII-escaped — so any edit of any entry changes it.
+      :func:`load_manifest` recomputes it and refuses a manifest whose digest does not match.
+    * ``totalBytes`` is the sum of every entry's ``nbytes``; ``nbytes`` matches ``dtype`` and
+      ``shape`` for every whole-byte dtype.
+    * A delta or sparse checkpoint names the version it applies to in ``baseVersion``.
+    * Building a manifest streams every file in chunks of :data:`CHUNK_BYTES`; a checkpoint is
+      never loaded into memory whole. Only the safetensors header is parsed (8-byte little-endian
+      length, then a JSON header with ``data_offsets`` relative to the end of the header).
+
+This module imports neither torch nor vLLM: the sidecar, the operator-side CLI and the in-rank
+extension all use it.
+
+Limitations:
+    * Only ``*.safetensors`` files directly inside the directory are covered (no recursion);
+      other files (config, tokenizer) are not part of the manifest.
+    * Sub-byte dtypes (``F4``, ``F6_*``) are accepted but their ``nbytes`` is not cross-checked
+      against ``shape``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import sys
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Final, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from engine_agent.protocol import VERSION_PATTERN
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DEFAULT_MANIFEST_NAME",
+    "DTYPE_SIZES",
+    "FORMAT",
+    "Manifest",
+    "ManifestError",
+    "ManifestMismatch",
+    "TensorEntry",
+    "build_manifest",
+    "canonical_tensors_json",
+    "load_manifest",
+    "main",
+    "read_safetensors_header",
+    "sha256_hex",
+    "tensors_digest",
+    "write_manifest",
+]
+
+#: Value of the ``format`` field; bump the suffix on any incompatible change.
+FORMAT: Final = "weightroll.manifest/v1"
+#: File name ``weightroll manifest DIR`` writes inside DIR when ``--out`` is not given.
+DEFAULT_MANIFEST_NAME: Final = "weightroll-manifest.json"
+#: Read size while hashing; large enough to keep hashlib busy, small enough to never matter.
+CHUNK_BYTES: Final = 8 * 1024 * 1024
+#: safetensors refuses headers above 100 MB; so do we (a corrupt length would otherwise
+#: make us allocate gigabytes).
+MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
+#: Bytes per element of every whole-byte safetensors dtype.
+DTYPE_SIZES: Final[dict[str, int]] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "C64": 8,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
+#: Dtypes safetensors knows whose elements are smaller than a byte.
+SUB_BYTE_DTYPES: Final = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    """A manifest or checkpoint that cannot be used; the message names the file and the problem.
+
+    Attributes:
+        code: machine-readable reason, used as ``ErrorBody.code`` and as a metric label.
+    """
+
+    code: str = "manifest_invalid"
+
+
+class ManifestMismatch(ManifestError):
+    """Bytes (or dtype, shape, size) that differ from what the manifest pins."""
+
+    code = "manifest_mismatch"
+
+
+class _ManifestModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+
+class TensorEntry(_ManifestModel):
+    """What the manifest pins for one tensor."""
+
+    #: File that holds the tensor, relative to the checkpoint directory (a plain file name).
+    file: str = Field(min_length=1)
+    #: safetensors dtype string, e.g. ``"BF16"``.
+    dtype: str
+    #: Shape as stored in the file.
+    shape: tuple[int, ...]
+    #: Size of the stored bytes.
+    nbytes: int = Field(ge=0)
+    #: Lower-case hex SHA-256 of the stored bytes.
+    sha256: str
+
+    @field_validator("file")
+    @classmethod
+    def _relative_file(cls, value: str) -> str:
+        path = PurePosixPath(value)
+        if path.is_absolute() or ".." in path.parts or "\\" in value:
+            raise ValueError(f"file must be relative to the checkpoint directory, got {value!r}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPE_SIZES and value not in SUB_BYTE_DTYPES:
+            raise ValueError(f"unknown safetensors dtype {value!r}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative_shape(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(dim < 0 for dim in value):
+            raise ValueError(f"shape dimensions must be >= 0, got {list(value)}")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str) -> str:
+        if not _SHA256_RE.match(value):
+            raise ValueError("sha256 must be 64 lower-case hex digits")
+        return value
+
+    @model_validator(mode="after")
+    def _size_matches_shape(self) -> Self:
+        itemsize = DTYPE_SIZES.get(self.dtype)
+        if itemsize is not None and self.nbytes != math.prod(self.shape) * itemsize:
+            raise ValueError(
+                f"nbytes {self.nbytes} does not match dtype {self.dtype} and shape "
+                f"{list(self.shape)} ({math.prod(self.shape) * itemsize} bytes)"
+            )
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the entry as written in the manifest (shape as a list)."""
+        return {
+            "file": self.file,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "sha256": self.sha256,
+        }
+
+
+def canonical_tensors_json(tensors: dict[str, TensorEntry]) -> str:
+    """Return the canonical JSON of a ``tensors`` map: sorted keys, no spaces, ASCII only."""
+    plain = {name: entry.to_json() for name, entry in tensors.items()}
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def tensors_digest(tensors: dict[str, TensorEntry]) -> str:
+    """Return the manifest digest: SHA-256 hex over :func:`canonical_tensors_json`."""
+    return hashlib.sha256(canonical_tensors_json(tensors).encode("ascii")).hexdigest()
+
+
+class Manifest(_ManifestModel):
+    """A validated checkpoint manifest; construction checks the total and the digest."""
+
+    format: Literal["weightroll.manifest/v1"] = FORMAT
+    #: Weight version this checkpoint is (optional; the sidecar checks it against the request).
+    version: str | None = Field(default=None, pattern=VERSION_PATTERN)
+    #: For delta or sparse checkpoints: the version the patch applies to.
+    base_version: str | None = Field(default=None, pattern=VERSION_PATTERN)
+    tensors: dict[str, TensorEntry]
+    total_bytes: int = Field(ge=0)
+    #: SHA-256 hex over the canonical JSON of ``tensors``.
+    digest: str
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        total = sum(entry.nbytes for entry in self.tensors.values())
+        if total != self.total_bytes:
+            raise ValueError(f"totalBytes is {self.total_bytes} but the tensors sum to {total}")
+        expected = tensors_digest(self.tensors)
+        if self.digest != expected:
+            raise ValueError(
+                f"digest mismatch: the manifest says {self.digest!r} but its tensors hash to "
+                f"{expected!r}; the manifest was edited or corrupted"
+            )
+        return self
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: dict[str, TensorEntry],
+        *,
+        version: str | None = None,
+        base_version: str | None = None,
+    ) -> Manifest:
+        """Build a manifest from entries, computing ``totalBytes`` and ``digest``."""
+        return cls(
+            version=version,
+            base_version=base_version,
+            tensors=tensors,
+            total_bytes=sum(entry.nbytes for entry in tensors.values()),
+            digest=tensors_digest(tensors),
+        )
+
+    def entry(self, name: str) -> TensorEntry | None:
+        """Return the entry of tensor ``name``, or ``None`` if the manifest does not list it."""
+        return self.tensors.get(name)
+
+    def files(self) -> list[str]:
+        """Return the distinct file names the manifest refers to, sorted."""
+        return sorted({entry.file for entry in self.tensors.values()})
+
+    def verify(
+        self,
+        name: str,
+        data: Any,
+        *,
+        dtype: str | None = None,
+        shape: Sequence[int] | None = None,
+    ) -> TensorEntry:
+        """Check one tensor's stored bytes (and optionally dtype and shape) against the manifest.
+
+        Args:
+            name: checkpoint tensor name.
+            data: the raw bytes as stored in the file; any C-contiguous buffer.
+            dtype: the safetensors dtype string the reader saw, if known.
+            shape: the shape the reader saw, if known.
+
+        Returns:
+            The matching entry.
+
+        Raises:
+            ManifestMismatch: the tensor is not listed, or dtype, shape, size or hash differ.
+        """
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise ManifestMismatch(f"tensor {name!r} is not listed in the manifest")
+        if dtype is not None and dtype != entry.dtype:
+            raise ManifestMismatch(
+                f"tensor {name!r}: dtype {dtype} but the manifest says {entry.dtype}"
+            )
+        if shape is not None and tuple(shape) != entry.shape:
+            raise ManifestMismatch(
+                f"tensor {name!r}: shape {list(shape)} but the manifest says {list(entry.shape)}"
+            )
+        view = memoryview(data)
+        if view.nbytes != entry.nbytes:
+            raise ManifestMismatch(
+                f"tensor {name!r}: {view.nbytes} bytes but the manifest says {entry.nbytes}"
+            )
+        actual = sha256_hex(view)
+        if actual != entry.sha256:
+            raise ManifestMismatch(
+                f"tensor {name!r}: sha256 {actual} but the manifest says {entry.sha256}"
+            )
+        return entry
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the manifest as written to disk (camelCase keys, tensors sorted by name)."""
+        return {
+            "format": self.format,
+            "version": self.version,
+            "baseVersion": self.base_version,
+            "tensors": {name: self.tensors[name].to_json() for name in sorted(self.tensors)},
+            "totalBytes": self.total_bytes,
+            "digest": self.digest,
+        }
+
+
+def sha256_hex(buffer: Any) -> str:
+    """Return the lower-case hex SHA-256 of a C-contiguous buffer (bytes, memoryview, numpy).
+
+    Raises:
+        TypeError: ``buffer`` does not support the buffer protocol.
+        BufferError: the buffer is not C-contiguous.
+    """
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise BufferError("sha256_hex needs a C-contiguous buffer")
+    return hashlib.sha256(view).hexdigest()
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and validate a manifest file.
+
+    Raises:
+        ManifestError: the file is missing or unreadable, is not JSON, or does not validate
+            (wrong format, bad entry, wrong total, digest mismatch); the message names the file
+            and the problem.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror or e}") from e
+    try:
+        document = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"manifest {str(path)!r} is not valid JSON: {e}") from e
+    try:
+        return Manifest.model_validate(document)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc']) or '<root>'}: {err['msg']}"
+            for err in e.errors()
+        )
+        error = ManifestError(f"manifest {str(path)!r} is invalid: {problems}")
+        if any("digest mismatch" in err["msg"] for err in e.errors()):
+            error = ManifestMismatch(f"manifest {str(path)!r} is invalid: {problems}")
+        raise error from e
+
+
+def write_manifest(manifest: Manifest, path: str | os.PathLike[str]) -> None:
+    """Write ``manifest`` to ``path`` (indented JSON) atomically via a temporary sibling file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_safetensors_header(handle: BinaryIO, file_name: str) -> tuple[int, dict[str, Any]]:
+    """Parse the header of an open safetensors file.
+
+    Returns:
+        ``(data_start, tensors)``: the byte offset of the data section and the header's tensor
+        entries (``__metadata__`` removed).
+
+    Raises:
+        ManifestError: the header is truncated, too large or not a JSON object.
+    """
+    prefix = handle.read(8)
+    if len(prefix) != 8:
+        raise ManifestError(f"{file_name}: truncated safetensors file (no header length)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise ManifestError(f"{file_name}: safetensors header length {length} is implausible")
+    raw = handle.read(length)
+    if len(raw) != length:
+        raise ManifestError(f"{file_name}: truncated safetensors header")
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{file_name}: safetensors header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ManifestError(f"{file_name}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def _hash_range(handle: BinaryIO, start: int, nbytes: int) -> str:
+    digest = hashlib.sha256()
+    handle.seek(start)
+    left = nbytes
+    while left > 0:
+        chunk = handle.read(min(CHUNK_BYTES, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    if left:
+        raise ManifestError("truncated tensor data")
+    return digest.hexdigest()
+
+
+def _first_offset(info: Any) -> int:
+    try:
+        return int(info["data_offsets"][0])
+    except (KeyError, TypeError, ValueError, IndexError):
+        return 0
+
+
+def _file_entries(path: Path) -> dict[str, TensorEntry]:
+    entries: dict[str, TensorEntry] = {}
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        data_start, header = read_safetensors_header(handle, path.name)
+        # Hash in file order so reads are sequential.
+        items = sorted(
+            header.items(),
+            key=lambda item: (
+                item[1].get("data_offsets", [0])[0] if isinstance(item[1], dict) else 0
+            ),
+        )
+        for name, info in items:
+            try:
+                dtype = info["dtype"]
+                shape = [int(dim) for dim in info["shape"]]
+                begin, end = (int(offset) for offset in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ManifestError(f"{path.name}: malformed header entry for {name!r}") from e
+            if not 0 <= begin <= end or data_start + end > size:
+                raise ManifestError(
+                    f"{path.name}: tensor {name!r} data_offsets [{begin}, {end}] lie outside "
+                    f"the file (truncated?)"
+                )
+            try:
+                sha = _hash_range(handle, data_start + begin, end - begin)
+            except ManifestError as e:
+                raise ManifestError(f"{path.name}: tensor {name!r}: {e}") from e
+            try:
+                entries[name] = TensorEntry(
+                    file=path.name, dtype=dtype, shape=tuple(shape), nbytes=end - begin, sha256=sha
+                )
+            except ValidationError as e:
+                raise ManifestError(f"{path.name}: tensor {name!r}: {e.errors()[0]['msg']}") from e
+    return entries
+
+
+def build_manifest(
+    directory: str | os.PathLike[str],
+    version: str | None = None,
+    base_version: str | None = None,
+) -> Manifest:
+    """Hash every tensor of a safetensors checkpoint and return its manifest.
+
+    Args:
+        directory: a directory of ``*.safetensors`` files (or one such file).
+        version: the weight version this checkpoint is, if known.
+        base_version: for delta/sparse checkpoints, the version they apply to.
+
+    Raises:
+        ManifestError: no safetensors file, a corrupt or truncated file, a tensor name that
+            appears in two files, or a version that is not a valid label value.
+    """
+    for label, value in (("version", version), ("base_version", base_version)):
+        if value is not None and not re.match(VERSION_PATTERN, value):
+            raise ManifestError(f"{label} {value!r} is not a valid version (label-value syntax)")
+    root = Path(directory)
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(root.glob("*.safetensors"))
+    else:
+        raise ManifestError(f"checkpoint {str(root)!r} does not exist")
+    if not files:
+        raise ManifestError(f"no *.safetensors files in {str(root)!r}")
+    tensors: dict[str, TensorEntry] = {}
+    for path in files:
+        for name, entry in _file_entries(path).items():
+            if name in tensors:
+                raise ManifestError(
+                    f"tensor {name!r} appears in both {tensors[name].file} and {entry.file}"
+                )
+            tensors[name] = entry
+    try:
+        return Manifest.from_tensors(tensors, version=version, base_version=base_version)
+    except ValidationError as e:
+        raise ManifestError(
+            "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        ) from e
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightroll manifest",
+        description=(
+            "Write a JSON manifest (dtype, shape, sha256 per tensor, total bytes, digest) for a "
+            "safetensors checkpoint."
+        ),
+    )
+    parser.add_argument("directory", metavar="DIR", help="checkpoint directory (or one file)")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help=f"where to write the manifest ('-' for stdout; default DIR/{DEFAULT_MANIFEST_NAME})",
+    )
+    parser.add_argument("--version", metavar="V", help="weight version of this checkpoint")
+    parser.add_argument(
+        "--base-version", metavar="V", help="for delta/sparse checkpoints: the base version"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``weightroll manifest DIR [--out FILE] [--version V] [--base-version V]``.
+
+    Returns:
+        0 on success, 1 when the checkpoint cannot be hashed, 2 on bad usage.
+    """
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        manifest = build_manifest(args.directory, args.version, args.base_version)
+    except ManifestError as e:
+        print(f"weightroll manifest: {e}", file=sys.stderr)
+        return 1
+    if args.out == "-":
+        json.dump(manifest.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    root = Path(args.directory)
+    out = Path(args.out) if args.out else (root if root.is_dir() else root.parent)
+    if not args.out:
+        out = out / DEFAULT_MANIFEST_NAME
+    try:
+        write_manifest(manifest, out)
+    except OSError as e:
+        print(f"weightroll manifest: cannot write {str(out)!r}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(
+        f"Wrote manifest for {len(manifest.tensors)} tensors ({manifest.total_bytes} bytes) to "
+        f"{out}; digest {manifest.digest}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""Wire models shared by the worker extension, the pod sidecar and the operator.
+
+This module is the one contract between the three processes that take part in an update:
+
+* the **worker extension** (``engine_agent.vllm_extension``) runs inside every vLLM rank and is
+  called through ``collective_rpc``; its methods take one JSON string and return a plain dict
+  that validates as :class:`RankReport` or :class:`RankStatus`;
+* the **sidecar** (``weightroll agent``) serves the operator over HTTP with :class:`UpdateRequest`,
+  :class:`UpdateStatus` and :class:`AgentState`;
+* the **operator** imports nothing else from the agent side.
+
+Invariants:
+    * No torch or vLLM import here: the operator image has neither.
+    * Every model forbids unknown fields, so a typo is a 422 naming the field rather than a
+      silently ignored option.
+    * JSON uses camelCase (Kubernetes style); Python attributes are snake_case and both spellings
+      are accepted on input.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic.alias_generators import to_camel
+
+__all__ = [
+    "VERSION_PATTERN",
+    "UPDATE_ID_PATTERN",
+    "AgentState",
+    "DrainMode",
+    "DrainSpec",
+    "EngineState",
+    "ErrorBody",
+    "LoadSource",
+    "RankId",
+    "RankReport",
+    "RankStatus",
+    "SourceSpec",
+    "UpdateMode",
+    "UpdatePhase",
+    "UpdateRequest",
+    "UpdateSpec",
+    "UpdateStatus",
+    "Verdict",
+    "WireModel",
+]
+
+#: A weight version is also written as a label value on pods, so it follows label-value rules.
+VERSION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
+#: Update ids are chosen by the operator (``<cr-uid-prefix>-<version>``) or by a user.
+UPDATE_ID_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,125}[a-z0-9])?$"
+
+Version = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
+UpdateId = Annotated[str, StringConstraints(pattern=UPDATE_ID_PATTERN)]
+
+
+class WireModel(BaseModel):
+    """Base for every wire model: camelCase JSON, snake_case attributes, no unknown fields."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """Return the JSON-ready dict (camelCase keys, enums as strings, ``None`` kept)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class EngineState(StrEnum):
+    """Weight state of one rank (engine-reload.md R3).
+
+    ``CLEAN`` is the only state that serves: every weight belongs to ``version``. ``OPEN`` is a
+    session that has not written a live byte yet. ``DIRTY`` means live bytes changed and the
+    session has not committed. ``POISONED`` is a failed or aborted dirty session; only a full
+    update that commits leaves it.
+    """
+
+    CLEAN = "clean"
+    OPEN = "open"
+    DIRTY = "dirty"
+    POISONED = "poisoned"
+
+
+class UpdateMode(StrEnum):
+    """How much of the model an update carries."""
+
+    #: Every required shard of every module.
+    FULL = "full"
+    #: Only the modules named by ``scope``; every other shard stays bit-identical.
+    PARTIAL = "partial"
+    #: Flat-index patches in checkpoint coordinates against ``base_version``.
+    SPARSE = "sparse"
+
+
+class UpdateSpec(WireModel):
+    """Argument of ``weightroll_begin``: one weight-update session on one replica."""
+
+    update_id: UpdateId
+    version: Version
+    mode: UpdateMode = UpdateMode.FULL
+    #: Required for sparse updates: the version the patch was computed against.
+    base_version: Version | None = None
+    #: Required for partial updates: checkpoint tensor names (or name prefixes ending in ".")
+    #: whose modules the update replaces.
+    scope: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> Self:
+        if self.mode is UpdateMode.SPARSE and self.base_version is None:
+            raise ValueError("baseVersion is required when mode is 'sparse'")
+        if self.mode is UpdateMode.PARTIAL and not self.scope:
+            raise ValueError("scope must list at least one tensor name when mode is 'partial'")
+        if self.mode is UpdateMode.FULL and self.scope:
+            raise ValueError("scope is only allowed when mode is 'partial'")
+        return self
+
+
+class LoadSource(WireModel):
+    """Argument of ``weightroll_load``: where this rank reads the next batch of tensors.
+
+    For full and partial updates ``path`` is a safetensors file or a directory of them in
+    checkpoint format. For sparse updates it is a safetensors file of patch triples (see
+    ``engine_agent/reload/sparse.py``).
+    """
+
+    path: str = Field(min_length=1)
+    #: Optional subset of tensor names to read from ``path``.
+    names: list[str] | None = None
+    #: Optional manifest (JSON written by ``weightroll manifest``); every byte read is checked
+    #: against it before it reaches a live tensor.
+    manifest: str | None = None
+
+
+class RankId(WireModel):
+    """Position of a rank in the parallel layout, keyed like vLLM's weight checker."""
+
+    dp: int = Field(ge=0)
+    pp: int = Field(ge=0)
+    tp: int = Field(ge=0)
+    ep: int = Field(default=0, ge=0)
+
+    @property
+    def key(self) -> str:
+        return f"dp{self.dp}:pp{self.pp}:tp{self.tp}:ep{self.ep}"
+
+
+class ErrorBody(WireModel):
+    """A structured error: machine-readable ``code``, a human ``message`` and the offending field."""
+
+    code: str
+    message: str
+    field: str | None = None
+
+
+class RankStatus(WireModel):
+    """Result of ``weightroll_state`` (and the state part of every other call)."""
+
+    rank: RankId
+    state: EngineState
+    #: Version every weight belongs to when clean; the last committed version otherwise.
+    version: str
+    update_id: str | None = None
+    #: True only when ``state`` is clean: the one condition under which traffic may flow.
+    serving_safe: bool
+    #: Why the engine is poisoned, if it is.
+    poison_reason: str | None = None
+
+
+class RankReport(WireModel):
+    """What one rank says about one call of the extension (begin, load, finish or abort).
+
+    The sidecar commits a replica only when every rank reports ``ok`` and the coverage hashes and
+    versions agree (engine-reload.md R7).
+    """
+
+    rank: RankId
+    call: str
+    ok: bool
+    state: EngineState
+    version: str
+    update_id: str | None = None
+    error: ErrorBody | None = None
+    #: Shard keys this rank must receive in the session.
+    required: int = 0
+    #: Distinct shard keys received so far.
+    received: int = 0
+    #: Shard keys still missing (first 50; ``missing_count`` has the total).
+    missing: list[str] = Field(default_factory=list)
+    missing_count: int = 0
+    #: Shard keys that arrived more than once (the duplicate write was refused).
+    duplicates: list[str] = Field(default_factory=list)
+    #: Modules whose post-load processing ran in this session.
+    modules_processed: int = 0
+    #: Derived tensors refreshed (e.g. ``model.layers.0.self_attn.attn.W_UK_T``).
+    derived_refreshed: list[str] = Field(default_factory=list)
+    #: Storage and kernel identity unchanged since begin.
+    identity_ok: bool = True
+    identity_problems: list[str] = Field(default_factory=list)
+    #: SHA-256 over the sorted required shard keys: equal on ranks that agree on the plan.
+    coverage_hash: str = ""
+    #: SHA-256 over the live bytes of the touched modules after commit.
+    digest: str = ""
+    bytes_loaded: int = 0
+    #: Seconds spent in each step of the call (read, load, process, refresh, verify, digest).
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Sidecar HTTP API
+# --------------------------------------------------------------------------------------------
+
+
+class DrainMode(StrEnum):
+    """How generation is paused before the reload (vLLM ``/pause?mode=``)."""
+
+    #: Let running requests finish (up to the timeout), then abort what is left.
+    WAIT = "wait"
+    #: Abort running requests at once.
+    ABORT = "abort"
+
+
+class DrainSpec(WireModel):
+    mode: DrainMode = DrainMode.WAIT
+    timeout_seconds: int = Field(default=60, ge=0, le=3600)
+
+
+_URI_RE = re.compile(r"^(file://)?/[^\x00]*$")
+
+
+class SourceSpec(WireModel):
+    """Where the new weights are: a local path or ``file://`` URI, optionally with a manifest."""
+
+    uri: str
+    manifest: str | None = None
+
+    @model_validator(mode="after")
+    def _local_uri(self) -> Self:
+        for name in ("uri", "manifest"):
+            value = getattr(self, name)
+            if value is not None and not _URI_RE.match(value):
+                raise ValueError(
+                    f"source.{name} must be an absolute path or a file:// URI, got {value!r}; "
+                    "other schemes are not supported by this agent"
+                )
+        return self
+
+    @property
+    def path(self) -> str:
+        return self.uri.removeprefix("file://")
+
+    @property
+    def manifest_path(self) -> str | None:
+        return None if self.manifest is None else self.manifest.removeprefix("file://")
+
+
+class UpdateRequest(WireModel):
+    """Body of ``POST /v1/updates``."""
+
+    id: UpdateId
+    version: Version
+    source: SourceSpec
+    mode: UpdateMode = UpdateMode.FULL
+    base_version: Version | None = None
+    scope: list[str] | None = None
+    drain: DrainSpec = DrainSpec()
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> Self:
+        UpdateSpec(
+            update_id=self.id,
+            version=self.version,
+            mode=self.mode,
+            base_version=self.base_version,
+            scope=self.scope,
+        )
+        return self
+
+    def engine_spec(self) -> UpdateSpec:
+        return UpdateSpec(
+            update_id=self.id,
+            version=self.version,
+            mode=self.mode,
+            base_version=self.base_version,
+            scope=self.scope,
+        )
+
+
+class UpdatePhase(StrEnum):
+    PENDING = "Pending"
+    DRAINING = "Draining"
+    LOADING = "Loading"
+    VERIFYING = "Verifying"
+    COMMITTED = "Committed"
+    FAILED = "Failed"
+    ABORTED = "Aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (UpdatePhase.COMMITTED, UpdatePhase.FAILED, UpdatePhase.ABORTED)
+
+
+class Verdict(WireModel):
+    """The agent's decision on one update: committed or not, and why."""
+
+    committed: bool
+    reasons: list[str] = Field(default_factory=list)
+
+
+class UpdateStatus(WireModel):
+    """Body of ``GET /v1/updates/{id}``."""
+
+    id: str
+    version: str
+    mode: UpdateMode
+    phase: UpdatePhase
+    ranks: list[RankReport] = Field(default_factory=list)
+    verdict: Verdict | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    started_at: str | None = None
+    finished_at: str | None = None
+    message: str = ""
+
+
+class AgentState(WireModel):
+    """Body of ``GET /v1/state``."""
+
+    version: str
+    engine_state: EngineState
+    ready: bool
+    paused: bool
+    active_update_id: str | None = None
+    ranks: list[RankStatus] = Field(default_factory=list)
+    #: Where the weights now served came from, so a rollback target is known.
+    source: SourceSpec | None = None
+    message: str = ""

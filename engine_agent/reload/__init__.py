@@ -1,0 +1,23 @@
+"""Verified modulewise weight reload inside one vLLM rank.
+
+Parts, pure first:
+    * :mod:`.session` — the CLEAN/OPEN/DIRTY/POISONED state machine (gap 1).
+    * :mod:`.coverage` — per-shard coverage ledger, duplicate refusal (gap 2).
+    * :mod:`.identity` — storage and kernel identity records and their comparison.
+    * :mod:`.derived` — derived-state refreshers, e.g. MLA ``W_UK_T``/``W_UV`` (gap 3).
+    * :mod:`.modelwise` — the vLLM-facing index, load routing and per-module processing.
+    * :mod:`.sources`, :mod:`.sparse` — reading checkpoints and sparse patches.
+    * :mod:`.engine` — :class:`RankEngine`, one rank's begin/load/finish/abort/state.
+
+Limitations:
+    1. Models with a model-level post-load hook are refused (no per-module replay exists).
+    2. Derived state is refreshed only for layer types with a registered refresher; other
+       owners of derived state fail closed when their sources are updated.
+    3. Sparse patches are applied only where the live layout is the checkpoint layout.
+    4. Content digests hash checkpoint-layout bytes after the loaders ran (rank-local
+       slices); on accelerators this copies each module to host memory once.
+"""
+
+from engine_agent.reload.engine import RankEngine
+
+__all__ = ["RankEngine"]

@@ -1,0 +1,362 @@
+"""One rank's verified reload: begin / load / finish / abort / state.
+
+:class:`RankEngine` glues the pure parts (:mod:`.session` state machine, :mod:`.coverage`
+ledger, :mod:`.identity` comparison) to the vLLM-facing :mod:`.modelwise` router. Each public
+method returns a report and never raises: an error becomes ``report.error`` with a stable code,
+and the state machine decides what the failure means for serving.
+
+Order contracts:
+    * ``begin`` computes the required shard set and snapshots storage and kernel identity
+      before any live byte can change.
+    * ``load`` validates the whole batch (source headers, manifest bytes, a dry run of the
+      model's loaders over meta tensors, duplicates) before writing; any error ends the session
+      (untouched engine: still clean at its old version; touched engine: poisoned).
+    * ``finish`` commits only if coverage is complete with no duplicate, every touched module
+      was processed and refreshed, and identity is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine_agent.errors import (
+    AgentError,
+    IdentityChanged,
+    InvalidRequest,
+    WrongState,
+)
+from engine_agent.protocol import (
+    ErrorBody,
+    LoadSource,
+    RankId,
+    RankReport,
+    RankStatus,
+    UpdateMode,
+    UpdateSpec,
+)
+from engine_agent.reload import failpoints, session
+from engine_agent.reload.coverage import CoverageLedger
+from engine_agent.reload.identity import StorageRecord, compare_kernels, compare_storage
+from engine_agent.reload.modelwise import LoadRouter, ModelIndex, build_index
+from engine_agent.reload.sources import open_source
+
+__all__ = ["RankEngine"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED = 50
+
+
+class _Session:
+    """Everything one open update keeps on one rank."""
+
+    def __init__(
+        self,
+        spec: UpdateSpec,
+        ledger: CoverageLedger,
+        router: LoadRouter,
+        storage: dict[str, StorageRecord],
+        kernels: dict[str, str],
+    ) -> None:
+        self.spec = spec
+        self.ledger = ledger
+        self.router = router
+        self.storage = storage
+        self.kernels = kernels
+        self.timings: dict[str, float] = {}
+
+
+class RankEngine:
+    """The reload state of one vLLM rank.
+
+    Args:
+        model: the rank's model (``worker.model_runner.model``).
+        device: where its weights live.
+        act_dtype: the model's dtype (``model_config.dtype``).
+        rank: this rank's position.
+        boot_version: the version of the weights the engine started with.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        rank: RankId,
+        boot_version: str,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.act_dtype = act_dtype
+        self.rank = rank
+        self.state = session.initial(boot_version)
+        self._index: ModelIndex | None = None
+        self._session: _Session | None = None
+
+    # -- public calls (one per RPC) --------------------------------------------------------
+
+    def begin(self, spec_json: str) -> dict[str, Any]:
+        return self._call("begin", lambda: self._begin(_parse(UpdateSpec, spec_json, "spec")))
+
+    def load(self, source_json: str) -> dict[str, Any]:
+        return self._call("load", lambda: self._load(_parse(LoadSource, source_json, "source")))
+
+    def finish(self, _args_json: str = "{}") -> dict[str, Any]:
+        return self._call("finish", self._finish)
+
+    def abort(self, _args_json: str = "{}") -> dict[str, Any]:
+        return self._call("abort", self._abort)
+
+    def status(self) -> dict[str, Any]:
+        return RankStatus(
+            rank=self.rank,
+            state=self.state.state,
+            version=self.state.version,
+            update_id=self.state.update_id,
+            serving_safe=self.state.serving_safe,
+            poison_reason=self.state.poison_reason,
+        ).to_wire()
+
+    # -- implementation ------------------------------------------------------------------
+
+    def _call(self, call: str, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            failpoints.check(call, self.rank)
+            return body()
+        except AgentError as e:
+            logger.warning("Weight update %s failed on rank %s: %s", call, self.rank.key, e.message)
+            return self._failed(call, e, ends_session=call in ("load", "finish"))
+        except Exception as e:  # an engine bug must still leave the rank fail-closed
+            logger.exception("Weight update %s crashed on rank %s", call, self.rank.key)
+            return self._failed(call, AgentError(f"{type(e).__name__}: {e}"), ends_session=True)
+        finally:
+            if self._session is not None:
+                self._session.timings[call] = round(time.perf_counter() - started, 6)
+
+    def _failed(self, call: str, error: AgentError, *, ends_session: bool) -> dict[str, Any]:
+        fields = self._progress_fields()
+        if ends_session and self.state.in_session:
+            self.state = session.fail(self.state, f"{call} failed: {error.message}")
+            if self._session is not None:
+                self._session.router.discard()
+            self._session = None
+        return self._report(call, ok=False, error=error, fields=fields)
+
+    @property
+    def index(self) -> ModelIndex:
+        if self._index is None:
+            self._index = build_index(self.model)
+        return self._index
+
+    def _begin(self, spec: UpdateSpec) -> dict[str, Any]:
+        if self.state.in_session and self.state.update_id == spec.update_id:
+            return self._report("begin", ok=True)  # idempotent re-begin of the same session
+        if callable(getattr(self.model, "process_weights_after_loading", None)):
+            raise WrongState(
+                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
+                "replayed per module; in-place updates are refused for this model"
+            )
+        new_state = session.begin(self.state, spec)
+        index = self.index
+        if spec.mode is UpdateMode.PARTIAL:
+            assert spec.scope is not None
+            modules = index.resolve_scope(spec.scope)
+            required = index.required(modules)
+        elif spec.mode is UpdateMode.FULL:
+            required = index.required()
+        else:
+            required = {}  # sparse: the patch declares what it changes (see _load_sparse)
+        optional = (
+            frozenset((e.name, p) for e in index.entries.values() for p in e.templates)
+            if spec.mode is UpdateMode.SPARSE
+            else frozenset()
+        )
+        ledger = CoverageLedger(required, optional)
+        router = LoadRouter(index, ledger, self.device, self.act_dtype, self._mark_written)
+        self._session = _Session(
+            spec, ledger, router, index.storage_snapshot(), index.kernel_snapshot()
+        )
+        self.state = new_state
+        logger.info(
+            "Began weight update %s on rank %s: %d shards required",
+            spec.update_id,
+            self.rank.key,
+            ledger.required_count,
+        )
+        return self._report("begin", ok=True)
+
+    def _mark_written(self) -> None:
+        self.state = session.mark_written(self.state)
+
+    def _require_session(self) -> _Session:
+        if self._session is None or not self.state.in_session:
+            raise WrongState(
+                f"no update session is open (engine is {self.state.state.value}); call begin first"
+            )
+        return self._session
+
+    def _load(self, source: LoadSource) -> dict[str, Any]:
+        active = self._require_session()
+        with _timed(active.timings, "read_headers"):
+            checkpoint = open_source(source.path, source.names)
+        if source.manifest is not None:
+            from engine_agent.errors import ManifestMismatch
+            from engine_agent.manifest import ManifestError, load_manifest
+
+            try:
+                manifest = load_manifest(source.manifest)
+            except (ManifestError, OSError) as e:
+                raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
+            with _timed(active.timings, "verify_manifest"):
+                checkpoint.verify(manifest)
+        if active.spec.mode is UpdateMode.SPARSE:
+            return self._load_sparse(active, checkpoint)
+        with _timed(active.timings, "dry_run"):
+            active.router.dry_run(
+                (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
+            )
+        with _timed(active.timings, "load"):
+            active.router.load(checkpoint.tensors())
+        return self._report("load", ok=True)
+
+    def _load_sparse(self, active: _Session, checkpoint: Any) -> dict[str, Any]:
+        from engine_agent.reload.sparse import read_patches
+
+        base = checkpoint.metadata.get("weightroll.base_version")
+        if base != active.spec.base_version:
+            raise InvalidRequest(
+                f"patch is based on {base!r} but the update declares baseVersion "
+                f"{active.spec.base_version!r}",
+                field="base_version",
+            )
+        patches = read_patches(checkpoint)
+        with _timed(active.timings, "load"):
+            active.router.apply_sparse(patches)
+        return self._report("load", ok=True)
+
+    def _finish(self) -> dict[str, Any]:
+        active = self._require_session()
+        ledger, router = active.ledger, active.router
+        with _timed(active.timings, "coverage"):
+            ledger.require_complete()
+            unprocessed = sorted(ledger.touched() - router.processed)
+            if unprocessed:
+                raise IdentityChanged(f"modules received weights but were not processed: {unprocessed}")
+            if ledger.received_count == 0:
+                raise WrongState("no weights were loaded in this session; nothing to commit")
+        with _timed(active.timings, "identity"):
+            problems = compare_storage(active.storage, self.index.storage_snapshot())
+            problems += compare_kernels(active.kernels, self.index.kernel_snapshot())
+            if problems:
+                raise IdentityChanged(
+                    f"{len(problems)} kernel-visible tensor(s) or kernel(s) changed: "
+                    + "; ".join(problems[:5])
+                )
+        committed = session.commit(self.state)
+        report = RankReport(
+            rank=self.rank,
+            call="finish",
+            ok=True,
+            state=committed.state,
+            version=committed.version,
+            update_id=active.spec.update_id,
+            **self._progress_fields(),
+        ).to_wire()
+        self.state, self._session = committed, None
+        logger.info("Committed weight update on rank %s: version %s", self.rank.key, committed.version)
+        return report
+
+    def _abort(self) -> dict[str, Any]:
+        if self._session is None or not self.state.in_session:
+            return self._report("abort", ok=True)
+        fields = self._progress_fields()
+        self.state = session.abort(self.state)
+        self._session.router.discard()
+        self._session = None
+        return self._report("abort", ok=True, fields=fields)
+
+    # -- reports -------------------------------------------------------------------------
+
+    def _progress_fields(self) -> dict[str, Any]:
+        active = self._session
+        if active is None:
+            return {}
+        ledger, router = active.ledger, active.router
+        missing = ledger.missing()
+        digests = router.module_digests
+        return {
+            "required": ledger.required_count,
+            "received": ledger.received_count,
+            "missing": [str(k) for k in missing[:_MAX_LISTED]],
+            "missing_count": len(missing),
+            "duplicates": [str(k) for k in ledger.duplicates[:_MAX_LISTED]],
+            "modules_processed": len(router.processed),
+            "derived_refreshed": router.derived_refreshed[:_MAX_LISTED],
+            "coverage_hash": ledger.received_hash()
+            if active.spec.mode is UpdateMode.SPARSE
+            else ledger.required_hash(),
+            "digest": hashlib.sha256(
+                "".join(f"{m}:{d};" for m, d in sorted(digests.items())).encode()
+            ).hexdigest()
+            if digests
+            else "",
+            "bytes_loaded": router.bytes_loaded,
+            "timings": active.timings,
+        }
+
+    def _report(
+        self,
+        call: str,
+        *,
+        ok: bool,
+        error: AgentError | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        fields = self._progress_fields() if fields is None else fields
+        identity_problems = (
+            [error.message] if isinstance(error, IdentityChanged) else []
+        )
+        return RankReport(
+            rank=self.rank,
+            call=call,
+            ok=ok,
+            state=self.state.state,
+            version=self.state.version,
+            update_id=self.state.update_id,
+            error=None
+            if error is None
+            else ErrorBody(code=error.code, message=error.message, field=error.field),
+            identity_ok=not identity_problems,
+            identity_problems=identity_problems,
+            **fields,
+        ).to_wire()
+
+
+def _parse(model: Any, raw: str, field: str) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate_json(raw or "{}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or field
+        raise InvalidRequest(f"{field}.{where}: {first.get('msg')}", field=f"{field}.{where}") from e
+
+
+@contextmanager
+def _timed(timings: dict[str, float], step: str) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[step] = round(timings.get(step, 0.0) + time.perf_counter() - started, 6)
+

@@ -1,0 +1,46 @@
+"""Failpoints: deterministic fault injection for tests of the fail-closed paths.
+
+Set ``WEIGHTROLL_FAILPOINTS`` in the engine's environment to a comma-separated list of
+``<call>[@<rank>][=<action>]`` entries, e.g. ``load@tp1`` (the load call fails on TP rank 1
+only) or ``finish@tp0=hang:30`` (finish hangs for 30 s on TP rank 0). ``<call>`` is one of
+begin, load, finish, abort, state; ``<rank>`` is ``tp<N>``, ``pp<N>`` or ``dp<N>``; the action is
+``error`` (default) or ``hang:<seconds>``. Unset (the production default), nothing happens.
+
+Faults that only one rank of a real engine suffers (a rank that cannot read its part, a rank
+that hangs) cannot be provoked from outside the process; this is the same technique as etcd's
+gofail, scoped to one environment variable that production deployments never set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from engine_agent.errors import SourceUnavailable
+from engine_agent.protocol import RankId
+
+__all__ = ["check"]
+
+ENV = "WEIGHTROLL_FAILPOINTS"
+
+
+def check(call: str, rank: RankId) -> None:
+    """Fire the failpoint for ``call`` on ``rank`` if one is configured."""
+    spec = os.environ.get(ENV, "")
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        target, _, action = item.partition("=")
+        name, _, where = target.partition("@")
+        if name != call or (where and not _matches(where, rank)):
+            continue
+        if action.startswith("hang:"):
+            time.sleep(float(action.removeprefix("hang:")))
+            continue
+        raise SourceUnavailable(
+            f"failpoint {item!r}: injected failure of {call} on rank {rank.key}", field="path"
+        )
+
+
+def _matches(where: str, rank: RankId) -> bool:
+    kind, number = where[:2], where[2:]
+    value = {"tp": rank.tp, "pp": rank.pp, "dp": rank.dp}.get(kind)
+    return value is not None and number.isdigit() and int(number) == value

@@ -1,0 +1,621 @@
+"""Modulewise reload inside one vLLM rank: model index, load routing, module processing.
+
+This is the only module of the reload that knows vLLM's internals. It keeps the model's own
+``load_weights`` in charge of name mapping, TP sharding, fused QKV / gate-up and expert routing,
+and changes only *where the bytes go* and *when a module counts as complete*:
+
+1. **Index** (:func:`build_index`). For every module with checkpoint-format parameters (vLLM
+   records them as meta tensors at model init, ``get_layerwise_info(m).restore_metadata``) we
+   know each parameter's checkpoint shape and weight loader, and from the module type its shard
+   selectors: ``q/k/v`` for ``QKVParallelLinear``, ``0..n-1`` for ``MergedColumnParallelLinear``,
+   ``e<id>:w1|w2|w3`` for the experts this rank owns, ``*`` otherwise. That is the rank's
+   required shard set.
+2. **Routing** (:class:`LoadRouter`). For the duration of one ``model.load_weights`` call every
+   indexed parameter is replaced by its meta template whose ``weight_loader`` is wrapped. The
+   wrapper computes the shard keys of the call from the bound loader arguments, refuses
+   duplicates and out-of-scope keys *before* writing, and writes into a per-module **staging**
+   tensor in checkpoint layout (never into live storage). A dry run over meta tensors validates
+   a whole batch (unknown names, shapes, duplicates) before any byte is written.
+3. **Processing** (:meth:`LoadRouter.process`). When a module's staging covers its required set
+   (set coverage, never element counts), its post-load processing runs on the staging tensors
+   — quant method, the experts' kernel-format prepack, then every derived-state refresher
+   sourced from this module (MLA ``W_UK_T``/``W_UV``) — and the results are ``copy_``-ed into
+   the live tensors, so no kernel-visible address moves. Only here does a live byte change.
+
+Limitations:
+    1. Models with a model-level ``process_weights_after_loading`` hook are refused at begin.
+    2. Deferred attention layers that read other modules' weights are supported only where a
+       refresher is registered (:mod:`engine_agent.reload.derived`); others fail closed.
+    3. Tied parameters are indexed once (the first module that owns them).
+    4. Sparse patches are accepted only for parameters whose live layout is the checkpoint
+       layout (norms, embeddings, and linears whose kernel reads the live weight); everything
+       else is refused with the module named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine_agent.errors import (
+    DerivedStateUnsupported,
+    IdentityChanged,
+    ShapeMismatch,
+    SparseRefused,
+    UnknownTensor,
+)
+from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
+from engine_agent.reload.derived import DerivedRefresher, find_refreshers
+from engine_agent.reload.identity import StorageRecord, kernel_tag, storage_record
+
+__all__ = ["LoadRouter", "ModelIndex", "ModuleEntry", "build_index", "tensor_digest"]
+
+logger = logging.getLogger(__name__)
+
+#: Parameters vLLM itself never loads through a weight loader (kept in sync with
+#: ``vllm.model_executor.model_loader.reload.meta.SKIP_LOAD_TENSORS``).
+_NEVER_LOADED = frozenset(
+    {
+        "_expert_map",
+        "expert_mask",
+        "expert_global_to_physical",
+        "expert_physical_to_global",
+        "expert_local_to_global",
+    }
+)
+
+
+@dataclass(eq=False)
+class ModuleEntry:
+    """One module with checkpoint-format parameters, as seen by this rank."""
+
+    name: str
+    module: nn.Module
+    #: parameter name -> meta template (checkpoint shape, class and loader attributes).
+    templates: dict[str, torch.Tensor]
+    #: "qkv" | "merged" | "moe" | "plain"
+    kind: str
+    shard_ids: tuple[str, ...] = ()
+    local_experts: frozenset[int] = frozenset()
+    required: frozenset[ShardKey] = frozenset()
+
+    def keys_for_call(self, param: str, args: inspect.BoundArguments) -> list[ShardKey]:
+        """The shard keys one weight-loader call writes (empty: not owned by this rank)."""
+        arguments = args.arguments
+        if self.kind in ("qkv", "merged") and param in self.templates:
+            shard = arguments.get("loaded_shard_id")
+            if shard is None:
+                selected: Iterable[str] = self.shard_ids
+            elif isinstance(shard, tuple | list):
+                selected = [str(s) for s in shard]
+            else:
+                selected = [str(shard)]
+            return [ShardKey(self.name, param, s) for s in selected]
+        if self.kind == "moe" and param.startswith(("w13_", "w2_")):
+            shard_id = str(arguments.get("shard_id"))
+            loaded = arguments.get("loaded_weight")
+            full_load = isinstance(loaded, torch.Tensor) and loaded.dim() == 3
+            experts = (
+                sorted(self.local_experts)
+                if full_load
+                else [int(arguments["expert_id"])]
+                if int(arguments["expert_id"]) in self.local_experts
+                else []
+            )
+            return [ShardKey(self.name, param, f"e{e}:{shard_id}") for e in experts]
+        return [ShardKey(self.name, param, WHOLE)]
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        params = {k: v for k, v in self.module._parameters.items() if v is not None}
+        buffers = {k: v for k, v in self.module._buffers.items() if v is not None}
+        return params | buffers
+
+    def sparse_refusal(self, param: str) -> str | None:
+        """Why a sparse patch of ``param`` cannot be applied in place (None: it can)."""
+        live = self.module._parameters.get(param)
+        template = self.templates.get(param)
+        if live is None or template is None:
+            return "it has no such checkpoint parameter"
+        if tuple(live.shape) != tuple(template.shape):
+            return (
+                f"its live layout {list(live.shape)} is not the checkpoint layout "
+                f"{list(template.shape)} (packed or sharded for its kernel)"
+            )
+        quant_method = getattr(self.module, "quant_method", None)
+        method = type(quant_method).__name__ if quant_method is not None else None
+        cpu_linear = self.module.__dict__.get("cpu_linear")
+        if method in (None, "UnquantizedEmbeddingMethod"):
+            return None
+        if method == "UnquantizedLinearMethod" and (
+            cpu_linear is None or cpu_linear is torch.nn.functional.linear
+        ):
+            return None
+        return f"its kernel ({method}) keeps its own copy of the weights"
+
+
+@dataclass(eq=False)
+class ModelIndex:
+    """Every loadable module of one rank's model, plus its derived-state refreshers."""
+
+    model: nn.Module
+    entries: dict[str, ModuleEntry]
+    #: source module name -> refreshers to run after that module is processed.
+    refreshers: dict[str, list[DerivedRefresher]]
+    #: modules whose derived state no refresher covers: updating them fails closed.
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+    def required(self, modules: Iterable[str] | None = None) -> dict[str, frozenset[ShardKey]]:
+        names = self.entries.keys() if modules is None else modules
+        return {name: self.entries[name].required for name in names}
+
+    def storage_snapshot(self) -> dict[str, StorageRecord]:
+        records = {
+            name: storage_record(t)
+            for name, t in self.model.named_parameters(remove_duplicate=False)
+            if t.device.type != "meta"
+        }
+        records |= {
+            name: storage_record(t)
+            for name, t in self.model.named_buffers(remove_duplicate=False)
+            if t.device.type != "meta"
+        }
+        for refreshers in self.refreshers.values():
+            for refresher in refreshers:
+                records |= {n: storage_record(t) for n, t in refresher.tensors().items()}
+        return records
+
+    def kernel_snapshot(self) -> dict[str, str]:
+        return {name: kernel_tag(m) for name, m in self.model.named_modules()}
+
+    def resolve_scope(self, scope: Iterable[str]) -> set[str]:
+        """Map checkpoint names or name prefixes (ending in ".") to indexed module names.
+
+        Raises:
+            UnknownTensor: a scope entry matches no module of this model.
+        """
+        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
+        fused_of = {part: fused for fused, parts in packed.items() for part in parts}
+        modules: set[str] = set()
+        for item in scope:
+            found = self._resolve_one(item, fused_of)
+            if not found:
+                raise UnknownTensor(
+                    f"scope entry {item!r} matches no parameter of this model; use checkpoint "
+                    "tensor names (model.layers.0.mlp.down_proj.weight) or prefixes ending "
+                    "in '.' (model.layers.0.mlp.)",
+                    field="scope",
+                )
+            modules |= found
+        return modules
+
+    def _resolve_one(self, item: str, fused_of: Mapping[str, str]) -> set[str]:
+        if item.endswith("."):
+            return {n for n in self.entries if n.startswith(item)}
+        path, _, _param = item.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        candidates = [path, f"{parent}.{fused_of[leaf]}" if leaf in fused_of else ""]
+        for candidate in candidates:
+            if candidate in self.entries:
+                return {candidate}
+        if ".experts." in path:
+            owner = path.split(".experts.", 1)[0] + ".experts"
+            return {n for n, e in self.entries.items() if n.startswith(owner) and e.kind == "moe"}
+        return set()
+
+
+def _module_kind(module: nn.Module) -> tuple[str, tuple[str, ...]]:
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+    )
+
+    if isinstance(module, QKVParallelLinear):
+        return "qkv", ("q", "k", "v")
+    if isinstance(module, MergedColumnParallelLinear):
+        return "merged", tuple(str(i) for i in range(len(module.output_sizes)))
+    if hasattr(module, "_map_global_expert_id_to_local_expert_id"):
+        return "moe", ()
+    return "plain", ()
+
+
+def _local_experts(module: nn.Module) -> frozenset[int]:
+    moe_config = getattr(module, "moe_config", None)
+    total = int(
+        getattr(moe_config, "num_logical_experts", 0) or getattr(module, "global_num_experts", 0)
+    )
+    mapper = module._map_global_expert_id_to_local_expert_id
+    return frozenset(e for e in range(total) if int(mapper(e)) != -1)  # type: ignore[operator]
+
+
+def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    restore_params, _ = get_layerwise_info(module).restore_metadata
+    templates = {
+        name: restore_layer_refs(to_meta_tensor(meta), module)
+        for name, meta in restore_params.items()
+        if name not in _NEVER_LOADED
+    }
+    # Parameters created after the weights (e.g. ``bias``) are not in the restore metadata;
+    # they stay in checkpoint layout and carry their own loader.
+    for name, live in module._parameters.items():
+        if name in templates or live is None or name in _NEVER_LOADED:
+            continue
+        if hasattr(live, "weight_loader") and live.numel() > 0:
+            templates[name] = to_meta_tensor(live)
+    return templates
+
+
+def build_index(model: nn.Module) -> ModelIndex:
+    """Index every loadable module of ``model`` on this rank (see the module docstring)."""
+    entries: dict[str, ModuleEntry] = {}
+    seen_live: set[int] = set()
+    for name, module in model.named_modules():
+        templates = _templates(module)
+        for pname in list(templates):
+            live = module._parameters.get(pname)
+            if live is not None and id(live) in seen_live:  # tied with an earlier module
+                del templates[pname]
+            elif live is not None:
+                seen_live.add(id(live))
+        if not templates:
+            continue
+        kind, shard_ids = _module_kind(module)
+        entry = ModuleEntry(name, module, templates, kind, shard_ids)
+        if kind == "moe":
+            entry.local_experts = _local_experts(module)
+        entry.required = frozenset(_required_keys(entry))
+        entries[name] = entry
+    refreshers, unsupported = find_refreshers(model, {id(e.module): n for n, e in entries.items()})
+    return ModelIndex(model, entries, refreshers, unsupported)
+
+
+def _required_keys(entry: ModuleEntry) -> Iterator[ShardKey]:
+    for param in entry.templates:
+        if entry.kind in ("qkv", "merged"):
+            yield from (ShardKey(entry.name, param, s) for s in entry.shard_ids)
+        elif entry.kind == "moe" and param.startswith("w13_"):
+            for e in sorted(entry.local_experts):
+                yield ShardKey(entry.name, param, f"e{e}:w1")
+                yield ShardKey(entry.name, param, f"e{e}:w3")
+        elif entry.kind == "moe" and param.startswith("w2_"):
+            yield from (ShardKey(entry.name, param, f"e{e}:w2") for e in sorted(entry.local_experts))
+        else:
+            yield ShardKey(entry.name, param, WHOLE)
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (copied to host memory first when it lives on a device)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return hashlib.sha256(flat.contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
+    return a.is_floating_point == b.is_floating_point and (a == torch.bool) == (b == torch.bool)
+
+
+class LoadRouter:
+    """Routes ``model.load_weights`` into staging tensors and processes complete modules.
+
+    Args:
+        index: the rank's model index.
+        ledger: coverage ledger of the session (keys are recorded as they are written).
+        device: where staging tensors are allocated (the device of the live weights).
+        act_dtype: the model's activation dtype (attention post-load processing needs it).
+        before_live_write: called once, right before the first live byte changes.
+    """
+
+    def __init__(
+        self,
+        index: ModelIndex,
+        ledger: CoverageLedger,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        before_live_write: Callable[[], None],
+    ) -> None:
+        self.index = index
+        self.ledger = ledger
+        self.device = device
+        self.act_dtype = act_dtype
+        self._before_live_write = before_live_write
+        self._wrote_live = False
+        self._staging: dict[str, dict[str, torch.Tensor]] = {}
+        self.processed: set[str] = set()
+        self.derived_refreshed: list[str] = []
+        self.module_digests: dict[str, str] = {}
+        self.bytes_loaded = 0
+        self._dry_keys: list[ShardKey] | None = None
+        #: module name -> its live parameters while templates are installed.
+        self._live: dict[str, dict[str, Any]] = {}
+
+    # -- the two passes -----------------------------------------------------------------
+
+    def dry_run(self, names_shapes: Iterable[tuple[str, torch.Size, torch.dtype]]) -> list[ShardKey]:
+        """Run ``load_weights`` over meta tensors: validate names, shapes and keys, write nothing.
+
+        Returns:
+            The shard keys the real load will write, already checked against the ledger.
+        """
+        batch = [(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in names_shapes]
+        self._dry_keys = []
+        try:
+            with self._installed(dry=True):
+                self._call_load_weights(batch)
+            keys = self._dry_keys
+        finally:
+            self._dry_keys = None
+        self.ledger.check(keys)
+        return keys
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write ``weights`` into staging; modules that become complete are processed."""
+        with self._installed(dry=False):
+            self._call_load_weights(weights)
+
+    def _call_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        try:
+            self.index.model.load_weights(iter(weights))  # type: ignore[operator]
+        except KeyError as e:
+            raise UnknownTensor(
+                f"checkpoint tensor {e.args[0]!r} maps to no parameter of this model",
+                field=str(e.args[0]),
+            ) from e
+        except (AssertionError, RuntimeError, ValueError) as e:
+            if isinstance(e, UnknownTensor | ShapeMismatch):
+                raise
+            if "no module or parameter named" in str(e):  # vLLM's AutoWeightsLoader
+                raise UnknownTensor(
+                    f"a checkpoint tensor maps to no parameter of this model: {e}"
+                ) from e
+            raise ShapeMismatch(f"the model's weight loader rejected a tensor: {e}") from e
+
+    # -- installation of templates ------------------------------------------------------
+
+    @contextmanager
+    def _installed(self, *, dry: bool) -> Iterator[None]:
+        saved: list[tuple[nn.Module, dict[str, Any]]] = []
+        try:
+            for entry in self.index.entries.values():
+                module = entry.module
+                saved.append((module, dict(module._parameters)))
+                self._live[entry.name] = saved[-1][1]
+                for pname, template in entry.templates.items():
+                    module._parameters[pname] = self._wrapped(entry, pname, template, dry)
+            yield
+        finally:
+            for module, params in saved:
+                module._parameters.clear()
+                module._parameters.update(params)
+            self._live.clear()
+
+    def _wrapped(
+        self, entry: ModuleEntry, pname: str, template: torch.Tensor, dry: bool
+    ) -> torch.Tensor:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        original = getattr(template, "weight_loader", None) or default_weight_loader
+        signature = inspect.signature(original)
+        proxy = _meta_like(template)
+        in_scope = entry.name in self.ledger.modules
+
+        def weightroll_loader(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            loaded = bound.arguments.get("loaded_weight")
+            if isinstance(loaded, torch.Tensor) and not _same_kind(loaded.dtype, template.dtype):
+                raise ShapeMismatch(
+                    f"{entry.name}.{pname}: checkpoint dtype {loaded.dtype} cannot be loaded into "
+                    f"a {template.dtype} parameter",
+                    field=f"{entry.name}.{pname}",
+                )
+            keys = entry.keys_for_call(pname, bound)
+            if keys and not in_scope:
+                raise UnknownTensor(
+                    f"{entry.name}.{pname} is outside this update's scope",
+                    field=f"{entry.name}.{pname}",
+                )
+            if dry:
+                assert self._dry_keys is not None
+                self._dry_keys.extend(keys)
+                bound.arguments["param"] = proxy
+                return original(*bound.args, **bound.kwargs)
+            self.ledger.check(keys)
+            staging = self._staging_tensor(entry, pname, template)
+            bound.arguments["param"] = staging
+            result = original(*bound.args, **bound.kwargs)
+            if result is False:  # an expert this rank does not own: nothing was written
+                return result
+            if isinstance(loaded, torch.Tensor):
+                self.bytes_loaded += loaded.numel() * loaded.element_size()
+            for key in keys:
+                self.ledger.record(key)
+            if keys and self.ledger.is_complete(entry.name):
+                self.process(entry)
+            return result
+
+        proxy.weight_loader = weightroll_loader  # type: ignore[attr-defined]
+        return proxy
+
+    def _staging_tensor(self, entry: ModuleEntry, pname: str, template: torch.Tensor) -> torch.Tensor:
+        staged = self._staging.setdefault(entry.name, {})
+        tensor = staged.get(pname)
+        if tensor is None:
+            # Zero-filled, not empty: a region no loader writes (padding) must be deterministic.
+            tensor = torch.zeros(template.shape, dtype=template.dtype, device=self.device)
+            tensor.__class__ = template.__class__
+            tensor.__dict__ = template.__dict__.copy()
+            staged[pname] = tensor
+        return tensor
+
+    # -- processing of a complete module -------------------------------------------------
+
+    def process(self, entry: ModuleEntry) -> None:
+        """Run post-load processing on ``entry``'s staging and copy it into live storage."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        if entry.name in self.index.unsupported:
+            raise DerivedStateUnsupported(
+                f"{entry.name}: {self.index.unsupported[entry.name]}", field=entry.name
+            )
+        staged = self._staging.pop(entry.name, {})
+        module = entry.module
+        live_params = {
+            k: v
+            for k, v in self._live.get(entry.name, module._parameters).items()
+            if v is not None
+        }
+        live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
+        self.module_digests[entry.name] = hashlib.sha256(
+            "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(staged.items())).encode()
+        ).hexdigest()
+        try:
+            for pname, tensor in staged.items():
+                module._parameters[pname] = tensor
+            quant_method = getattr(module, "quant_method", None)
+            if isinstance(quant_method, QuantizeMethodBase):
+                if hasattr(module, "_already_called_process_weights_after_loading"):
+                    delattr(module, "_already_called_process_weights_after_loading")
+                quant_method.process_weights_after_loading(module)
+                self._replay_expert_kernel_format(entry, quant_method)
+                if hasattr(module, "update_param_tp_status"):
+                    module.update_param_tp_status()
+            for refresher in self.index.refreshers.get(entry.name, []):
+                self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+            if not self._wrote_live:
+                self._before_live_write()
+                self._wrote_live = True
+            self._copy_into_live(entry, live_params, dict(module._parameters))
+            self._copy_into_live(entry, live_buffers, dict(module._buffers))
+        finally:
+            module._parameters.clear()
+            module._parameters.update(live_params)
+            for name, buffer in live_buffers.items():
+                module._buffers[name] = buffer
+        self.processed.add(entry.name)
+
+    def _replay_expert_kernel_format(self, entry: ModuleEntry, quant_method: Any) -> None:
+        # vLLM's unquantized MoE method skips the experts' own post-load step on a weight update
+        # (it only copies into the existing storage), so a CPU/FlashInfer experts kernel would
+        # read checkpoint-layout bytes where it expects its packed layout. Replaying that step on
+        # the staging tensors reproduces the first load exactly.
+        fused = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
+        step = getattr(fused, "process_weights_after_loading", None)
+        if callable(step):
+            step(entry.module)
+            self.derived_refreshed.append(f"{entry.name}:{type(fused).__name__}.kernel_format")
+
+    @staticmethod
+    def _copy_into_live(
+        entry: ModuleEntry, live: Mapping[str, torch.Tensor], processed: Mapping[str, torch.Tensor]
+    ) -> None:
+        for name, target in live.items():
+            new = processed.get(name)
+            if new is None or new is target:
+                continue
+            if new.numel() == 0 and target.numel() == 0:
+                continue  # a placeholder on both sides (weights moved into a kernel closure)
+            if tuple(new.shape) != tuple(target.shape) or new.dtype != target.dtype:
+                raise IdentityChanged(
+                    f"{entry.name}.{name}: processed tensor {new.dtype}{list(new.shape)} does not "
+                    f"fit live storage {target.dtype}{list(target.shape)}; the kernel layout "
+                    "changed since the engine started",
+                    field=f"{entry.name}.{name}",
+                )
+            target.data.copy_(new.data)
+
+    # -- sparse patches ----------------------------------------------------------------
+
+    def apply_sparse(self, patches: list[tuple[str, torch.Size, torch.Tensor, torch.Tensor]]) -> list[ShardKey]:
+        """Apply flat-index patches ``(name, checkpoint shape, indices, values)`` in place.
+
+        Every patch is validated (mapping, layout, bounds, dtype) before the first write.
+
+        Raises:
+            SparseRefused: a patched module's live layout is not its checkpoint layout.
+        """
+        plan: list[tuple[ModuleEntry, str, torch.Tensor, torch.Tensor]] = []
+        all_keys: list[ShardKey] = []
+        for name, shape, indices, values in patches:
+            keys = self.dry_run([(name, shape, values.dtype)])
+            if len(keys) != 1 or keys[0].shard != WHOLE:
+                raise SparseRefused(
+                    f"{name} maps to {', '.join(map(str, keys)) or 'nothing'}: sparse patches are "
+                    "only accepted for tensors that map one-to-one onto a live parameter",
+                    field=name,
+                )
+            key = keys[0]
+            entry = self.index.entries[key.module]
+            reason = entry.sparse_refusal(key.param)
+            if reason is not None:
+                raise SparseRefused(
+                    f"cannot patch {name} in place: module {entry.name} is refused because "
+                    f"{reason}; send a full or partial update for it instead",
+                    field=name,
+                )
+            live = entry.module._parameters[key.param]
+            assert live is not None
+            if values.dtype != live.dtype:
+                raise ShapeMismatch(
+                    f"{name}: patch values are {values.dtype}, the live parameter is {live.dtype}",
+                    field=name,
+                )
+            if indices.dim() != 1 or values.shape != indices.shape:
+                raise ShapeMismatch(
+                    f"{name}: indices and values must be 1-D and of equal length "
+                    f"(got {list(indices.shape)} and {list(values.shape)})",
+                    field=name,
+                )
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= live.numel()):
+                raise ShapeMismatch(
+                    f"{name}: patch index out of range [0, {live.numel()})", field=name
+                )
+            plan.append((entry, key.param, indices.to(torch.long), values))
+            all_keys.append(key)
+        self.ledger.check(all_keys)
+        for (entry, pname, indices, values), key in zip(plan, all_keys, strict=True):
+            if not self._wrote_live:
+                self._before_live_write()
+                self._wrote_live = True
+            live = entry.module._parameters[pname]
+            assert live is not None
+            live.data.view(-1).index_copy_(0, indices.to(live.device), values.to(live.device))
+            self.ledger.record(key)
+            self.bytes_loaded += values.numel() * values.element_size()
+        for entry in {e.name: e for e, *_ in plan}.values():
+            self._rebuild_in_place(entry)
+        return all_keys
+
+    def _rebuild_in_place(self, entry: ModuleEntry) -> None:
+        """Re-derive kernel state from a module's (patched) live weights."""
+        quant_method = getattr(entry.module, "quant_method", None)
+        if type(quant_method).__name__ == "UnquantizedEmbeddingMethod":
+            quant_method.process_weights_after_loading(entry.module)  # type: ignore[union-attr]
+        for refresher in self.index.refreshers.get(entry.name, []):
+            self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+        live = entry.live_tensors()
+        self.module_digests[entry.name] = hashlib.sha256(
+            "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(live.items())).encode()
+        ).hexdigest()
+        self.processed.add(entry.name)
+
+    def discard(self) -> None:
+        """Drop every staging tensor (abort or failure): live storage is left as it is."""
+        self._staging.clear()
+
+
+def _meta_like(template: torch.Tensor) -> torch.Tensor:
+    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+
+    return to_meta_tensor(template)

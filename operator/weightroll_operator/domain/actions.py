@@ -1,0 +1,98 @@
+"""Frozen actions returned by the planner and executed by ``apply.py``.
+
+Each action touches one pod (or posts one Event). Actions of one pod run in plan order and the
+chain stops at the first error, so a ``GateOn`` never runs after a failed step before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from engine_agent.protocol import UpdateRequest
+from weightroll_operator.domain.model import OwnerKey, PodView, UpdateId, WeightState
+
+__all__ = [
+    "AbortUpdate",
+    "Action",
+    "Claim",
+    "Emit",
+    "GateOff",
+    "GateOn",
+    "PodAction",
+    "Settle",
+    "StartUpdate",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Metadata patch: owner annotation, ``weight-state``, and drop the traffic label if set.
+
+    Written *before* the gate so that a restarted operator knows the pod is ours and what it
+    served before (the rollback target).
+    """
+
+    pod: PodView
+    owner: OwnerKey
+    state: WeightState
+    remove_label: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GateOff:
+    """Status patch: ``weightroll.io/weights-ready`` False (drains traffic)."""
+
+    pod: PodView
+    reason: str = "Draining"
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StartUpdate:
+    """``POST /v1/updates`` on the pod's agent (idempotent by id)."""
+
+    pod: PodView
+    request: UpdateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AbortUpdate:
+    """``POST /v1/updates/{id}/abort``; the pod stays drained."""
+
+    pod: PodView
+    update_id: UpdateId
+
+
+@dataclass(frozen=True, slots=True)
+class GateOn:
+    """Status patch: ``weightroll.io/weights-ready`` True, only after a Committed verdict."""
+
+    pod: PodView
+    version: str
+    reason: str = "Verified"
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Metadata patch at the end of a unit operation: new ``weight-state``, labels, owner."""
+
+    pod: PodView
+    state: WeightState
+    #: Remove the owner annotation (False keeps failed pods owned, so no one else takes them).
+    release: bool = True
+    #: Labels to set (value) or remove (None).
+    labels: dict[str, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """An Event on the WeightUpdate (also the unit-transition log)."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+PodAction: TypeAlias = Claim | GateOff | StartUpdate | AbortUpdate | GateOn | Settle
+Action: TypeAlias = PodAction | Emit

@@ -1,0 +1,128 @@
+"""Turn observed pod objects into :class:`PodView` values and group them into units.
+
+Pure functions over plain dicts (the pod bodies from the kopf index or a list call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightroll_operator.api.v1alpha1 import LabelSelector, SelectorOperator, WeightUpdateSpec
+from weightroll_operator.domain.model import (
+    ANNOTATION_OWNER,
+    ANNOTATION_WEIGHT_STATE,
+    CONDITION_WEIGHTS_READY,
+    OwnerKey,
+    PodView,
+    WeightState,
+)
+
+__all__ = ["AGENT_PORT_NAME", "Unit", "group_units", "matches", "pod_view", "select_pods"]
+
+#: Container port name that overrides ``spec.agent.port`` (docs/contracts.md).
+AGENT_PORT_NAME = "weightroll"
+
+
+def matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels AND every matchExpression)."""
+    if any(labels.get(k) != v for k, v in selector.match_labels.items()):
+        return False
+    for req in selector.match_expressions:
+        present = req.key in labels
+        if req.operator is SelectorOperator.IN and labels.get(req.key) not in req.values:
+            return False
+        if req.operator is SelectorOperator.NOT_IN and present and labels[req.key] in req.values:
+            return False
+        if req.operator is SelectorOperator.EXISTS and not present:
+            return False
+        if req.operator is SelectorOperator.DOES_NOT_EXIST and present:
+            return False
+    return True
+
+
+def _condition(pod: Mapping[str, Any], ctype: str) -> bool | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype:
+            return bool(cond.get("status") == "True")
+    return None
+
+
+def _port(pod: Mapping[str, Any], default: int) -> int:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == AGENT_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return default
+
+
+def pod_view(pod: Mapping[str, Any], *, group_by: str | None, default_port: int) -> PodView:
+    """Build the view of one pod object."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    labels = dict(meta.get("labels") or {})
+    raw_state = annotations.get(ANNOTATION_WEIGHT_STATE)
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    restarts = ",".join(str(s.get("restartCount", 0)) for s in statuses)
+    owner = annotations.get(ANNOTATION_OWNER)
+    name = str(meta.get("name", ""))
+    return PodView(
+        name=name,
+        namespace=str(meta.get("namespace", "")),
+        unit=labels.get(group_by, name) if group_by else name,
+        ready=_condition(pod, "Ready") is True,
+        gate=_condition(pod, CONDITION_WEIGHTS_READY),
+        has_gate=any(
+            g.get("conditionType") == CONDITION_WEIGHTS_READY
+            for g in (pod.get("spec") or {}).get("readinessGates") or []
+        ),
+        owner=OwnerKey(owner) if owner else None,
+        state=WeightState.from_json(raw_state) if raw_state else None,
+        ip=(pod.get("status") or {}).get("podIP"),
+        port=_port(pod, default_port),
+        labels=labels,
+        deleting=bool(meta.get("deletionTimestamp")),
+        resource_version=meta.get("resourceVersion"),
+        incarnation=f"{meta.get('uid', '')}|{(pod.get('status') or {}).get('podIP')}|{restarts}",
+    )
+
+
+def select_pods(
+    pods: Iterable[Mapping[str, Any]], spec: WeightUpdateSpec, namespace: str
+) -> tuple[PodView, ...]:
+    """Views of the pods in ``namespace`` matched by the spec's selector, deleting pods left out.
+
+    A pod being deleted never blocks a rollout (issue 4): it is simply not part of the fleet.
+    """
+    views = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("namespace") != namespace or meta.get("deletionTimestamp"):
+            continue
+        if not matches(spec.selector, meta.get("labels") or {}):
+            continue
+        views.append(pod_view(pod, group_by=spec.group_by, default_port=spec.agent.port))
+    return tuple(sorted(views, key=lambda v: v.name))
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Pods updated and verified together (one pod, or one ``groupBy`` group)."""
+
+    key: str
+    pods: tuple[PodView, ...]
+
+    @property
+    def ready(self) -> bool:
+        return all(p.ready for p in self.pods)
+
+
+def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
+    """Group pod views by unit key, sorted by key (a stable rollout order)."""
+    groups: dict[str, list[PodView]] = {}
+    for pod in pods:
+        groups.setdefault(pod.unit, []).append(pod)
+    return tuple(
+        Unit(key, tuple(sorted(ps, key=lambda p: p.name))) for key, ps in sorted(groups.items())
+    )

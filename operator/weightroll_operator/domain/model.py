@@ -1,0 +1,215 @@
+"""Frozen value types shared by the planner and the I/O layers.
+
+The per-pod :class:`WeightState` is what the operator persists on each pod as the JSON annotation
+``weightroll.io/weight-state`` (docs/contracts.md): the state of the pod's unit, the version and
+update id it refers to, and the version and source the pod served *before* the operator touched
+it (the rollback target, recorded before the drain).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any, NewType
+
+from engine_agent.protocol import UpdatePhase
+
+__all__ = [
+    "ANNOTATION_OWNER",
+    "ANNOTATION_WEIGHT_STATE",
+    "CONDITION_WEIGHTS_READY",
+    "LABEL_WEIGHT_VERSION",
+    "AgentView",
+    "OwnerKey",
+    "PodView",
+    "SourceRef",
+    "UnitState",
+    "UpdateId",
+    "UpdateView",
+    "WeightState",
+    "make_update_id",
+    "owner_key",
+]
+
+#: Names from docs/contracts.md.
+CONDITION_WEIGHTS_READY = "weightroll.io/weights-ready"
+ANNOTATION_WEIGHT_STATE = "weightroll.io/weight-state"
+ANNOTATION_OWNER = "weightroll.io/owner"
+LABEL_WEIGHT_VERSION = "weightroll.io/weight-version"
+
+#: ``namespace/name`` of a WeightUpdate.
+OwnerKey = NewType("OwnerKey", str)
+#: Agent update id (``engine_agent.protocol.UPDATE_ID_PATTERN``).
+UpdateId = NewType("UpdateId", str)
+
+_ID_BAD = re.compile(r"[^a-z0-9.-]+")
+
+
+def owner_key(namespace: str, name: str) -> OwnerKey:
+    return OwnerKey(f"{namespace}/{name}")
+
+
+def make_update_id(name: str, version: str, *, rollback: bool = False) -> UpdateId:
+    """Deterministic update id: the same WeightUpdate and version always give the same id.
+
+    Agents are idempotent by id, so re-sending a start after an operator restart never runs a
+    second update for the same version (issue 4, restart safety).
+
+    >>> make_update_id("llama", "V2_1"), make_update_id("llama", "v1", rollback=True)
+    ('llama-v2-1', 'llama-v1-rollback')
+    """
+    raw = f"{name}-{version}" + ("-rollback" if rollback else "")
+    slug = _ID_BAD.sub("-", raw.lower()).strip(".-")
+    return UpdateId(slug[:127].rstrip(".-") or "update")
+
+
+class UnitState(StrEnum):
+    """Per-pod state of the pod's unit, as the operator persists it on the pod."""
+
+    #: Claimed and drained (gate False written); the agent update may be running.
+    DRAINING = "Draining"
+    #: Committed at ``version`` on every pod of the unit; traffic restored.
+    VERIFIED = "Verified"
+    #: The update (or the rollback) did not commit; the pod stays drained.
+    FAILED = "Failed"
+    #: Drained again and reloading the previous weights.
+    ROLLING_BACK = "RollingBack"
+    #: Back on the previous weights; traffic restored.
+    ROLLED_BACK = "RolledBack"
+
+    @property
+    def in_flight(self) -> bool:
+        return self in (UnitState.DRAINING, UnitState.ROLLING_BACK)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRef:
+    """Where a pod's weights came from (the agent's ``source``)."""
+
+    uri: str
+    manifest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WeightState:
+    """The ``weightroll.io/weight-state`` annotation of one pod."""
+
+    state: UnitState
+    #: The WeightUpdate that wrote this state.
+    by: OwnerKey
+    #: The version this state is about: the target of the update (or of the rollback).
+    version: str
+    update_id: UpdateId
+    #: What the pod served before this WeightUpdate first drained it (the rollback target).
+    previous_version: str | None = None
+    previous_source: SourceRef | None = None
+    #: When the current operation started (ISO 8601, UTC).
+    started_at: str | None = None
+    reason: str = ""
+    #: Value of ``strategy.trafficLabel`` before the drain, restored with the traffic.
+    traffic_label_value: str | None = None
+    #: Set on rollback states: the version being rolled back from.
+    rollback_of: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.version or not self.update_id or not self.by:
+            raise ValueError("WeightState needs by, version and update_id")
+
+    def evolve(self, **changes: Any) -> WeightState:
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {
+            "state": self.state.value,
+            "by": self.by,
+            "version": self.version,
+            "updateId": self.update_id,
+            "previousVersion": self.previous_version,
+            "previousSource": None
+            if self.previous_source is None
+            else {"uri": self.previous_source.uri, "manifest": self.previous_source.manifest},
+            "startedAt": self.started_at,
+            "reason": self.reason or None,
+            "trafficLabelValue": self.traffic_label_value,
+            "rollbackOf": self.rollback_of,
+        }
+        return json.dumps({k: v for k, v in data.items() if v is not None}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightState | None:
+        """Parse the annotation; ``None`` for anything unreadable (treated as never touched)."""
+        try:
+            data = json.loads(text)
+            src = data.get("previousSource")
+            return cls(
+                state=UnitState(data["state"]),
+                by=OwnerKey(data["by"]),
+                version=str(data["version"]),
+                update_id=UpdateId(data["updateId"]),
+                previous_version=data.get("previousVersion"),
+                previous_source=None
+                if not src
+                else SourceRef(uri=src["uri"], manifest=src.get("manifest")),
+                started_at=data.get("startedAt"),
+                reason=data.get("reason") or "",
+                traffic_label_value=data.get("trafficLabelValue"),
+                rollback_of=data.get("rollbackOf"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateView:
+    """What the agent said about one update id (``GET /v1/updates/{id}``)."""
+
+    id: str
+    phase: UpdatePhase
+    version: str
+    committed: bool = False
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentView:
+    """What one pod's agent said this pass; ``reachable=False`` when it did not answer."""
+
+    reachable: bool
+    version: str | None = None
+    #: Engine clean, every rank committed, generation resumed (``/v1/state`` ready).
+    ready: bool = False
+    source: SourceRef | None = None
+    active_update_id: str | None = None
+    #: The update the operator asked about; ``None`` when not asked or unknown to the agent.
+    update: UpdateView | None = None
+    error: str = ""
+
+
+UNREACHABLE = AgentView(reachable=False, error="not asked")
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """The operator's view of one selected pod (built from the pod object)."""
+
+    name: str
+    namespace: str
+    #: The unit key: the ``groupBy`` label value, or the pod name.
+    unit: str
+    ready: bool
+    #: Our gate condition: True, False, or None when the pod has none yet.
+    gate: bool | None
+    #: The pod lists our condition in ``spec.readinessGates`` (without it the gate drains nothing).
+    has_gate: bool = True
+    owner: OwnerKey | None = None
+    state: WeightState | None = None
+    ip: str | None = None
+    port: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    deleting: bool = False
+    resource_version: str | None = None
+    #: Changes whenever the pod's containers restart (cache key for agent observations).
+    incarnation: str = ""

@@ -1,0 +1,684 @@
+"""The rollout algorithm of record: ``plan(spec, fleet, persisted, now) -> Plan``.
+
+Pure and level-triggered: everything it needs is in its arguments (observed pods with their
+``weight-state`` annotations, what each asked agent said, the few persisted status fields), and it
+returns frozen actions plus a summary for the status. Each pass moves each unit at most one step.
+
+Per unit (one pod, or the pods sharing the ``groupBy`` label value), the steps are::
+
+    Claim (owner + weight-state Draining with the previous version/source) + GateOff
+      -> observe every pod NotReady (kubelet applied the gate)
+      -> StartUpdate on every pod's agent (idempotent by a deterministic id)
+      -> every agent Committed at the version -> GateOn + Settle(Verified)   [traffic back]
+      -> any agent Failed/Aborted or the unit timed out -> Settle(Failed)    [stays drained]
+
+Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
+    * ``GateOn`` is planned only for a pod whose agent reported ``Committed`` at the version the
+      pod's state names, or whose agent reports ready at the target version.
+    * At most ``maxUnavailable`` units are unavailable after the pass, counting units that were
+      not ready before the operator touched them; starting an already-unready unit is free.
+    * A pod owned by another WeightUpdate is never touched, and no new unit starts while any
+      selected pod is owned by another WeightUpdate (condition Blocked).
+    * A unit is never started twice for the same version: an in-flight unit is resumed from its
+      annotation, and the update id is derived from the WeightUpdate name and the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+from engine_agent.protocol import DrainMode as WireDrainMode
+from engine_agent.protocol import DrainSpec as WireDrainSpec
+from engine_agent.protocol import SourceSpec as WireSourceSpec
+from engine_agent.protocol import UpdateMode, UpdatePhase, UpdateRequest
+from weightroll_operator.api.v1alpha1 import (
+    OnFailure,
+    SourceMode,
+    WeightUpdateSpec,
+    WeightUpdateStatus,
+    resolve_max_unavailable,
+)
+from weightroll_operator.domain.actions import (
+    AbortUpdate,
+    Action,
+    Claim,
+    Emit,
+    GateOff,
+    GateOn,
+    Settle,
+    StartUpdate,
+)
+from weightroll_operator.domain.conditions import Reason, timestamp
+from weightroll_operator.domain.fleet import Unit, group_units
+from weightroll_operator.domain.model import (
+    LABEL_WEIGHT_VERSION,
+    AgentView,
+    OwnerKey,
+    PodView,
+    UnitState,
+    UpdateId,
+    WeightState,
+    make_update_id,
+)
+
+__all__ = [
+    "Fleet",
+    "Persisted",
+    "Plan",
+    "PodClass",
+    "Query",
+    "build_request",
+    "classify",
+    "parse_time",
+    "plan",
+    "queries",
+]
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True, slots=True)
+class Persisted:
+    """The status fields that cannot be reconstructed from the cluster (house rule 6)."""
+
+    target_version: str | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    last_progress_time: str | None = None
+    aborted_at: str | None = None
+    abort_reason: str | None = None
+
+    @classmethod
+    def from_status(cls, status: WeightUpdateStatus | None, version: str) -> Persisted:
+        """Read them from the status; a new ``spec.version`` starts from scratch."""
+        if status is None or status.target_version != version:
+            return cls(target_version=version)
+        return cls(
+            target_version=version,
+            start_time=status.start_time,
+            completion_time=status.completion_time,
+            last_progress_time=status.last_progress_time,
+            aborted_at=status.aborted_at,
+            abort_reason=status.abort_reason,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """Everything observed this pass about the selected pods."""
+
+    name: str
+    owner: OwnerKey
+    pods: tuple[PodView, ...]
+    #: Agent observations by pod name (only the pods :func:`queries` asked for).
+    agents: Mapping[str, AgentView] = field(default_factory=dict)
+    #: Other active WeightUpdates holding these pods (``domain.ownership.blocking_peers``).
+    peers: tuple[str, ...] = ()
+
+
+class PodClass(StrEnum):
+    """Where one pod stands relative to this WeightUpdate's target version."""
+
+    UPDATED = "Updated"
+    PENDING = "Pending"
+    IN_FLIGHT = "InFlight"
+    FAILED = "Failed"
+    ROLLED_BACK = "RolledBack"
+    ROLLBACK_FAILED = "RollbackFailed"
+    BLOCKED = "Blocked"
+    #: Last driven by another WeightUpdate after this one completed: left alone.
+    FOREIGN = "Foreign"
+    #: Version unknown (agent unreachable): cannot be started.
+    UNKNOWN = "Unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """What to ask one pod's agent: its state, and/or one update's status."""
+
+    state: bool
+    update_id: UpdateId | None = None
+
+
+def queries(pods: tuple[PodView, ...], owner: OwnerKey, version: str) -> dict[str, Query]:
+    """Which agents to ask what, so a pass contacts only the pods whose state is not settled."""
+    result: dict[str, Query] = {}
+    for pod in pods:
+        st = pod.state
+        if pod.owner is not None and pod.owner != owner:
+            continue
+        if st is not None and st.by == owner and pod.owner == owner and st.state.in_flight:
+            result[pod.name] = Query(state=False, update_id=st.update_id)
+        elif st is not None and st.state is UnitState.VERIFIED and st.version == version:
+            if pod.gate is not True:
+                result[pod.name] = Query(state=True)
+        elif st is not None and st.by == owner and _settled_here(st, version):
+            continue
+        else:
+            result[pod.name] = Query(state=True)
+    return result
+
+
+def _settled_here(st: WeightState, version: str) -> bool:
+    if st.state is UnitState.FAILED:
+        return st.version == version or st.rollback_of == version
+    return st.state is UnitState.ROLLED_BACK and st.rollback_of == version
+
+
+def classify(
+    pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str, completed: bool
+) -> PodClass:
+    """Classify one pod (see :class:`PodClass`)."""
+    st = pod.state
+    if pod.owner is not None and pod.owner != owner:
+        return PodClass.BLOCKED
+    if st is not None and st.by == owner:
+        if pod.owner == owner and st.state.in_flight:
+            return PodClass.IN_FLIGHT
+        if st.state is UnitState.FAILED and st.rollback_of == version:
+            return PodClass.ROLLBACK_FAILED
+        if st.state is UnitState.FAILED and st.version == version:
+            return PodClass.FAILED
+        if st.state is UnitState.ROLLED_BACK and st.rollback_of == version:
+            return PodClass.ROLLED_BACK
+    reachable = agent is not None and agent.reachable
+    verified = st is not None and st.state is UnitState.VERIFIED and st.version == version
+    if verified and (not reachable or agent is None or agent.version == version):
+        return PodClass.UPDATED
+    if reachable and agent is not None and agent.version == version and agent.ready:
+        return PodClass.UPDATED
+    if st is not None and st.by != owner and completed:
+        return PodClass.FOREIGN
+    if not reachable:
+        return PodClass.UNKNOWN
+    return PodClass.PENDING
+
+
+def build_request(
+    spec: WeightUpdateSpec, st: WeightState, *, rollback: bool = False
+) -> UpdateRequest:
+    """The agent request for one pod's current operation.
+
+    Raises:
+        ValueError: if the source cannot be expressed on the wire (reported as InvalidSpec).
+    """
+    drain = WireDrainSpec(
+        mode=WireDrainMode(spec.strategy.drain.mode.value),
+        timeout_seconds=spec.strategy.drain.timeout_seconds,
+    )
+    if rollback:
+        if st.previous_source is None:
+            raise ValueError("no rollback source recorded")
+        return UpdateRequest(
+            id=st.update_id,
+            version=st.version,
+            source=WireSourceSpec(uri=st.previous_source.uri, manifest=st.previous_source.manifest),
+            mode=UpdateMode.FULL,
+            drain=drain,
+        )
+    sparse = spec.source.mode is SourceMode.SPARSE
+    return UpdateRequest(
+        id=st.update_id,
+        version=st.version,
+        source=WireSourceSpec(uri=spec.source.uri, manifest=spec.source.manifest),
+        mode=UpdateMode.SPARSE if sparse else UpdateMode.FULL,
+        base_version=spec.source.base_version if sparse else None,
+        drain=drain,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to do this pass and what was seen (the status is computed from it)."""
+
+    actions: tuple[Action, ...]
+    persisted: Persisted
+    classes: Mapping[str, PodClass]
+    #: Pods by name (the views the plan was made from).
+    pods: Mapping[str, PodView]
+    #: Failure reasons by pod name (failed pods, this pass's included).
+    reasons: Mapping[str, str]
+    #: Why a pod cannot be worked on (agent unreachable), by pod name.
+    notes: Mapping[str, str]
+    units_total: int
+    max_unavailable: int
+    paused_reason: str | None
+    blocked_by: tuple[str, ...]
+    #: Units whose drain starts this pass, and units finishing (for metrics): key -> outcome.
+    finished: Mapping[str, str]
+    #: Seconds each finished unit took, by unit key (from the recorded start).
+    durations: Mapping[str, float]
+    in_flight_units: int
+    pending_units: int
+    completed: bool
+    rolling_back: bool
+    rollback_remaining: int
+
+
+class _Builder:
+    def __init__(self, spec: WeightUpdateSpec, fleet: Fleet, now: datetime) -> None:
+        self.spec, self.fleet, self.now = spec, fleet, now
+        self.actions: list[Action] = []
+        self.reasons: dict[str, str] = {}
+        self.finished: dict[str, str] = {}
+        self.durations: dict[str, float] = {}
+        self.progressed = False
+
+    def emit(self, reason: str, message: str, warning: bool = False) -> None:
+        self.actions.append(Emit(reason=reason, message=message, warning=warning))
+
+    def duration(self, unit: Unit) -> float | None:
+        starts = [parse_time(p.state.started_at) for p in unit.pods if p.state is not None]
+        known = [s for s in starts if s is not None]
+        return (self.now - min(known)).total_seconds() if known else None
+
+
+def _unit_label(unit: Unit) -> str:
+    return unit.pods[0].name if len(unit.pods) == 1 else f"group {unit.key}"
+
+
+def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
+    """Move one in-flight unit one step; return True while it stays in flight."""
+    spec, now, owner = b.spec, b.now, b.fleet.owner
+    flying = [
+        p for p in unit.pods if p.state is not None and p.owner == owner and p.state.state.in_flight
+    ]
+    rollback = any(p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in flying)
+    label = _unit_label(unit)
+    for pod in flying:
+        if pod.gate is not False:
+            b.actions.append(GateOff(pod, message=f"Draining for weights {pod.state.version}"))  # type: ignore[union-attr]
+    drained = all(p.gate is False and (not p.ready or not p.has_gate) for p in flying)
+    started = [parse_time(p.state.started_at) for p in flying if p.state is not None]
+    deadline = min((s for s in started if s is not None), default=now) + timedelta(
+        seconds=spec.strategy.update_timeout_seconds
+    )
+    timed_out = now >= deadline
+    if not drained:
+        if timed_out:
+            return _fail_unit(b, unit, flying, "DrainTimeout: the pods were not observed NotReady")
+        return True
+    running: list[PodView] = []
+    failed: dict[str, str] = {}
+    for pod in flying:
+        st = pod.state
+        assert st is not None
+        agent = b.fleet.agents.get(pod.name)
+        update = agent.update if agent is not None else None
+        if agent is None or not agent.reachable:
+            running.append(pod)
+        elif update is None:
+            if agent.active_update_id != st.update_id:
+                b.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
+            running.append(pod)
+        elif update.phase is UpdatePhase.COMMITTED:
+            if update.version != st.version or not update.committed:
+                failed[pod.name] = f"CommittedWrongVersion: agent committed {update.version}"
+        elif update.phase.terminal:
+            why = "; ".join(update.reasons) or update.phase.value
+            failed[pod.name] = f"Update{update.phase.value}: {why}"
+        else:
+            running.append(pod)
+    if running and timed_out:
+        for pod in running:
+            assert pod.state is not None
+            b.actions.append(AbortUpdate(pod, pod.state.update_id))
+            failed[pod.name] = "UpdateTimeout: no verdict within updateTimeoutSeconds"
+        running = []
+    if running:
+        return True
+    if failed:
+        reason = "; ".join(
+            why if len(flying) == 1 else f"{name}: {why}" for name, why in sorted(failed.items())
+        )
+        return _fail_unit(b, unit, flying, reason)
+    # Every pod of the unit committed at the version its state names: restore traffic.
+    tl = spec.strategy.traffic_label
+    for pod in flying:
+        st = pod.state
+        assert st is not None
+        done = UnitState.ROLLED_BACK if rollback else UnitState.VERIFIED
+        labels: dict[str, str | None] = {LABEL_WEIGHT_VERSION: st.version}
+        if tl and st.traffic_label_value is not None:
+            labels[tl] = st.traffic_label_value
+        b.actions.append(GateOn(pod, version=st.version))
+        b.actions.append(
+            Settle(pod, st.evolve(state=done, reason="", started_at=st.started_at), labels=labels)
+        )
+    version = flying[0].state.version if flying[0].state else "?"
+    if rollback:
+        b.emit(Reason.UNIT_ROLLED_BACK, f"Rolled back {label} to {version}")
+        b.finished[unit.key] = "rolled_back"
+    else:
+        b.emit(Reason.UNIT_VERIFIED, f"Verified {label} at {version} and restored traffic")
+        b.finished[unit.key] = "succeeded"
+    d = b.duration(unit)
+    if d is not None:
+        b.durations[unit.key] = d
+    b.progressed = True
+    return False
+
+
+def _fail_unit(b: _Builder, unit: Unit, flying: list[PodView], reason: str) -> bool:
+    rollback = any(p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in flying)
+    for pod in flying:
+        st = pod.state
+        assert st is not None
+        # Failed units stay drained and owned: no GateOn, no release.
+        b.actions.append(
+            Settle(pod, st.evolve(state=UnitState.FAILED, reason=reason), release=False)
+        )
+        b.reasons[pod.name] = reason
+    what = "rollback of" if rollback else "update of"
+    b.emit(Reason.UNIT_FAILED, f"Failed {what} {_unit_label(unit)}: {reason}"[:1000], warning=True)
+    b.finished[unit.key] = "failed"
+    d = b.duration(unit)
+    if d is not None:
+        b.durations[unit.key] = d
+    b.progressed = True
+    return False
+
+
+_NO_STATE = WeightState(
+    state=UnitState.DRAINING, by=OwnerKey("-"), version="-", update_id=UpdateId("-")
+)
+
+
+def _prev(pod: PodView) -> WeightState:
+    return pod.state if pod.state is not None else _NO_STATE
+
+
+def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
+    owner, now = b.fleet.owner, b.now
+    tl = b.spec.strategy.traffic_label
+    for pod in unit.pods:
+        agent = b.fleet.agents.get(pod.name)
+        if rollback_of is not None:
+            assert pod.state is not None
+            st = pod.state.evolve(
+                state=UnitState.ROLLING_BACK,
+                version=pod.state.previous_version,
+                update_id=make_update_id(b.fleet.name, rollback_of, rollback=True),
+                started_at=timestamp(now),
+                reason="",
+                rollback_of=rollback_of,
+            )
+        else:
+            st = WeightState(
+                state=UnitState.DRAINING,
+                by=owner,
+                version=b.spec.version,
+                update_id=make_update_id(b.fleet.name, b.spec.version),
+                previous_version=agent.version if agent else _prev(pod).previous_version,
+                previous_source=agent.source if agent else _prev(pod).previous_source,
+                started_at=timestamp(now),
+                traffic_label_value=pod.labels.get(tl) if tl else None,
+            )
+        remove = tl if tl and tl in pod.labels else None
+        b.actions.append(Claim(pod, owner, st, remove_label=remove))
+        b.actions.append(GateOff(pod, message=f"Draining for weights {st.version}"))
+    if rollback_of is not None:
+        b.emit(
+            Reason.UNIT_ROLLING_BACK,
+            f"Draining {_unit_label(unit)} to roll back from {rollback_of}",
+        )
+    else:
+        b.emit(Reason.UNIT_DRAINING, f"Draining {_unit_label(unit)} for weights {b.spec.version}")
+    b.progressed = True
+
+
+def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: datetime) -> Plan:
+    """Compute this pass's actions. Pure: same inputs, same plan.
+
+    Args:
+        spec: the parsed, valid spec.
+        fleet: the selected pods and the agent observations :func:`queries` asked for.
+        persisted: the persisted status fields (see :class:`Persisted`).
+        now: the current time (UTC, timezone-aware).
+
+    Returns:
+        The plan; its actions must be applied in order per pod.
+    """
+    b = _Builder(spec, fleet, now)
+    owner, version = fleet.owner, spec.version
+    units = group_units(fleet.pods)
+    completed = persisted.completion_time is not None
+    classes = {
+        p.name: classify(p, fleet.agents.get(p.name), owner, version, completed) for p in fleet.pods
+    }
+    for p in fleet.pods:
+        if classes[p.name] in (PodClass.FAILED, PodClass.ROLLBACK_FAILED) and p.state is not None:
+            b.reasons[p.name] = p.state.reason
+    by_unit = {u.key: {classes[p.name] for p in u.pods} for u in units}
+    blocked_by = tuple(
+        sorted(
+            {str(p.owner) for p in fleet.pods if classes[p.name] is PodClass.BLOCKED}
+            | set(fleet.peers)
+        )
+    )
+    max_unavailable = resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units)))
+
+    # 1. In-flight units move one step each.
+    still_flying: set[str] = set()
+    for unit in units:
+        if PodClass.IN_FLIGHT in by_unit[unit.key] and _advance_in_flight(b, unit):
+            still_flying.add(unit.key)
+
+    # 2. Failure budget and progress deadline (persisted as an abort intent).
+    aborted_at, abort_reason = persisted.aborted_at, persisted.abort_reason
+    failed_units = sum(
+        1 for u in units if PodClass.FAILED in by_unit[u.key] or b.finished.get(u.key) == "failed"
+    )
+    pending_units = [
+        u
+        for u in units
+        if u.key not in b.finished
+        and u.key not in still_flying
+        and by_unit[u.key] <= {PodClass.PENDING, PodClass.UPDATED, PodClass.UNKNOWN}
+        and by_unit[u.key] & {PodClass.PENDING, PodClass.UNKNOWN}
+    ]
+    touched = [
+        u
+        for u in units
+        if any(
+            p.state is not None
+            and p.state.by == owner
+            and p.state.version == version
+            and p.state.rollback_of is None
+            for p in u.pods
+        )
+    ]
+    canary = spec.strategy.canary
+    canary_hold = (
+        canary is not None
+        and spec.strategy.pause_after_canary
+        and len(touched) >= canary
+        and not still_flying
+        and bool(pending_units)
+    )
+    paused_reason = (
+        Reason.PAUSED_BY_SPEC if spec.paused else Reason.CANARY_COMPLETE if canary_hold else None
+    )
+    if aborted_at is None and failed_units > spec.strategy.max_failed_replicas:
+        aborted_at, abort_reason = timestamp(now), Reason.FAILURE_BUDGET_EXCEEDED
+        b.emit(
+            Reason.FAILURE_BUDGET_EXCEEDED,
+            f"Halted: {failed_units} failed units exceed maxFailedReplicas "
+            f"{spec.strategy.max_failed_replicas}",
+            warning=True,
+        )
+    last = parse_time(persisted.last_progress_time) or parse_time(persisted.start_time)
+    work_left = bool(still_flying or pending_units)
+    if (
+        aborted_at is None
+        and paused_reason is None
+        and work_left
+        and last is not None
+        and not b.progressed
+        and now - last > timedelta(seconds=spec.strategy.progress_deadline_seconds)
+    ):
+        aborted_at, abort_reason = timestamp(now), Reason.PROGRESS_DEADLINE_EXCEEDED
+        b.emit(
+            Reason.PROGRESS_DEADLINE_EXCEEDED,
+            f"Halted: no progress for {spec.strategy.progress_deadline_seconds}s",
+            warning=True,
+        )
+
+    # 3. Availability budget: units not ready or drained by us count as unavailable.
+    unavailable = sum(
+        1
+        for u in units
+        if not u.ready
+        or u.key in still_flying
+        or by_unit[u.key] & {PodClass.FAILED, PodClass.ROLLBACK_FAILED}
+    )
+    slots = max_unavailable - unavailable
+    rollback = aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
+    rollback_remaining = 0
+
+    if rollback:
+        # 4a. Roll back every touched, settled unit in place, within the same budget.
+        for unit in units:
+            if unit.key in still_flying or unit.key in b.finished:
+                continue
+            pods_here = [p for p in unit.pods if p.state is not None and p.state.by == owner]
+            needs = [
+                p
+                for p in pods_here
+                if p.state is not None
+                and p.state.version == version
+                and p.state.rollback_of is None
+                and p.state.state in (UnitState.VERIFIED, UnitState.FAILED)
+            ]
+            if not needs:
+                continue
+            rollback_remaining += 1
+            if PodClass.BLOCKED in by_unit[unit.key]:
+                continue
+            missing = [
+                p.name
+                for p in unit.pods
+                if p.state is None
+                or p.state.previous_source is None
+                or not p.state.previous_version
+                or p.state.previous_version == version
+            ]
+            if missing:
+                why = f"NoRollbackTarget: no previous version/source for {', '.join(missing)}"
+                for p in needs:
+                    assert p.state is not None
+                    b.actions.append(
+                        Settle(
+                            p,
+                            p.state.evolve(state=UnitState.FAILED, reason=why, rollback_of=version),
+                            release=False,
+                        )
+                    )
+                    b.reasons[p.name] = why
+                b.emit(Reason.UNIT_FAILED, f"Cannot roll back {_unit_label(unit)}: {why}", True)
+                continue
+            if unit.ready:
+                if slots <= 0:
+                    continue
+                slots -= 1
+            _claim(b, unit, rollback_of=version)
+    elif aborted_at is None and paused_reason is None and not blocked_by:
+        # 4b. Start new units: already-unready ones first (free), then while slots remain.
+        # The canary goes first; the rest waits until every canary unit has a verdict.
+        limit = None
+        if canary is not None and (len(touched) < canary or still_flying):
+            limit = max(0, canary - len(touched))
+        startable = [
+            u
+            for u in pending_units
+            if all(classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
+        ]
+        startable.sort(key=lambda u: (u.ready, u.key))
+        for unit in startable:
+            if limit is not None and limit <= 0:
+                break
+            if unit.ready:
+                if slots <= 0:
+                    break
+                slots -= 1
+            _claim(b, unit)
+            if limit is not None:
+                limit -= 1
+
+    # 5. Settled pods at the target whose traffic is off (new pods, or a restart between the
+    #    GateOn and the Settle) get their gate back; only an agent that is ready at the target
+    #    version, or our own Verified state, can vouch for it.
+    for pod in fleet.pods:
+        if classes[pod.name] is not PodClass.UPDATED or pod.gate is True:
+            continue
+        agent = fleet.agents.get(pod.name)
+        if agent is not None and agent.reachable and agent.ready and agent.version == version:
+            b.actions.append(GateOn(pod, version=version, reason="ServingTarget"))
+            b.emit(Reason.UNIT_RESTORED, f"Restored traffic to {pod.name}, ready at {version}")
+
+    # Reflect this pass's own transitions in the classes used for counting.
+    restored = {a.pod.name for a in b.actions if isinstance(a, GateOn)}
+    for action in b.actions:
+        if isinstance(action, Claim):
+            classes[action.pod.name] = PodClass.IN_FLIGHT
+        elif isinstance(action, Settle):
+            done = {
+                UnitState.VERIFIED: PodClass.UPDATED,
+                UnitState.ROLLED_BACK: PodClass.ROLLED_BACK,
+                UnitState.FAILED: PodClass.ROLLBACK_FAILED
+                if action.state.rollback_of
+                else PodClass.FAILED,
+            }
+            if action.state.state in done:
+                classes[action.pod.name] = done[action.state.state]
+    claimed_units = {a.pod.unit for a in b.actions if isinstance(a, Claim)}
+    all_done = (
+        bool(units)
+        and aborted_at is None
+        and all(c in (PodClass.UPDATED, PodClass.FOREIGN) for c in classes.values())
+        and all(
+            p.gate is True or p.name in restored
+            for p in fleet.pods
+            if classes[p.name] is PodClass.UPDATED
+        )
+    )
+    new_persisted = Persisted(
+        target_version=version,
+        start_time=persisted.start_time or (timestamp(now) if claimed_units else None),
+        completion_time=persisted.completion_time or (timestamp(now) if all_done else None),
+        last_progress_time=timestamp(now) if b.progressed else persisted.last_progress_time,
+        aborted_at=aborted_at,
+        abort_reason=abort_reason,
+    )
+    flying_after = len(still_flying | claimed_units)
+    remaining_pending = sum(1 for u in pending_units if u.key not in claimed_units)
+    return Plan(
+        actions=tuple(b.actions),
+        persisted=new_persisted,
+        classes=classes,
+        pods={p.name: p for p in fleet.pods},
+        reasons=b.reasons,
+        notes={
+            n: f"AgentUnreachable: {a.error}" if (a := fleet.agents.get(n)) else "AgentUnreachable"
+            for n, c in classes.items()
+            if c is PodClass.UNKNOWN
+        },
+        units_total=len(units),
+        max_unavailable=max_unavailable,
+        paused_reason=paused_reason,
+        blocked_by=blocked_by,
+        finished=b.finished,
+        durations=b.durations,
+        in_flight_units=flying_after,
+        pending_units=remaining_pending,
+        completed=new_persisted.completion_time is not None,
+        rolling_back=rollback,
+        rollback_remaining=rollback_remaining,
+    )

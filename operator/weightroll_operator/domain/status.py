@@ -1,0 +1,286 @@
+"""Compute the WeightUpdate status from a plan: counts, conditions, then phase (house rule 7).
+
+Everything here is pure. :func:`status_patch` returns ``None`` when nothing but timestamps of
+unchanged conditions would change, so an idle pass writes nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from weightroll_operator.api.v1alpha1 import (
+    Condition,
+    ConditionType,
+    Phase,
+    PodResult,
+    ReplicaCounts,
+    WeightUpdateSpec,
+    WeightUpdateStatus,
+)
+from weightroll_operator.domain.actions import GateOn
+from weightroll_operator.domain.conditions import (
+    Reason,
+    new_condition,
+    remove_condition,
+    set_condition,
+)
+from weightroll_operator.domain.plan import Plan, PodClass
+
+__all__ = [
+    "MAX_POD_RESULTS",
+    "build_status",
+    "compute_counts",
+    "compute_phase",
+    "invalid_status",
+    "status_patch",
+]
+
+#: Bound of ``status.pods`` (failed pods are always listed, even past it).
+MAX_POD_RESULTS = 50
+
+_STATE_OF = {
+    PodClass.UPDATED: "Verified",
+    PodClass.PENDING: "Pending",
+    PodClass.IN_FLIGHT: "Updating",
+    PodClass.FAILED: "Failed",
+    PodClass.ROLLED_BACK: "RolledBack",
+    PodClass.ROLLBACK_FAILED: "Failed",
+    PodClass.BLOCKED: "Blocked",
+    PodClass.FOREIGN: "Superseded",
+    PodClass.UNKNOWN: "Unknown",
+}
+
+
+def compute_counts(plan: Plan, spec: WeightUpdateSpec) -> ReplicaCounts:
+    """Pods by state. ``stale``: not at the version and not being worked on right now."""
+    classes = list(plan.classes.values())
+    held = plan.persisted.aborted_at is not None or plan.paused_reason is not None
+    held = held or bool(plan.blocked_by)
+    stale_classes = {PodClass.FOREIGN, PodClass.UNKNOWN, PodClass.BLOCKED}
+    if held:
+        stale_classes.add(PodClass.PENDING)
+    verified = sum(
+        1
+        for name, c in plan.classes.items()
+        if c is PodClass.UPDATED and (plan.pods[name].gate is True or _restored(plan, name))
+    )
+    return ReplicaCounts(
+        total=len(classes),
+        updated=classes.count(PodClass.UPDATED),
+        verified=verified,
+        draining=classes.count(PodClass.IN_FLIGHT),
+        failed=classes.count(PodClass.FAILED) + classes.count(PodClass.ROLLBACK_FAILED),
+        stale=sum(1 for c in classes if c in stale_classes),
+    )
+
+
+def _restored(plan: Plan, name: str) -> bool:
+    return any(isinstance(a, GateOn) and a.pod.name == name for a in plan.actions)
+
+
+def compute_phase(plan: Plan, spec: WeightUpdateSpec) -> Phase:
+    """The one-word phase, from the plan summary and the persisted intents."""
+    flying = plan.in_flight_units > 0
+    if plan.rolling_back:
+        return Phase.ROLLING_BACK if flying or plan.rollback_remaining else Phase.ROLLED_BACK
+    if plan.persisted.aborted_at is not None:
+        return Phase.FAILED
+    if plan.units_total == 0:
+        return Phase.PENDING
+    pending = any(c is PodClass.PENDING for c in plan.classes.values())
+    if plan.completed and not flying and not pending:
+        return Phase.SUCCEEDED
+    if plan.paused_reason is not None and not flying:
+        return Phase.PAUSED
+    if not flying and plan.persisted.start_time is None:
+        return Phase.PENDING
+    return Phase.PROGRESSING
+
+
+def _conditions(
+    old: list[Condition],
+    plan: Plan,
+    spec: WeightUpdateSpec,
+    phase: Phase,
+    counts: ReplicaCounts,
+    now: datetime,
+) -> list[Condition]:
+    conds, _ = remove_condition(old, ConditionType.INVALID_SPEC)
+    p = plan.persisted
+    prog: tuple[bool | None, str, str]
+    if phase is Phase.ROLLED_BACK:
+        prog = (False, Reason.ROLLED_BACK, f"Rolled back after {p.abort_reason}")
+    elif phase is Phase.ROLLING_BACK:
+        prog = (True, Reason.ROLLING_BACK, f"Rolling back after {p.abort_reason}")
+    elif p.aborted_at is not None:
+        prog = (False, p.abort_reason or "Halted", f"Halted at {p.aborted_at}")
+    elif phase is Phase.SUCCEEDED:
+        prog = (True, Reason.ROLLOUT_COMPLETE, f"All selected pods serve {spec.version}")
+    elif phase is Phase.PAUSED:
+        prog = (None, plan.paused_reason or Reason.PAUSED_BY_SPEC, "Paused")
+    elif phase is Phase.PENDING:
+        reason = Reason.NO_PODS if plan.units_total == 0 else Reason.ROLLOUT_PENDING
+        prog = (None, reason, "No pods selected" if plan.units_total == 0 else "Not started")
+    else:
+        prog = (True, Reason.ROLLOUT_PROGRESSING, f"{plan.in_flight_units} units in flight")
+    updates = [
+        new_condition(ConditionType.PROGRESSING, prog[0], prog[1], prog[2], now),
+        new_condition(
+            ConditionType.VERIFIED,
+            counts.total > 0 and counts.verified == counts.total,
+            Reason.ALL_VERIFIED
+            if counts.total > 0 and counts.verified == counts.total
+            else Reason.UNVERIFIED,
+            f"{counts.verified}/{counts.total} pods verified at {spec.version}",
+            now,
+        ),
+        new_condition(
+            ConditionType.DEGRADED,
+            counts.failed > 0,
+            Reason.UNITS_FAILED if counts.failed else Reason.NO_FAILURES,
+            "; ".join(f"{k}: {v}" for k, v in sorted(plan.reasons.items()))[:1000],
+            now,
+        ),
+        new_condition(
+            ConditionType.PAUSED,
+            plan.paused_reason is not None,
+            plan.paused_reason or Reason.NOT_PAUSED,
+            "Set spec.strategy.pauseAfterCanary to false to promote"
+            if plan.paused_reason == Reason.CANARY_COMPLETE
+            else "",
+            now,
+        ),
+        new_condition(
+            ConditionType.BLOCKED,
+            bool(plan.blocked_by),
+            Reason.OWNED_BY_OTHER if plan.blocked_by else Reason.NOT_BLOCKED,
+            f"Pods are driven by WeightUpdate {', '.join(plan.blocked_by)}"
+            if plan.blocked_by
+            else "",
+            now,
+        ),
+    ]
+    for cond in updates:
+        conds, _ = set_condition(conds, cond)
+    return conds
+
+
+def _pod_results(plan: Plan) -> list[PodResult]:
+    order = [
+        PodClass.FAILED,
+        PodClass.ROLLBACK_FAILED,
+        PodClass.IN_FLIGHT,
+        PodClass.BLOCKED,
+        PodClass.UNKNOWN,
+        PodClass.PENDING,
+        PodClass.FOREIGN,
+        PodClass.ROLLED_BACK,
+        PodClass.UPDATED,
+    ]
+    items = sorted(plan.classes.items(), key=lambda kv: (order.index(kv[1]), kv[0]))
+    results: list[PodResult] = []
+    for name, cls in items:
+        failed = cls in (PodClass.FAILED, PodClass.ROLLBACK_FAILED)
+        if len(results) >= MAX_POD_RESULTS and not failed:
+            break
+        pod = plan.pods[name]
+        results.append(
+            PodResult(
+                name=name,
+                state=_STATE_OF[cls],
+                version=pod.state.version if pod.state is not None else None,
+                reason=(plan.reasons.get(name) or plan.notes.get(name) or None),
+                unit=pod.unit if pod.unit != name else None,
+            )
+        )
+    return results
+
+
+def _message(phase: Phase, counts: ReplicaCounts, spec: WeightUpdateSpec, plan: Plan) -> str:
+    parts = [f"{phase.value}: {counts.verified}/{counts.total} pods verified at {spec.version}"]
+    if counts.draining:
+        parts.append(f"{counts.draining} updating")
+    if counts.failed:
+        parts.append(f"{counts.failed} failed")
+    if counts.stale:
+        parts.append(f"{counts.stale} stale")
+    if plan.blocked_by:
+        parts.append(f"blocked by {', '.join(plan.blocked_by)}")
+    if plan.persisted.abort_reason:
+        parts.append(f"halted: {plan.persisted.abort_reason}")
+    return "; ".join(parts)
+
+
+def build_status(
+    plan: Plan,
+    spec: WeightUpdateSpec,
+    old: WeightUpdateStatus | None,
+    generation: int | None,
+    now: datetime,
+) -> WeightUpdateStatus:
+    """The new status: counts, conditions, phase, ``observedGeneration``, persisted intents."""
+    counts = compute_counts(plan, spec)
+    phase = compute_phase(plan, spec)
+    old_conds = list(old.conditions) if old is not None else []
+    p = plan.persisted
+    stable = old.stable_version if old is not None and old.target_version == spec.version else None
+    if stable is None:
+        previous = {
+            pod.state.previous_version
+            for pod in plan.pods.values()
+            if pod.state is not None and pod.state.previous_version
+        }
+        stable = previous.pop() if len(previous) == 1 else None
+    if phase is Phase.SUCCEEDED:
+        stable = spec.version
+    return WeightUpdateStatus(
+        phase=phase,
+        observed_generation=generation,
+        target_version=spec.version,
+        replicas=counts,
+        stable_version=stable,
+        conditions=_conditions(old_conds, plan, spec, phase, counts, now),
+        pods=_pod_results(plan),
+        start_time=p.start_time,
+        completion_time=p.completion_time if phase is Phase.SUCCEEDED else None,
+        last_progress_time=p.last_progress_time,
+        aborted_at=p.aborted_at,
+        abort_reason=p.abort_reason,
+        message=_message(phase, counts, spec, plan),
+    )
+
+
+def invalid_status(
+    old: WeightUpdateStatus | None, message: str, generation: int | None, now: datetime
+) -> WeightUpdateStatus:
+    """The status of a WeightUpdate whose spec failed validation: phase Failed, InvalidSpec."""
+    conds = list(old.conditions) if old is not None else []
+    conds, _ = set_condition(
+        conds, new_condition(ConditionType.INVALID_SPEC, True, Reason.INVALID_SPEC, message, now)
+    )
+    base = old if old is not None else WeightUpdateStatus()
+    return base.model_copy(
+        update={
+            "phase": Phase.FAILED,
+            "observed_generation": generation,
+            "conditions": conds,
+            "message": f"Invalid spec: {message}"[:1000],
+        }
+    )
+
+
+def status_patch(old: dict[str, Any] | None, new: WeightUpdateStatus) -> dict[str, Any] | None:
+    """A JSON merge patch turning ``old`` into ``new``; ``None`` when they are equal.
+
+    Keys present in ``old`` but not in ``new`` are set to null (merge-patch removal).
+    """
+    target = new.to_json_dict()
+    current = dict(old or {})
+    if current == target:
+        return None
+    patch: dict[str, Any] = dict(target)
+    for key in current:
+        if key not in target:
+            patch[key] = None
+    return patch

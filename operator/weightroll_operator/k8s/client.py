@@ -1,0 +1,245 @@
+"""A small async Kubernetes REST client: exactly the calls the operator makes, nothing else.
+
+Why not kopf's ``patch``: kopf sends JSON merge patches, which replace the whole
+``status.conditions`` list of a pod and would drop ``Ready`` (operator.md §2.2). Pod conditions go
+through :meth:`KubeApi.patch_pod_condition` as a *strategic merge* patch on ``pods/status``, so
+they merge by ``type`` and only ``weightroll.io/weights-ready`` is ever written.
+
+Invariants:
+    * The operator never writes the pod ``Ready`` condition (:meth:`patch_pod_condition` refuses).
+    * Every write is a patch, never a PUT with a stale resourceVersion (kruise#2276).
+    * ``writes`` counts every write by kind, for the benchmark and the tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import logging
+import os
+import ssl
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
+from weightroll_operator.errors import KubeUnavailable, kube_error
+
+__all__ = ["KubeApi", "KubeConfig"]
+
+log = logging.getLogger(__name__)
+
+SMP = "application/strategic-merge-patch+json"
+MERGE = "application/merge-patch+json"
+_SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+@dataclass(frozen=True, slots=True)
+class KubeConfig:
+    """Where the API server is and how to authenticate (the token is never logged)."""
+
+    server: str
+    token: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify: bool = True
+
+    def __repr__(self) -> str:
+        return f"KubeConfig(server={self.server!r})"
+
+    @classmethod
+    def load(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeConfig:
+        """In-cluster service account if present, else the kubeconfig (``$KUBECONFIG``)."""
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            host = os.environ["KUBERNETES_SERVICE_HOST"]
+            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            host = f"[{host}]" if ":" in host else host
+            return cls(
+                server=f"https://{host}:{port}",
+                token=(_SA_DIR / "token").read_text().strip(),
+                ca_file=str(_SA_DIR / "ca.crt"),
+            )
+        from kubernetes import client, config  # deferred: only needed for kubeconfig parsing
+
+        cfg = client.Configuration()
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, context=context, client_configuration=cfg
+        )
+        auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+        token = auth.removeprefix("Bearer ").strip() if auth else None
+        return cls(
+            server=str(cfg.host).rstrip("/"),
+            token=token,
+            ca_file=cfg.ssl_ca_cert,
+            cert_file=cfg.cert_file,
+            key_file=cfg.key_file,
+            verify=bool(cfg.verify_ssl),
+        )
+
+
+class KubeApi:
+    """The operator's Kubernetes calls over one aiohttp session.
+
+    Args:
+        config: server and credentials.
+        timeout: seconds per request.
+    """
+
+    def __init__(self, config: KubeConfig, *, timeout: float = 10.0) -> None:
+        self.config = config
+        self.writes: Counter[str] = Counter()
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._event_seq = itertools.count()
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        if not self.config.server.startswith("https"):
+            return False
+        if not self.config.verify:
+            return False
+        ctx = ssl.create_default_context(cafile=self.config.ca_file)
+        if self.config.cert_file and self.config.key_file:
+            ctx.load_cert_chain(self.config.cert_file, self.config.key_file)
+        return ctx
+
+    async def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Accept": "application/json"}
+            if self.config.token:
+                headers["Authorization"] = f"Bearer {self.config.token}"
+            self._session = aiohttp.ClientSession(
+                base_url=self.config.server,
+                headers=headers,
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=64),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+        kind: str | None = None,
+    ) -> Any:
+        session = await self._sess()
+        if kind is not None:
+            self.writes[kind] += 1
+        headers = {"Content-Type": content_type} if body is not None else {}
+        try:
+            async with session.request(
+                method, path, json=body, headers=headers, params=params
+            ) as resp:
+                data: Any = await resp.json(content_type=None) if resp.content_length != 0 else None
+                if resp.status >= 400:
+                    message = data.get("message", resp.reason) if isinstance(data, dict) else ""
+                    raise kube_error(resp.status, f"{method} {path}: {message}", data)
+                return data
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            raise KubeUnavailable(0, f"{method} {path}: {e!r}") from e
+
+    # ---- pods ---------------------------------------------------------------------------------
+
+    async def list_pods(self, namespace: str, label_selector: str | None = None) -> list[Any]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/pods", params=params)
+        return list((data or {}).get("items") or [])
+
+    async def patch_pod_condition(
+        self, namespace: str, name: str, condition: Mapping[str, Any]
+    ) -> None:
+        """Strategic-merge one condition into ``pods/status`` (merges by ``type``)."""
+        if condition.get("type") != CONDITION_WEIGHTS_READY:
+            raise ValueError(f"the operator writes only {CONDITION_WEIGHTS_READY}")
+        await self._call(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+            body={"status": {"conditions": [dict(condition)]}},
+            content_type=SMP,
+            kind="pod-status",
+        )
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        annotations: Mapping[str, str | None] | None = None,
+        labels: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """Merge-patch annotations/labels (``None`` removes a key)."""
+        meta: dict[str, Any] = {}
+        if annotations:
+            meta["annotations"] = dict(annotations)
+        if labels:
+            meta["labels"] = dict(labels)
+        if not meta:
+            return
+        await self._call(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            body={"metadata": meta},
+            content_type=MERGE,
+            kind="pod-metadata",
+        )
+
+    # ---- WeightUpdates ------------------------------------------------------------------------
+
+    def _wu_path(self, namespace: str, name: str | None = None) -> str:
+        base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+        return base if name is None else f"{base}/{name}"
+
+    async def get_weightupdate(self, namespace: str, name: str) -> Any:
+        return await self._call("GET", self._wu_path(namespace, name))
+
+    async def list_weightupdates(self, namespace: str) -> list[Any]:
+        data = await self._call("GET", self._wu_path(namespace))
+        return list((data or {}).get("items") or [])
+
+    async def patch_weightupdate_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> None:
+        await self._call(
+            "PATCH",
+            self._wu_path(namespace, name) + "/status",
+            body={"status": dict(patch)},
+            content_type=MERGE,
+            kind="wu-status",
+        )
+
+    # ---- secrets and events -------------------------------------------------------------------
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
+        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        raw = ((data or {}).get("data") or {}).get(key)
+        if raw is None:
+            raise kube_error(404, f"secret {namespace}/{name} has no key {key!r}")
+        return base64.b64decode(raw).decode().strip()
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        """Create an Event; the name is unique per process (kmock lacks ``generateName``)."""
+        body = dict(event)
+        involved = body.get("involvedObject", {}).get("name", "weightroll")
+        stamp = f"{time.time_ns():x}{next(self._event_seq):x}"
+        body.setdefault("metadata", {"name": f"{involved}.{stamp}", "namespace": namespace})
+        await self._call("POST", f"/api/v1/namespaces/{namespace}/events", body=body, kind="event")
+
+    async def list_events(self, namespace: str, involved_name: str) -> list[Any]:
+        params = {"fieldSelector": f"involvedObject.name={involved_name}"}
+        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/events", params=params)
+        items = (data or {}).get("items") or []
+        return [e for e in items if (e.get("involvedObject") or {}).get("name") == involved_name]

@@ -1,0 +1,159 @@
+"""Prometheus metrics of the operator (names from docs/contracts.md, ``weightroll_`` prefix).
+
+Every metric has the labels ``namespace`` and ``name`` (the WeightUpdate) plus the ones listed in
+the contract. :class:`Metrics` owns its registry so tests and the benchmark can make their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from weightroll_operator.api.v1alpha1 import Phase, ReplicaCounts
+
+__all__ = ["Metrics"]
+
+_DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
+_UNIT_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+
+
+class Metrics:
+    """The operator's metrics on one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, wu = self.registry, ["namespace", "name"]
+        self.updates_total = Counter(
+            "weightroll_updates", "Finished rollouts by outcome", [*wu, "outcome"], registry=r
+        )
+        self.update_phase = Gauge(
+            "weightroll_update_phase", "1 for the current phase", [*wu, "phase"], registry=r
+        )
+        self.replicas = Gauge(
+            "weightroll_replicas", "Selected pods by state", [*wu, "state"], registry=r
+        )
+        self.progress_deadline = Gauge(
+            "weightroll_update_progress_deadline_seconds",
+            "spec.strategy.progressDeadlineSeconds",
+            wu,
+            registry=r,
+        )
+        self.last_progress = Gauge(
+            "weightroll_update_last_progress_timestamp_seconds",
+            "Unix time of the last unit transition",
+            wu,
+            registry=r,
+        )
+        self.rollout_duration = Histogram(
+            "weightroll_rollout_duration_seconds",
+            "Start to end of a rollout",
+            wu,
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.unit_duration = Histogram(
+            "weightroll_unit_update_duration_seconds",
+            "Drain to verdict of one unit",
+            [*wu, "outcome"],
+            buckets=_UNIT_BUCKETS,
+            registry=r,
+        )
+        self.verification_failures = Counter(
+            "weightroll_verification_failures",
+            "Units that did not commit, by reason",
+            [*wu, "reason"],
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "weightroll_last_success_timestamp_seconds",
+            "Unix time of the last Succeeded rollout",
+            wu,
+            registry=r,
+        )
+        self.drained_since = Gauge(
+            "weightroll_replica_drained_since_timestamp_seconds",
+            "Set while the operator holds a pod drained",
+            [*wu, "pod"],
+            registry=r,
+        )
+        self.agent_unreachable = Gauge(
+            "weightroll_agent_unreachable",
+            "1 while the pod's agent cannot be reached",
+            [*wu, "pod"],
+            registry=r,
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def observe_status(
+        self,
+        namespace: str,
+        name: str,
+        phase: Phase,
+        counts: ReplicaCounts,
+        deadline_seconds: int,
+        last_progress: float | None,
+    ) -> None:
+        for p in Phase:
+            self.update_phase.labels(namespace, name, p.value).set(1 if p is phase else 0)
+        for state, value in counts.model_dump().items():
+            self.replicas.labels(namespace, name, state).set(value)
+        self.progress_deadline.labels(namespace, name).set(deadline_seconds)
+        if last_progress is not None:
+            self.last_progress.labels(namespace, name).set(last_progress)
+
+    def observe_transition(
+        self, namespace: str, name: str, old: Phase | None, new: Phase, duration: float | None
+    ) -> None:
+        """Count a finished rollout when the phase enters a terminal phase."""
+        if old is new:
+            return
+        outcome = {
+            Phase.SUCCEEDED: "succeeded",
+            Phase.FAILED: "failed",
+            Phase.ROLLED_BACK: "rolled_back",
+        }.get(new)
+        if outcome is None:
+            return
+        self.updates_total.labels(namespace, name, outcome).inc()
+        if duration is not None:
+            self.rollout_duration.labels(namespace, name).observe(duration)
+        if new is Phase.SUCCEEDED:
+            import time
+
+            self.last_success.labels(namespace, name).set(time.time())
+
+    def observe_units(
+        self,
+        namespace: str,
+        name: str,
+        finished: Mapping[str, str],
+        durations: Mapping[str, float],
+        reasons: Mapping[str, str],
+    ) -> None:
+        for unit, outcome in finished.items():
+            if unit in durations:
+                self.unit_duration.labels(namespace, name, outcome).observe(durations[unit])
+        for reason in reasons.values():
+            short = reason.split(":", 1)[0].split(" ")[-1] or "Unknown"
+            self.verification_failures.labels(namespace, name, short).inc()
+
+    def observe_pods(
+        self,
+        namespace: str,
+        name: str,
+        drained_since: Mapping[str, float],
+        unreachable: Mapping[str, bool],
+    ) -> None:
+        for pod, since in drained_since.items():
+            self.drained_since.labels(namespace, name, pod).set(since)
+        for pod, down in unreachable.items():
+            self.agent_unreachable.labels(namespace, name, pod).set(1 if down else 0)
+
+    def forget_pod(self, namespace: str, name: str, pod: str) -> None:
+        for gauge in (self.drained_since, self.agent_unreachable):
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, name, pod)

@@ -1,0 +1,65 @@
+"""The two I/O interfaces the reconciler depends on, as typing Protocols.
+
+``k8s.client.KubeApi`` and ``agent_client.AgentClient`` implement them over HTTP; the benchmark
+implements them in memory. Tests of the reconciler use the real HTTP implementations against
+kmock and simulated agents (house rule 16: no monkeypatched clients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine_agent.protocol import AgentState, UpdateRequest, UpdateStatus
+
+__all__ = ["AgentPort", "AgentTarget", "KubePort"]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTarget:
+    """One pod's agent: where it listens and the token to send (never logged)."""
+
+    pod: str
+    base_url: str
+    token: str | None = None
+
+    def __repr__(self) -> str:
+        return f"AgentTarget(pod={self.pod!r}, base_url={self.base_url!r})"
+
+
+class KubePort(Protocol):
+    """The Kubernetes calls of one reconcile pass."""
+
+    async def patch_pod_condition(
+        self, namespace: str, name: str, condition: Mapping[str, Any]
+    ) -> None: ...
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        annotations: Mapping[str, str | None] | None = None,
+        labels: Mapping[str, str | None] | None = None,
+    ) -> None: ...
+
+    async def patch_weightupdate_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> None: ...
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str: ...
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None: ...
+
+
+class AgentPort(Protocol):
+    """The sidecar HTTP API (docs/contracts.md), one call per method."""
+
+    async def state(self, target: AgentTarget) -> AgentState: ...
+
+    async def get_update(self, target: AgentTarget, update_id: str) -> UpdateStatus | None: ...
+
+    async def start_update(self, target: AgentTarget, request: UpdateRequest) -> None: ...
+
+    async def abort_update(self, target: AgentTarget, update_id: str) -> None: ...

@@ -1,0 +1,226 @@
+"""Cluster tier: the chart installs, upgrades and uninstalls on a real kube-apiserver, and its
+RBAC grants the operator's ServiceAccount exactly the verbs the operator uses.
+
+Runs against the built-in kube-apiserver 1.20.2 (tests/harness/apiserver.py) or the cluster in
+WEIGHTROLL_KUBECONFIG; skipped with the build command when neither is available. The built-in
+apiserver has no kubelet: the operator Deployment is stored but never runs here (the e2e tests run
+the operator in-process under the chart's ServiceAccount identity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.charts.helpers import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    crd_available,
+    helm_python,
+    scenario_values,
+    with_crd_fallback,
+)
+from tests.harness.apiserver import (
+    OPERATOR_NAMESPACE,
+    OPERATOR_SERVICEACCOUNT,
+    KubeCluster,
+    kubectl,
+    service_account_token,
+)
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"),
+]
+
+kubernetes = pytest.importorskip("kubernetes")
+
+#: (apiGroup, resource, verb) the operator needs; mirrors weightroll.rbacRules in _helpers.tpl.
+NEEDED = {
+    *(("weightroll.io", "weightupdates", v) for v in ("get", "list", "watch", "patch")),
+    *(("weightroll.io", "weightupdates/status", v) for v in ("get", "patch")),
+    *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
+    *(("", "pods/status", v) for v in ("get", "patch")),
+    *(("", "events", v) for v in ("create", "patch")),
+    ("", "secrets", "get"),
+    *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")),
+    *(("", "namespaces", v) for v in ("list", "watch")),
+}
+#: Granted to every authenticated user by the default system:basic-user role.
+BASELINE = {
+    ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
+    ("authorization.k8s.io", "selfsubjectrulesreviews", "create"),
+}
+FORBIDDEN = [
+    ("", "pods", "create"),
+    ("", "pods", "delete"),
+    ("", "pods", "update"),
+    ("", "pods/status", "update"),
+    ("", "secrets", "list"),
+    ("", "secrets", "watch"),
+    ("weightroll.io", "weightupdates", "create"),
+    ("weightroll.io", "weightupdates", "delete"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "create"),
+    ("kopf.dev", "kopfpeerings", "list"),
+    ("coordination.k8s.io", "leases", "create"),
+]
+
+
+def _api_client(cluster: KubeCluster, token: str) -> Any:
+    cfg = kubernetes.client.Configuration()
+    cfg.host = cluster.server
+    cfg.verify_ssl = False
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    return kubernetes.client.ApiClient(cfg)
+
+
+@pytest.fixture(scope="module")
+def installed(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
+    """The chart installed as release `weightroll` with the workload scenario."""
+    config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
+    values = with_crd_fallback(scenario_values("workload-values.yaml"))
+    try:
+        config.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=60)
+        config.install(str(CHART), RELEASE, values, namespace=NAMESPACE, create_namespace=True)
+        yield kube_cluster
+    finally:
+        config.uninstall(RELEASE, ignore_not_found=True)
+        config.close()
+
+
+def _operator_token(cluster: KubeCluster) -> str:
+    if cluster.operator_token and cluster.operator_user == (
+        f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SERVICEACCOUNT}"
+    ):
+        return cluster.operator_token
+    return service_account_token(cluster, NAMESPACE, OPERATOR_SERVICEACCOUNT)
+
+
+def test_release_objects_exist(installed: KubeCluster) -> None:
+    out = kubectl(installed, "get", "deploy,sa,svc,secret", "-n", NAMESPACE, "-o", "name").stdout
+    for name in (
+        "deployment.apps/weightroll-operator",
+        "deployment.apps/vllm-example",
+        "serviceaccount/weightroll-operator",
+        "service/weightroll-metrics",
+        "secret/vllm-example-weightroll-token",
+    ):
+        assert name in out.split()
+    roles = kubectl(installed, "get", "clusterrole,clusterrolebinding", "-o", "name").stdout
+    assert "clusterrole.rbac.authorization.k8s.io/weightroll-operator" in roles.split()
+
+
+def test_operator_identity_matches_the_harness_token() -> None:
+    assert (OPERATOR_NAMESPACE, OPERATOR_SERVICEACCOUNT) == (NAMESPACE, "weightroll-operator")
+
+
+def test_operator_gets_exactly_the_needed_verbs(installed: KubeCluster) -> None:
+    api = kubernetes.client.AuthorizationV1Api(_api_client(installed, _operator_token(installed)))
+    review = api.create_self_subject_rules_review(
+        {"spec": {"namespace": "default"}}, _preload_content=False
+    )
+    status = yaml.safe_load(review.data)["status"]
+    granted: set[tuple[str, str, str]] = set()
+    restricted: dict[tuple[str, str], list[str]] = {}
+    for rule in status.get("resourceRules", []):
+        for group in rule.get("apiGroups", []):
+            for resource in rule.get("resources", []):
+                for verb in rule.get("verbs", []):
+                    granted.add((group, resource, verb))
+                    if rule.get("resourceNames"):
+                        restricted[(group, resource)] = rule["resourceNames"]
+    assert granted - BASELINE == NEEDED
+    assert restricted == {("", "secrets"): ["vllm-example-weightroll-token"]}
+
+
+def _allowed(api: Any, group: str, resource: str, verb: str, **attrs: str) -> bool:
+    sub = resource.split("/", 1)
+    body = {
+        "spec": {
+            "resourceAttributes": {
+                "group": group,
+                "resource": sub[0],
+                "subresource": sub[1] if len(sub) > 1 else "",
+                "verb": verb,
+                **attrs,
+            }
+        }
+    }
+    review = api.create_self_subject_access_review(body, _preload_content=False)
+    return bool(yaml.safe_load(review.data)["status"].get("allowed"))
+
+
+def test_access_reviews_cluster_wide(installed: KubeCluster) -> None:
+    api = kubernetes.client.AuthorizationV1Api(_api_client(installed, _operator_token(installed)))
+    for group, resource, verb in sorted(NEEDED):
+        if resource == "secrets":
+            continue
+        assert _allowed(api, group, resource, verb), (group, resource, verb)
+    for group, resource, verb in FORBIDDEN:
+        assert not _allowed(api, group, resource, verb), (group, resource, verb)
+    assert _allowed(api, "", "secrets", "get", namespace="ml", name="vllm-example-weightroll-token")
+    assert not _allowed(api, "", "secrets", "get", namespace="ml", name="other-secret")
+
+
+def test_operator_identity_reads_pods_and_nothing_else(installed: KubeCluster) -> None:
+    core = kubernetes.client.CoreV1Api(_api_client(installed, _operator_token(installed)))
+    core.list_pod_for_all_namespaces(limit=1)
+    with pytest.raises(kubernetes.client.ApiException) as err:
+        core.list_secret_for_all_namespaces(limit=1)
+    assert err.value.status == 403
+
+
+def test_crd_installed_and_established(installed: KubeCluster) -> None:
+    if not crd_available():
+        pytest.skip("the generated CRD file does not exist yet")
+    proc = kubectl(
+        installed,
+        "wait",
+        "--for=condition=established",
+        "--timeout=30s",
+        "crd/weightupdates.weightroll.io",
+    )
+    assert "condition met" in proc.stdout
+    ann = kubectl(
+        installed,
+        "get",
+        "crd/weightupdates.weightroll.io",
+        "-o",
+        "jsonpath={.metadata.annotations.helm\\.sh/resource-policy}",
+    ).stdout
+    assert ann == "keep"
+
+
+def test_upgrade_then_uninstall_keeps_the_crd(kube_cluster: KubeCluster) -> None:
+    """Last in this module: it replaces the `installed` release (same name, since the CRD's Helm
+    ownership ties it to one release)."""
+    if not crd_available():
+        pytest.skip("the generated CRD file does not exist yet")
+    config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
+    chart = str(CHART)
+    try:
+        config.uninstall(RELEASE, ignore_not_found=True)
+        config.install(chart, RELEASE, {}, namespace=NAMESPACE, create_namespace=True)
+        config.upgrade(chart, RELEASE, {"operator": {"logLevel": "DEBUG"}}, namespace=NAMESPACE)
+        env = kubectl(
+            kube_cluster,
+            "get",
+            "deploy/weightroll-operator",
+            "-n",
+            NAMESPACE,
+            "-o",
+            "jsonpath={.spec.template.spec.containers[0].env[2].value}",
+        ).stdout
+        assert env == "DEBUG"
+        config.uninstall(RELEASE)
+        left = kubectl(kube_cluster, "get", "crd", "-o", "name").stdout.split()
+        assert "customresourcedefinition.apiextensions.k8s.io/weightupdates.weightroll.io" in left
+        gone = kubectl(kube_cluster, "get", "deploy", "-n", NAMESPACE, "-o", "name").stdout
+        assert "weightroll-operator" not in gone
+    finally:
+        config.uninstall(RELEASE, ignore_not_found=True)
+        config.close()

@@ -1,0 +1,368 @@
+"""Chart tier: render, lint, schema, RBAC, probes, alerts and the workload example, offline.
+
+helm-python-sdk (the Helm v4 SDK) renders ``charts/weightroll`` for the default values and every
+``ci/*-values.yaml`` scenario; assertions are made on the parsed manifests.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.charts.helpers import (
+    ALERTS,
+    CHART,
+    CRD_FILE,
+    REPO,
+    SCENARIOS,
+    find,
+    helm_python,
+    needs_crd,
+    objects,
+    render,
+    scenario_values,
+    with_crd_fallback,
+)
+from tests.harness.apiserver import OPERATOR_SERVICEACCOUNT
+
+
+def _lint(values: dict[str, Any], chart: Path = CHART) -> dict[str, Any]:
+    report: dict[str, Any] = helm_python.lint(
+        str(chart), with_crd_fallback(values), strict=True, kube_version="v1.29.0"
+    )
+    return report
+
+
+@pytest.mark.parametrize("scenario", ["(defaults)", *SCENARIOS])
+def test_renders_and_lints(scenario: str) -> None:
+    values = {} if scenario == "(defaults)" else scenario_values(scenario)
+    rendered = render(values)
+    objs = objects(rendered)
+    find(objs, "Deployment", "weightroll-operator")
+    report = _lint(values)
+    findings = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and findings == [], report
+
+
+def test_at_least_two_ci_scenarios() -> None:
+    assert "default-values.yaml" in SCENARIOS
+    assert len(SCENARIOS) >= 3, SCENARIOS
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"replicas": 2}}, "at '/operator/replicas': maximum: got 2, want 1"),
+        ({"imagee": {"tag": "x"}}, "additional properties 'imagee' not allowed"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
+        ({"operator": {"ports": {"health": 0}}}, "at '/operator/ports/health': minimum"),
+        ({"operator": {"logLevel": "LOUD"}}, "at '/operator/logLevel'"),
+        (
+            {"prometheusRule": {"customRules": {"WeightUpdateStuck": {"for": "5 minutes"}}}},
+            "at '/prometheusRule/customRules/WeightUpdateStuck/for'",
+        ),
+        (
+            {"prometheusRule": {"customRules": {"WeightFleetStale": {"severity": "page"}}}},
+            "at '/prometheusRule/customRules/WeightFleetStale/severity'",
+        ),
+        (
+            {"prometheusRule": {"disabled": {"WeightUpdateFailed": "yes"}}},
+            "at '/prometheusRule/disabled/WeightUpdateFailed': got string, want boolean",
+        ),
+        ({"prometheusRule": {"disabled": {"WeightTypo": True}}}, "'WeightTypo' not allowed"),
+        ({"installCRDs": "true"}, "at '/installCRDs': got string, want boolean"),
+        ({"workloadExample": {"vllm": {"port": 8470}}}, "at '/workloadExample/vllm/port'"),
+        ({"rbac": {"agentTokenSecretNames": [""]}}, "at '/rbac/agentTokenSecretNames/0'"),
+    ],
+)
+def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        with pytest.raises(helm_python.HelmValuesError) as err:
+            chart.validate_schema(values)
+        assert message in str(err.value)
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.render(with_crd_fallback(values), name="weightroll", namespace="x")
+    finally:
+        chart.close()
+
+
+def test_every_value_has_a_doc_comment() -> None:
+    """A11: `# --` on every key of values.yaml (list items excepted)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    missing = []
+    for i, line in enumerate(lines):
+        if not re.match(r"^\s*[A-Za-z][\w.-]*:", line):
+            continue
+        j = i - 1
+        block: list[str] = []
+        while j >= 0 and lines[j].strip().startswith("#"):
+            block.append(lines[j].strip())
+            j -= 1
+        if not any(c.startswith("# --") for c in block):
+            missing.append(f"values.yaml:{i + 1}: {line.strip()}")
+    assert missing == []
+
+
+def test_rbac_is_least_privilege() -> None:
+    objs = objects(render())
+    role = find(objs, "ClusterRole", "weightroll-operator")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    expected = {
+        *(("weightroll.io", "weightupdates", v) for v in ("get", "list", "watch", "patch")),
+        *(("weightroll.io", "weightupdates/status", v) for v in ("get", "patch")),
+        *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
+        *(("", "pods/status", v) for v in ("get", "patch")),
+        *(("", "events", v) for v in ("create", "patch")),
+        ("", "secrets", "get"),
+        *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")),
+        *(("", "namespaces", v) for v in ("list", "watch")),
+    }
+    assert granted == expected
+    assert not any("*" in str(rule) for rule in role["rules"])
+    assert not any("kopf" in str(rule) for rule in role["rules"]), "no peering objects"
+    binding = find(objs, "ClusterRoleBinding", "weightroll-operator")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": OPERATOR_SERVICEACCOUNT,
+            "namespace": "weightroll-system",
+        }
+    ]
+    sa = find(objs, "ServiceAccount")
+    assert sa["metadata"]["name"] == OPERATOR_SERVICEACCOUNT
+
+
+def test_secret_access_can_be_narrowed_to_names() -> None:
+    objs = objects(render({"rbac": {"agentTokenSecretNames": ["tok-a", "tok-b"]}}))
+    role = find(objs, "ClusterRole")
+    (secrets,) = [r for r in role["rules"] if r["resources"] == ["secrets"]]
+    assert secrets == {
+        "apiGroups": [""],
+        "resources": ["secrets"],
+        "verbs": ["get"],
+        "resourceNames": ["tok-a", "tok-b"],
+    }
+
+
+def test_rbac_and_serviceaccount_switches() -> None:
+    kinds = {o["kind"] for o in objects(render({"rbac": {"create": False}}))}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    objs = objects(render({"serviceAccount": {"create": False, "name": "existing-sa"}}))
+    assert "ServiceAccount" not in {o["kind"] for o in objs}
+    deploy = find(objs, "Deployment")
+    assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "existing-sa"
+
+
+def test_operator_deployment() -> None:
+    deploy = find(objects(render()), "Deployment", "weightroll-operator")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == OPERATOR_SERVICEACCOUNT
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (ctr,) = pod["containers"]
+    assert ctr["command"] == ["weightroll", "operator"]
+    assert ctr["image"] == "ghcr.io/weightroll/weightroll-operator:0.1.0"
+    ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    assert env["WEIGHTROLL_HEALTH_PORT"] == "8080"
+    assert env["WEIGHTROLL_METRICS_PORT"] == "9090"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert ctr[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert ctr["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
+    assert ctr["resources"]["limits"] == {"memory": "512Mi"}
+    sc = ctr["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert {"name": "tmp", "mountPath": "/tmp"} in ctr["volumeMounts"]
+
+
+def test_image_digest_and_probe_switch() -> None:
+    digest = "sha256:" + "a" * 64
+    values = {"image": {"digest": digest}, "operator": {"livenessProbe": {"enabled": False}}}
+    deploy = find(objects(render(values)), "Deployment")
+    ctr = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert ctr["image"] == f"ghcr.io/weightroll/weightroll-operator@{digest}"
+    assert "livenessProbe" not in ctr and "readinessProbe" in ctr
+
+
+def test_metrics_service_and_servicemonitor() -> None:
+    objs = objects(render())
+    svc = find(objs, "Service", "weightroll-metrics")
+    assert svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    deploy = find(objs, "Deployment")
+    assert (
+        svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert "ServiceMonitor" not in {o["kind"] for o in objs}
+
+    objs = objects(render(scenario_values("monitoring-values.yaml")))
+    sm = find(objs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == "15s"
+    assert endpoint["metricRelabelings"][0]["action"] == "drop"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+
+    with pytest.raises(helm_python.HelmRenderError, match=r"needs metrics\.enabled"):
+        render({"serviceMonitor": {"enabled": True}, "metrics": {"enabled": False}})
+
+
+def _rules(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    pr = find(objects(render(values)), "PrometheusRule")
+    (group,) = pr["spec"]["groups"]
+    return {r["alert"]: r for r in group["rules"]}
+
+
+def test_every_alert_is_documented() -> None:
+    rules = _rules({"prometheusRule": {"enabled": True}})
+    assert set(rules) == set(ALERTS)
+    for name, rule in rules.items():
+        assert rule["labels"]["severity"] in {"critical", "warning"}
+        assert rule["for"]
+        ann = rule["annotations"]
+        assert ann["summary"] and ann["description"]
+        assert ann["runbook_url"].endswith(f"/docs/runbooks/{name}.md")
+        runbook = REPO / "docs" / "runbooks" / f"{name}.md"
+        text = runbook.read_text()
+        for section in ("## Meaning", "## Impact", "## Diagnose", "## Fix"):
+            assert section in text, f"{runbook} lacks {section}"
+
+
+def test_alert_metric_names_follow_the_contract() -> None:
+    """Every metric an alert reads is listed in docs/contracts.md."""
+    contracts = (REPO / "docs" / "contracts.md").read_text()
+    rules = _rules({"prometheusRule": {"enabled": True}})
+    for rule in rules.values():
+        for metric in set(re.findall(r"\bweightroll_[a-z_]+", rule["expr"])):
+            assert f"`{metric}" in contracts, f"{rule['alert']} reads {metric}, not in contracts"
+
+
+def test_alerts_can_be_disabled_and_overridden() -> None:
+    values = scenario_values("monitoring-values.yaml")
+    values["prometheusRule"]["disabled"] = {"WeightAgentUnreachable": True}
+    rules = _rules(values)
+    assert set(rules) == set(ALERTS) - {"WeightAgentUnreachable"}
+    assert rules["WeightFleetStale"]["for"] == "45m"
+    assert rules["WeightFleetStale"]["labels"]["severity"] == "info"
+    assert rules["WeightFleetStale"]["labels"]["team"] == "ml-platform"
+    assert "for more than 45m" in rules["WeightFleetStale"]["annotations"]["description"]
+    assert rules["WeightReplicaLeftDrained"]["expr"].endswith("> 600")
+    for rule in rules.values():
+        selectors = re.findall(r"weightroll_[a-z_]+(\{[^}]*\})?", rule["expr"])
+        assert selectors and all('job="weightroll-metrics"' in s for s in selectors), rule["expr"]
+    all_off = {"prometheusRule": {"enabled": True, "disabled": dict.fromkeys(ALERTS, True)}}
+    pr = find(objects(render(all_off)), "PrometheusRule")
+    assert pr["spec"]["groups"][0]["rules"] is None or pr["spec"]["groups"][0]["rules"] == []
+
+
+def test_crds_installed_and_kept() -> None:
+    needs_crd()
+    generated = yaml.safe_load(CRD_FILE.read_text())
+    crd = find(objects(render()), "CustomResourceDefinition", "weightupdates.weightroll.io")
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert crd["spec"] == generated["spec"]
+    crd = find(objects(render({"keepCRDs": False})), "CustomResourceDefinition")
+    assert "helm.sh/resource-policy" not in (crd["metadata"].get("annotations") or {})
+    kinds = {o["kind"] for o in objects(render({"installCRDs": False}))}
+    assert "CustomResourceDefinition" not in kinds
+
+
+def test_missing_generated_crd_fails_with_a_clear_message(tmp_path: Path) -> None:
+    chart_copy = tmp_path / "weightroll"
+    shutil.copytree(CHART, chart_copy)
+    (chart_copy / "files" / "crds" / CRD_FILE.name).unlink(missing_ok=True)
+    chart = helm_python.Chart.load(str(chart_copy))
+    try:
+        with pytest.raises(helm_python.HelmRenderError, match="crdgen"):
+            chart.render({"installCRDs": True}, name="weightroll", namespace="x")
+    finally:
+        chart.close()
+
+
+def test_workload_example_is_prepared_for_weightroll() -> None:
+    objs = objects(render(scenario_values("workload-values.yaml")))
+    secret = find(objs, "Secret", "vllm-example-weightroll-token")
+    assert set(secret["data"]) == {"token"}
+    pod = find(objs, "Deployment", "vllm-example")["spec"]["template"]["spec"]
+    assert pod["readinessGates"] == [{"conditionType": "weightroll.io/weights-ready"}]
+    ctrs = {c["name"]: c for c in pod["containers"]}
+    vllm, agent = ctrs["vllm"], ctrs["weightroll-agent"]
+    assert "--worker-extension-cls=engine_agent.vllm_extension.WeightRollExtension" in vllm["args"]
+    assert "--host=127.0.0.1" in vllm["args"] and "--port=8000" in vllm["args"]
+    assert "--max-model-len=2048" in vllm["args"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in vllm["env"]
+    assert agent["command"] == ["weightroll", "agent"]
+    assert agent["args"][:2] == [
+        "--vllm-url=http://127.0.0.1:8000",
+        "--token-file=/var/run/weightroll/token",
+    ]
+    assert agent["ports"] == [{"name": "weightroll", "containerPort": 8470}]
+    assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "weightroll"}
+    assert "--state-dir=/var/lib/weightroll" in agent["args"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in agent["volumeMounts"]}
+    assert mounts["weightroll-token"]["readOnly"] is True
+    token = volumes["weightroll-token"]["secret"]
+    assert token["secretName"] == secret["metadata"]["name"]
+    assert token["items"] == [{"key": "token", "path": "token"}]
+    assert volumes["weightroll-state"] == {"name": "weightroll-state", "emptyDir": {}}
+    assert mounts["weightroll-state"]["mountPath"] == "/var/lib/weightroll"
+    # vLLM and the agent see the checkpoints at the same path.
+    (vllm_models,) = vllm["volumeMounts"]
+    assert (
+        vllm_models
+        == mounts["models"]
+        == {
+            "name": "models",
+            "mountPath": "/models",
+            "readOnly": True,
+        }
+    )
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "vllm-models"
+    assert pod["automountServiceAccountToken"] is False
+    role = find(objs, "ClusterRole")
+    (secrets,) = [r for r in role["rules"] if r["resources"] == ["secrets"]]
+    assert secrets["resourceNames"] == [secret["metadata"]["name"]]
+
+
+def test_notes_explain_workload_preparation() -> None:
+    notes = render()["weightroll/templates/NOTES.txt"]
+    for needle in (
+        "weightroll.io/weights-ready",
+        "--worker-extension-cls=engine_agent.vllm_extension.WeightRollExtension",
+        "VLLM_SERVER_DEV_MODE=1",
+        "/readyz",
+        "8470",
+    ):
+        assert needle in notes
+
+
+def test_readme_is_generated_from_values() -> None:
+    """README.md matches README.md.gotmpl and values.yaml (tests/charts/chart_readme.py)."""
+    from tests.charts.chart_readme import generate, values_rows
+
+    assert (CHART / "README.md").read_text() == generate(), (
+        "run: python tests/charts/chart_readme.py --write"
+    )
+    assert all(desc for _, _, _, desc in values_rows())

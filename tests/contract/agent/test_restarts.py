@@ -1,0 +1,196 @@
+"""Contract: restarts of vLLM or of the agent never leave an unverified replica ready."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import ClientError, ClientSession
+
+from tests.contract.agent.conftest import (
+    TOKEN,
+    AgentHarness,
+    start_harness,
+    stop_harness,
+    update_body,
+)
+from tests.harness.fake_vllm import FakeVllm
+
+pytestmark = pytest.mark.asyncio
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+async def _until(predicate: Any, timeout: float = 10) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_vllm_restart_after_commit_is_detected_and_repaused(
+    harness: AgentHarness, checkpoints: dict[str, Path]
+) -> None:
+    await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
+    await harness.wait_phase("u-1")
+    await harness.wait_ready()
+
+    await harness.fake.restart()  # comes back serving its boot weights (v0), unpaused
+
+    body = await harness.wait_ready(False)
+    assert any("engine_restarted" in reason for reason in body["reasons"]), body
+    await _until(lambda: harness.fake.paused)
+    state = await (await harness.get("/v1/state")).json()
+    assert state["ready"] is False
+    assert "vLLM was restarted" in state["message"]
+    # The update record still says what was committed; recovery is a new full update.
+    await harness.submit(update_body("u-2", "v1", checkpoints["v1"]))
+    assert (await harness.wait_phase("u-2"))["phase"] == "Committed"
+    await harness.wait_ready()
+
+
+async def test_vllm_restart_mid_update_fails_the_update_and_holds(
+    harness: AgentHarness, checkpoints: dict[str, Path]
+) -> None:
+    gate = harness.fake.gate("weightroll_load")
+    await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
+    await harness.fake.entered["weightroll_load"].wait()
+    harness.fake.gates.clear()
+    gate.set()
+    await harness.fake.restart(down_seconds=0.2)
+
+    status = await harness.wait_phase("u-1")
+
+    assert status["phase"] == "Failed"
+    assert status["verdict"]["reasons"][0].startswith(("engine_unavailable:", "engine_")), status
+    await _until(lambda: harness.fake.paused)  # the restarted vLLM is paused again
+    body = await harness.wait_ready(False)
+    assert any("did not commit" in reason for reason in body["reasons"])
+
+
+async def test_vllm_down_at_agent_start_is_not_ready_until_it_answers(
+    fake: FakeVllm, token_file: Path, tmp_path: Path
+) -> None:
+    await fake.stop()
+    start = asyncio.create_task(start_harness(fake, token_file, tmp_path / "state"))
+    await asyncio.sleep(0.3)
+    assert not start.done()
+    await fake.start(fake.port)
+    harness = await start
+    try:
+        await harness.wait_ready()
+    finally:
+        await stop_harness(harness)
+
+
+async def test_agent_restart_without_state_rederives_from_ranks(
+    fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    first = await start_harness(fake, token_file, tmp_path / "state-a")
+    await first.submit(update_body("u-1", "v1", checkpoints["v1"]))
+    await first.wait_phase("u-1")
+    await stop_harness(first)
+    # A fresh agent with no memory adopts the version every rank reports.
+    second = await start_harness(fake, token_file, tmp_path / "state-b")
+    try:
+        await second.wait_ready()
+        state = await (await second.get("/v1/state")).json()
+        assert state["version"] == "v1"
+        # A poisoned engine is never ready, whatever the agent remembers.
+        for rank in fake.ranks:
+            rank.state, rank.poison_reason = "poisoned", "test"
+        body = await second.wait_ready(False)
+        assert any("poisoned" in reason for reason in body["reasons"])
+    finally:
+        await stop_harness(second)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _spawn_agent(fake: FakeVllm, token_file: Path, state_dir: Path, port: int) -> Any:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "engine_agent.sidecar.main",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-url",
+        fake.url,
+        "--token-file",
+        str(token_file),
+        "--state-dir",
+        str(state_dir),
+        "--watch-interval",
+        "0.1",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+
+
+async def _get(http: ClientSession, url: str, timeout: float = 20) -> tuple[int, Any]:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        try:
+            response = await http.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+            return response.status, await response.json()
+        except ClientError:
+            assert loop.time() < end, f"{url} never answered"
+            await asyncio.sleep(0.1)
+
+
+async def test_agent_killed_mid_update_and_restarted(
+    fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    state_dir = tmp_path / "state"
+    process = await _spawn_agent(fake, token_file, state_dir, port)
+    async with ClientSession() as http:
+        try:
+            await _get(http, f"{base}/healthz")
+            gate = fake.gate("weightroll_load")
+            response = await http.post(
+                f"{base}/v1/updates",
+                json=update_body("u-1", "v1", checkpoints["v1"]),
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert response.status == 202
+            await asyncio.wait_for(fake.entered["weightroll_load"].wait(), 20)
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
+            fake.gates.clear()
+            gate.set()  # the load completes on the ranks after the agent died: ranks are dirty
+            await _until(lambda: {rank.state for rank in fake.ranks} == {"dirty"})
+
+            process = await _spawn_agent(fake, token_file, state_dir, port)
+            status, body = await _get(http, f"{base}/v1/updates/u-1")
+            assert status == 200
+            assert body["phase"] == "Failed"
+            assert body["verdict"]["reasons"][0].startswith("agent_restarted:")
+            assert "during phase Loading" in body["verdict"]["reasons"][0]
+            await _until(lambda: {rank.state for rank in fake.ranks} == {"poisoned"})
+            assert fake.paused
+            status, ready = await _get(http, f"{base}/readyz")
+            assert status == 503
+            assert any("agent_restarted" in reason for reason in ready["reasons"]), ready
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                await process.wait()

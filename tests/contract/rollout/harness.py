@@ -1,0 +1,183 @@
+"""Drives the operator's reconciler against kmock + simulated agents, pass by pass."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+
+from tests.harness.fake_agent import FakeAgent, FakeFleetAgents
+from tests.harness.kube_fleet import FleetEmulator, make_pod, make_weightupdate
+from weightroll_operator.agent_client import AgentClient
+from weightroll_operator.api import v1alpha1 as api
+from weightroll_operator.domain.model import (
+    ANNOTATION_OWNER,
+    ANNOTATION_WEIGHT_STATE,
+    CONDITION_WEIGHTS_READY,
+    WeightState,
+)
+from weightroll_operator.k8s.client import KubeApi, KubeConfig
+from weightroll_operator.metrics import Metrics
+from weightroll_operator.reconcile import PassResult, Reconciler
+
+NS = "default"
+
+
+class Harness:
+    def __init__(self, emulator: FleetEmulator, url: str, agents: FakeFleetAgents) -> None:
+        self.emu, self.url, self.agents = emulator, url, agents
+        self.emu.agent_snapshot = self._snapshot
+        self.http = aiohttp.ClientSession(base_url=url)
+        self.kube = KubeApi(KubeConfig(server=url))
+        self.client = AgentClient(timeout=1.0)
+        self.metrics = Metrics()
+        self.rec = self.new_reconciler()
+
+    def new_reconciler(self) -> Reconciler:
+        """A fresh operator process: no memory of earlier passes (restart)."""
+        return Reconciler(
+            kube=self.kube, agents=self.client, metrics=self.metrics, state_ttl=0.0
+        )
+
+    def _snapshot(self, pod: str) -> dict[str, Any] | None:
+        agent = self.agents.agents.get(pod)
+        return None if agent is None else agent.snapshot()
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.kube.close()
+        await self.client.close()
+        await self.agents.close()
+
+    # ---- objects -------------------------------------------------------------------------------
+
+    async def _post(self, path: str, body: dict[str, Any]) -> None:
+        async with self.http.post(path, json=body) as resp:
+            assert resp.status < 400, await resp.text()
+
+    async def add_pods(self, n: int, start: int = 0, **agent_kw: Any) -> list[FakeAgent]:
+        created = []
+        for i in range(start, start + n):
+            name = f"pod-{i}"
+            agent = await self.agents.add(name, i, **agent_kw)
+            await self._post(
+                f"/api/v1/namespaces/{NS}/pods", make_pod(name, agent.host, self.agents.port)
+            )
+            created.append(agent)
+        await self._post(
+            f"/api/v1/namespaces/{NS}/secrets",
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "agent-token", "namespace": NS},
+                "data": {"token": base64.b64encode(b"s3cret").decode()},
+            },
+        )
+        return created
+
+    async def create_wu(self, name: str, version: str, **kw: Any) -> None:
+        kw.setdefault("agent", {"tokenSecretRef": {"name": "agent-token"}})
+        body = make_weightupdate(name, version, **kw)
+        await self._post(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}", body)
+
+    async def patch_wu(self, name: str, spec: dict[str, Any]) -> None:
+        path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/{name}"
+        headers = {"Content-Type": "application/merge-patch+json"}
+        async with self.http.patch(path, json={"spec": spec}, headers=headers) as resp:
+            assert resp.status < 400
+
+    async def delete_pod(self, name: str) -> None:
+        async with self.http.delete(f"/api/v1/namespaces/{NS}/pods/{name}") as resp:
+            assert resp.status < 400
+
+    async def wu(self, name: str) -> dict[str, Any]:
+        body: dict[str, Any] = await self.kube.get_weightupdate(NS, name)
+        return body
+
+    async def status(self, name: str) -> dict[str, Any]:
+        return dict((await self.wu(name)).get("status") or {})
+
+    async def pods(self) -> list[dict[str, Any]]:
+        return await self.kube.list_pods(NS)
+
+    async def pod(self, name: str) -> dict[str, Any]:
+        return next(p for p in await self.pods() if p["metadata"]["name"] == name)
+
+    # ---- passes --------------------------------------------------------------------------------
+
+    async def tick(self, name: str, rec: Reconciler | None = None) -> PassResult:
+        peers = await self.kube.list_weightupdates(NS)
+        return await (rec or self.rec).reconcile(await self.wu(name), await self.pods(), peers)
+
+    async def run_until(
+        self,
+        names: Iterable[str],
+        done: Any,
+        *,
+        timeout: float = 15.0,
+        rec: Reconciler | None = None,
+    ) -> None:
+        """Tick every named WeightUpdate until ``await done()`` is true."""
+        names = list(names)
+        deadline = time.monotonic() + timeout
+        while True:
+            for name in names:
+                await self.tick(name, rec)
+            if await done():
+                return
+            assert time.monotonic() < deadline, "timed out waiting: " + str(
+                [await self.status(n) for n in names]
+            )
+            await asyncio.sleep(0.01)
+
+    def phase_is(self, name: str, *phases: str) -> Any:
+        async def check() -> bool:
+            return (await self.status(name)).get("phase") in phases
+
+        return check
+
+    # ---- assertions ----------------------------------------------------------------------------
+
+    def assert_never_ready_unverified(self, allowed_versions: set[str]) -> None:
+        """Every write that set the gate True happened while the pod's agent was committed,
+        not paused, and serving one of ``allowed_versions``."""
+        trues = [w for w in self.emu.status_writes if w.gate() == "True"]
+        for w in trues:
+            assert w.agent is not None, w
+            assert w.agent["ready"], f"{w.pod} marked ready while its agent was {w.agent}"
+            assert w.agent["version"] in allowed_versions, (w.pod, w.agent)
+        for w in self.emu.status_writes:
+            types = {c["type"] for c in w.conditions}
+            assert types == {CONDITION_WEIGHTS_READY}, f"wrote {types} on {w.pod}"
+
+    def max_drained_at_once(self) -> int:
+        drained: set[str] = set()
+        worst = 0
+        for w in self.emu.status_writes:
+            if w.gate() == "False":
+                drained.add(w.pod)
+            elif w.gate() == "True":
+                drained.discard(w.pod)
+            worst = max(worst, len(drained))
+        return worst
+
+    async def gate(self, pod: str) -> str | None:
+        for c in (await self.pod(pod))["status"]["conditions"]:
+            if c["type"] == CONDITION_WEIGHTS_READY:
+                return str(c["status"])
+        return None
+
+    async def state_of(self, pod: str) -> WeightState | None:
+        raw = (await self.pod(pod))["metadata"].get("annotations", {}).get(ANNOTATION_WEIGHT_STATE)
+        return WeightState.from_json(raw) if raw else None
+
+    async def owner_of(self, pod: str) -> str | None:
+        owner = (await self.pod(pod))["metadata"].get("annotations", {}).get(ANNOTATION_OWNER)
+        return str(owner) if owner else None
+
+    def condition(self, status: dict[str, Any], ctype: str) -> dict[str, Any]:
+        return next(c for c in status.get("conditions", []) if c["type"] == ctype)

@@ -1,0 +1,1 @@
+"""Test harness shared by the test tiers: tiny model builder, engine fixtures, test doubles."""

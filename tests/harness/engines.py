@@ -1,0 +1,128 @@
+"""Real vLLM engines on CPU for the engine tier, driven through weightroll's extension.
+
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``tests/engine/conftest.py``
+before vLLM is imported): they start 2-3x faster than multiprocess ones and ``collective_rpc``
+returns the extension's dicts directly. Several engines may be alive at once.
+
+:class:`Outputs` is what the differential oracle compares: greedy tokens plus the top-5 prompt
+and sample logprobs of fixed prompts — equal ``Outputs`` means equal logits to the last bit
+that matters for sampling.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROMPTS", "Engine", "Outputs", "start_engine"]
+
+PROMPTS = ["The quick brown fox", "Weights are reloaded in place and every rank"]
+EXTENSION = "tests.harness.probe_extension.ProbeExtension"
+
+
+@dataclass(frozen=True)
+class Outputs:
+    tokens: tuple[tuple[int, ...], ...]
+    prompt_logprobs: tuple[Any, ...]
+    sample_logprobs: tuple[Any, ...]
+
+    def max_logprob_diff(self, other: Outputs) -> float:
+        """Largest absolute difference between matching prompt logprobs (inf if tokens differ)."""
+        if self.tokens != other.tokens:
+            return float("inf")
+        worst = 0.0
+        for mine, theirs in zip(self.prompt_logprobs, other.prompt_logprobs, strict=True):
+            for pos_a, pos_b in zip(mine, theirs, strict=True):
+                common = set(pos_a) & set(pos_b)
+                worst = max([worst, *(abs(pos_a[t] - pos_b[t]) for t in common)])
+        return worst
+
+
+class Engine:
+    """One in-process vLLM engine with the probe extension (weightroll's extension + probes)."""
+
+    def __init__(self, llm: Any, model_dir: Path) -> None:
+        self.llm = llm
+        self.model_dir = model_dir
+
+    def rpc(self, method: str, payload: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Call an extension method on every rank with a JSON payload; one dict per rank."""
+        result: list[dict[str, Any]] = self.llm.collective_rpc(
+            method, args=(json.dumps(payload or {}),)
+        )
+        return result
+
+    def update(self, update_id: str, version: str, *paths: Path | str, **spec: Any) -> list[dict[str, Any]]:
+        """begin + one load per path + finish; returns the finish reports (or the first failure)."""
+        begin = self.rpc("weightroll_begin", {"updateId": update_id, "version": version, **spec})
+        if not all(r["ok"] for r in begin):
+            return begin
+        for path in paths:
+            loaded = self.rpc("weightroll_load", {"path": str(path)})
+            if not all(r["ok"] for r in loaded):
+                self.rpc("weightroll_abort")
+                return loaded
+        return self.rpc("weightroll_finish")
+
+    def state(self) -> list[dict[str, Any]]:
+        return self.rpc("weightroll_state")
+
+    def outputs(self) -> Outputs:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=5, logprobs=5)
+        results = self.llm.generate(PROMPTS, params, use_tqdm=False)
+        return Outputs(
+            tokens=tuple(tuple(r.outputs[0].token_ids) for r in results),
+            prompt_logprobs=tuple(
+                tuple(
+                    {tok: lp.logprob for tok, lp in pos.items()} for pos in r.prompt_logprobs[1:]
+                )
+                for r in results
+            ),
+            sample_logprobs=tuple(
+                tuple({tok: lp.logprob for tok, lp in pos.items()} for pos in r.outputs[0].logprobs)
+                for r in results
+            ),
+        )
+
+    def close(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        shutdown = getattr(engine_core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del self.llm
+        gc.collect()
+
+
+def start_engine(model_dir: Path, **kwargs: Any) -> Engine:
+    """Start an engine on ``model_dir`` (bf16, eager, tiny KV cache) with the probe extension."""
+    from vllm import LLM
+
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" or kwargs.get(
+        "tensor_parallel_size", 1
+    ) > 1, "engine tests run vLLM in-process; see tests/engine/conftest.py"
+    llm = LLM(
+        model=str(model_dir),
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        dtype="bfloat16",
+        seed=0,
+        worker_extension_cls=EXTENSION,
+        **kwargs,
+    )
+    return Engine(llm, Path(model_dir))
+
+
+def cold_outputs(model_dir: Path) -> Outputs:
+    """Outputs of a freshly started engine loaded with ``model_dir`` (the oracle's reference)."""
+    engine = start_engine(model_dir)
+    try:
+        return engine.outputs()
+    finally:
+        engine.close()

@@ -1,0 +1,245 @@
+"""Test double of the pod agent's HTTP API: a real aiohttp server speaking ``engine_agent.protocol``.
+
+``FakeAgent`` serves ``/healthz``, ``/readyz``, ``/v1/state``, ``POST /v1/updates``,
+``GET /v1/updates/{id}`` and ``POST /v1/updates/{id}/abort`` with bearer-token checks, like the
+real sidecar, but "loads" weights by sleeping. Each instance binds its own loopback address
+(``127.0.0.N``, all routed to lo on Linux) on a shared port, so a fleet of fake pods can use the
+pod IP + one agent port exactly like a real cluster.
+
+Scripts per version decide what an update does: ``succeed`` (Draining -> Loading -> Verifying ->
+Committed), ``fail`` (-> Failed with a reason, stays paused), ``hang`` (stays Loading until
+aborted). :meth:`FakeAgent.disappear` stops the server (connection refused) and
+:meth:`FakeAgent.appear` brings it back with the same state.
+
+Every update execution is recorded in ``executions`` so a test can assert that no version was
+loaded twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+from engine_agent.protocol import (
+    AgentState,
+    EngineState,
+    ErrorBody,
+    SourceSpec,
+    UpdatePhase,
+    UpdateRequest,
+    UpdateStatus,
+    Verdict,
+)
+
+__all__ = ["FakeAgent", "FakeFleetAgents", "Script", "free_port"]
+
+Script = Literal["succeed", "fail", "hang"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class FakeAgent:
+    """One simulated agent (one pod)."""
+
+    pod: str
+    host: str
+    port: int
+    token: str | None = None
+    version: str = "v1"
+    source: str = "/weights/v1"
+    #: Seconds each of the three update phases takes.
+    step: float = 0.02
+    scripts: dict[str, Script] = field(default_factory=dict)
+    #: Update ids in the order they were executed (a repeated POST of a known id is not one).
+    executions: list[str] = field(default_factory=list)
+    updates: dict[str, UpdateStatus] = field(default_factory=dict)
+    active: str | None = None
+    paused: bool = False
+    engine: EngineState = EngineState.CLEAN
+    _runner: web.AppRunner | None = None
+    _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is EngineState.CLEAN and not self.paused and self.active is None
+
+    async def appear(self) -> None:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/healthz", self._healthz),
+                web.get("/readyz", self._readyz),
+                web.get("/v1/state", self._state),
+                web.post("/v1/updates", self._start),
+                web.get("/v1/updates/{id}", self._get),
+                web.post("/v1/updates/{id}/abort", self._abort),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+
+    async def disappear(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.disappear()
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self.token is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+
+    @staticmethod
+    def _error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+        body = ErrorBody(code=code, message=message, field=field).to_wire()
+        return web.json_response(body, status=status)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
+
+    async def _state(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._error(401, "unauthorized", "missing or wrong bearer token")
+        state = AgentState(
+            version=self.version,
+            engine_state=self.engine,
+            ready=self.ready,
+            paused=self.paused,
+            active_update_id=self.active,
+            source=SourceSpec(uri=self.source),
+        )
+        return web.json_response(state.to_wire())
+
+    async def _start(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._error(401, "unauthorized", "missing or wrong bearer token")
+        try:
+            req = UpdateRequest.model_validate(await request.json())
+        except ValueError as e:
+            return self._error(422, "invalid", str(e))
+        if req.id in self.updates:
+            return web.json_response(self.updates[req.id].to_wire(), status=202)
+        if self.active is not None:
+            return self._error(409, "conflict", f"update {self.active} is active")
+        self.active = req.id
+        self.paused = True
+        self.executions.append(req.id)
+        self.updates[req.id] = UpdateStatus(
+            id=req.id, version=req.version, mode=req.mode, phase=UpdatePhase.DRAINING
+        )
+        self._tasks[req.id] = asyncio.create_task(self._run(req))
+        return web.json_response(self.updates[req.id].to_wire(), status=202)
+
+    async def _get(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._error(401, "unauthorized", "missing or wrong bearer token")
+        update = self.updates.get(request.match_info["id"])
+        if update is None:
+            return self._error(404, "not_found", f"no update {request.match_info['id']}")
+        return web.json_response(update.to_wire())
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._error(401, "unauthorized", "missing or wrong bearer token")
+        uid = request.match_info["id"]
+        if uid not in self.updates:
+            return self._error(404, "not_found", f"no update {uid}")
+        task = self._tasks.get(uid)
+        if task is not None and not task.done():
+            task.cancel()
+            self._finish(uid, UpdatePhase.ABORTED, ["aborted by the operator"])
+        return web.json_response(self.updates[uid].to_wire())
+
+    # ---- the simulated update ------------------------------------------------------------------
+
+    def _set(self, uid: str, phase: UpdatePhase) -> None:
+        self.updates[uid] = self.updates[uid].model_copy(update={"phase": phase})
+
+    def _finish(self, uid: str, phase: UpdatePhase, reasons: list[str]) -> None:
+        committed = phase is UpdatePhase.COMMITTED
+        self.updates[uid] = self.updates[uid].model_copy(
+            update={"phase": phase, "verdict": Verdict(committed=committed, reasons=reasons)}
+        )
+        self.active = None
+        if committed:
+            self.paused = False
+            self.engine = EngineState.CLEAN
+        else:
+            # fail closed: stay paused, not ready
+            self.engine = EngineState.POISONED
+
+    async def _run(self, req: UpdateRequest) -> None:
+        script = self.scripts.get(req.version, "succeed")
+        uid = req.id
+        await asyncio.sleep(self.step)
+        self._set(uid, UpdatePhase.LOADING)
+        self.engine = EngineState.DIRTY
+        await asyncio.sleep(self.step)
+        if script == "hang":
+            await asyncio.Event().wait()
+        self._set(uid, UpdatePhase.VERIFYING)
+        await asyncio.sleep(self.step)
+        if script == "fail":
+            self._finish(uid, UpdatePhase.FAILED, ["DigestMismatch: rank tp1 digest differs"])
+            return
+        self.version = req.version
+        self.source = req.source.uri
+        self._finish(uid, UpdatePhase.COMMITTED, [])
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the agent would say right now (used by the pod-status write log)."""
+        return {"version": self.version, "ready": self.ready, "engine": self.engine.value}
+
+
+@dataclass
+class FakeFleetAgents:
+    """Agents for a fleet of fake pods: ``pod-0`` on 127.0.0.2, ``pod-1`` on 127.0.0.3, …"""
+
+    port: int = field(default_factory=free_port)
+    token: str | None = None
+    agents: dict[str, FakeAgent] = field(default_factory=dict)
+
+    async def add(self, pod: str, index: int, **kw: Any) -> FakeAgent:
+        agent = FakeAgent(pod=pod, host=f"127.0.0.{index + 2}", port=self.port, token=self.token, **kw)
+        await agent.appear()
+        self.agents[pod] = agent
+        return agent
+
+    def __getitem__(self, pod: str) -> FakeAgent:
+        return self.agents[pod]
+
+    async def close(self) -> None:
+        for agent in self.agents.values():
+            await agent.close()

@@ -1,0 +1,387 @@
+"""TEST DOUBLE: a fake vLLM OpenAI server with scriptable ranks, for the sidecar's contract tests.
+
+This is **not** vLLM. It serves the few dev-mode routes the sidecar uses (``/health``,
+``/get_world_size``, ``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``,
+``/collective_rpc``, ``/metrics``) plus a toy ``/v1/completions``, and plays N ranks of the
+weightroll worker extension with the state machine of ``engine_agent/reload/session.py``
+(clean → open → dirty → clean(v'), dirty --abort--> poisoned).
+
+Scriptable per rank (:class:`FakeRank`): fail a method with an error code, hang in a method,
+omit or duplicate its result, report another update id, coverage hash or an identity problem.
+Scriptable per server: hold a method at a gate (to act mid-update), slow generation (to test
+draining), restart (all ranks back to the boot version, unpaused).
+
+Loading is realistic enough for the contract: the path must exist, and when a manifest is given
+each rank compares the checkpoint on disk with it (``engine_agent.manifest``), failing with
+``manifest_mismatch`` as the real extension does.
+
+Completions answer ``"weights=<version>"`` with the version the ranks held when the request
+was admitted, or ``"mixed"`` if it changed while the request ran, so tests can prove that no
+request is served by mixed weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine_agent.manifest import ManifestError, build_manifest, load_manifest
+
+__all__ = ["FakeRank", "FakeVllm"]
+
+
+@dataclass
+class FakeRank:
+    """One fake rank of the worker extension."""
+
+    dp: int = 0
+    pp: int = 0
+    tp: int = 0
+    ep: int = 0
+    state: str = "clean"
+    version: str = "v0"
+    update_id: str | None = None
+    target: str | None = None
+    poison_reason: str | None = None
+    #: method -> error code: the rank answers ``ok: false`` with that code.
+    fail: dict[str, str] = field(default_factory=dict)
+    #: methods in which this rank never answers.
+    hang: set[str] = field(default_factory=set)
+    #: methods whose result from this rank is dropped from ``results``.
+    missing: set[str] = field(default_factory=set)
+    #: methods whose result from this rank appears twice.
+    duplicate: set[str] = field(default_factory=set)
+    #: finish reports this coverage hash instead of the common one.
+    coverage_hash: str | None = None
+    #: finish reports these identity problems.
+    identity_problems: list[str] = field(default_factory=list)
+    #: report this update id instead of the session's.
+    wrong_update_id: str | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    loaded_bytes: int = 0
+
+    @property
+    def rank(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "ep": self.ep}
+
+    def reset(self, version: str) -> None:
+        self.state, self.version, self.update_id, self.target = "clean", version, None, None
+        self.poison_reason = None
+        self.loaded_bytes = 0
+
+    def _report(
+        self, call: str, ok: bool = True, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "call": call,
+            "ok": ok,
+            "state": self.state,
+            "version": self.version,
+            "updateId": self.wrong_update_id or self.update_id,
+            "error": error,
+            "bytesLoaded": self.loaded_bytes if call == "load" else 0,
+        }
+
+    def _error(self, call: str, code: str, message: str) -> dict[str, Any]:
+        return self._report(call, ok=False, error={"code": code, "message": message})
+
+    def handle(self, method: str, arg: str) -> Any:
+        """Run one extension method; returns the rank's result dict."""
+        self.calls.append((method, arg))
+        call = method.removeprefix("weightroll_")
+        if method in self.fail:
+            code = self.fail[method]
+            if self.state == "dirty":
+                self.state, self.poison_reason = "poisoned", f"{call} failed"
+            return self._error(call, code, f"scripted failure of {method} on tp{self.tp}")
+        body = json.loads(arg)
+        if method == "weightroll_state":
+            return {
+                "rank": self.rank,
+                "state": self.state,
+                "version": self.version,
+                "updateId": self.update_id,
+                "servingSafe": self.state == "clean",
+                "poisonReason": self.poison_reason,
+            }
+        if method == "weightroll_begin":
+            if self.state in ("open", "dirty"):
+                return self._error(call, "update_conflict", f"update {self.update_id} is active")
+            if self.state == "poisoned" and body.get("mode", "full") != "full":
+                return self._error(call, "wrong_state", "engine is poisoned")
+            self.update_id, self.target = body["updateId"], body["version"]
+            self.state = "open"
+            self.loaded_bytes = 0
+            return self._report(call)
+        if method == "weightroll_load":
+            if self.state not in ("open", "dirty"):
+                return self._error(call, "wrong_state", "no session")
+            path = body["path"]
+            if not os.path.exists(path):
+                return self._error(call, "source_unavailable", f"{path} does not exist")
+            if body.get("manifest"):
+                try:
+                    pinned = load_manifest(body["manifest"])
+                    actual = build_manifest(path)
+                except ManifestError as e:
+                    return self._error(call, e.code, str(e))
+                if pinned.digest != actual.digest:
+                    return self._error(
+                        call, "manifest_mismatch", "checkpoint bytes differ from the manifest"
+                    )
+            files = (
+                [path]
+                if os.path.isfile(path)
+                else [
+                    os.path.join(path, name)
+                    for name in os.listdir(path)
+                    if name.endswith(".safetensors")
+                ]
+            )
+            self.loaded_bytes = sum(os.path.getsize(name) for name in files)
+            self.state = "dirty"
+            return self._report(call)
+        if method == "weightroll_finish":
+            if self.state == "open":
+                self.state, self.update_id = "clean", None
+                return self._error(call, "coverage_incomplete", "nothing was loaded")
+            if self.state != "dirty":
+                return self._error(call, "wrong_state", f"engine is {self.state}")
+            assert self.target is not None
+            self.state, self.version = "clean", self.target
+            report = self._report(call)
+            report.update(
+                {
+                    "required": 21,
+                    "received": 21,
+                    "coverageHash": self.coverage_hash or "cov-" + self.target,
+                    "digest": hashlib.sha256(f"{self.target}:{self.tp}".encode()).hexdigest(),
+                    "identityOk": not self.identity_problems,
+                    "identityProblems": self.identity_problems,
+                }
+            )
+            return report
+        if method == "weightroll_abort":
+            if self.state == "dirty":
+                self.state, self.poison_reason = "poisoned", "aborted while dirty"
+            elif self.state == "open":
+                self.state, self.update_id = "clean", None
+            return self._report(call)
+        raise web.HTTPBadRequest(text=f"unknown method {method}")
+
+
+class FakeVllm:
+    """TEST DOUBLE of a vLLM OpenAI server in dev mode with N fake ranks.
+
+    Args:
+        ranks: the ranks (default: one rank at ``boot_version``).
+        boot_version: version every rank reports after start or :meth:`restart`.
+        gen_seconds: how long one completion takes.
+    """
+
+    def __init__(
+        self,
+        ranks: list[FakeRank] | None = None,
+        *,
+        boot_version: str = "v0",
+        gen_seconds: float = 0.05,
+    ) -> None:
+        self.boot_version = boot_version
+        self.ranks = ranks or [FakeRank(version=boot_version)]
+        for rank in self.ranks:
+            rank.reset(boot_version)
+        self.gen_seconds = gen_seconds
+        self.paused = False
+        self.running = 0
+        self.gates: dict[str, asyncio.Event] = {}
+        #: vLLM's engine core runs utility calls one at a time; so does the fake.
+        self._rpc_lock = asyncio.Lock()
+        self.entered: dict[str, asyncio.Event] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.cache_resets = 0
+        self.cache_reset_ok = True
+        self.restarts = 0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._aborted = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._hang_forever = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @classmethod
+    def tp(cls, size: int, **kwargs: Any) -> FakeVllm:
+        return cls([FakeRank(tp=i) for i in range(size)], **kwargs)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def version(self) -> str:
+        versions = {rank.version for rank in self.ranks}
+        return versions.pop() if len(versions) == 1 else "mixed"
+
+    def calls(self, method: str) -> int:
+        return sum(1 for rank in self.ranks for name, _ in rank.calls if name == method)
+
+    def gate(self, method: str) -> asyncio.Event:
+        """Hold ``method`` until the returned event is set; ``entered[method]`` fires on arrival."""
+        self.gates[method] = asyncio.Event()
+        self.entered[method] = asyncio.Event()
+        return self.gates[method]
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/get_world_size", self._world_size)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_get("/is_paused", self._is_paused)
+        app.router.add_post("/reset_prefix_cache", self._reset_cache)
+        app.router.add_post("/collective_rpc", self._rpc)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._complete)
+        return app
+
+    async def start(self, port: int = 0) -> str:
+        self._runner = web.AppRunner(self._app(), shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port)
+        await site.start()
+        server = site._server
+        assert server is not None and hasattr(server, "sockets")
+        self.port = server.sockets[0].getsockname()[1]
+        return self.url
+
+    async def stop(self) -> None:
+        self._hang_forever.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._hang_forever = asyncio.Event()
+
+    async def restart(self, down_seconds: float = 0.0) -> None:
+        """Simulate vLLM restarting underneath the agent: same port, boot weights, unpaused."""
+        await self.stop()
+        await asyncio.sleep(down_seconds)
+        for rank in self.ranks:
+            rank.reset(self.boot_version)
+        self.paused = False
+        self._resumed.set()
+        self.restarts += 1
+        await self.start(self.port)
+
+    # ---------------------------------------------------------------- routes
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _world_size(self, _: web.Request) -> web.Response:
+        return web.json_response({"world_size": len(self.ranks)})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            self._aborted.set()
+            await self._idle.wait()
+            self._aborted.clear()
+        elif mode == "wait":
+            await self._idle.wait()
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, _: web.Request) -> web.Response:
+        self.paused = False
+        self._resumed.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _is_paused(self, _: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    async def _reset_cache(self, _: web.Request) -> web.Response:
+        self.cache_resets += 1
+        return web.json_response({"success": self.cache_reset_ok})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0"}} {float(self.running)}\n'
+        )
+        return web.Response(text=text)
+
+    async def _rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        method, args, timeout = body["method"], body.get("args", []), body.get("timeout")
+        if not all(isinstance(arg, str) for arg in args):
+            return web.json_response({"error": "args must be strings"}, status=400)
+        arg = args[0] if args else "{}"
+        async with self._rpc_lock:
+            return await self._rpc_locked(method, arg, timeout)
+
+    async def _rpc_locked(self, method: str, arg: str, timeout: float | None) -> web.Response:
+        if method in self.entered:
+            self.entered[method].set()
+        if method in self.gates:
+            await self.gates[method].wait()
+        results: list[Any] = []
+        hung = False
+        for rank in self.ranks:
+            if method in rank.hang:
+                hung = True
+                rank.calls.append((method, arg))
+                continue
+            result = rank.handle(method, arg)
+            if method in rank.missing:
+                continue
+            results.append(result)
+            if method in rank.duplicate:
+                results.append(result)
+        if hung:
+            if timeout is None:
+                await self._hang_forever.wait()
+            else:
+                await asyncio.sleep(float(timeout))
+            return web.json_response({"error": f"RPC call to {method} timed out."}, status=500)
+        return web.json_response({"results": results})
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await self._resumed.wait()
+        self.running += 1
+        self._idle.clear()
+        start_version = self.version
+        finish_reason = "length"
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._aborted.wait(), self.gen_seconds)
+                finish_reason = "abort"
+        finally:
+            self.running -= 1
+            if self.running == 0:
+                self._idle.set()
+        end_version = self.version
+        text = f"weights={start_version}" if start_version == end_version else "mixed"
+        self.requests.append((str(body.get("prompt", "")), text))
+        return web.json_response(
+            {
+                "choices": [
+                    {
+                        "text": text if finish_reason != "abort" else "",
+                        "finish_reason": finish_reason,
+                    }
+                ]
+            }
+        )

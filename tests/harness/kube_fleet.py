@@ -1,0 +1,184 @@
+"""A kmock emulator that plays kubelet for a fleet of fake vLLM pods (operator contract tests).
+
+kmock replaces lists on patch (no strategic merge) and has no kubelet. :class:`FleetEmulator`
+adds just enough to test the drain contract faithfully:
+
+* ``pods/status`` patches merge ``status.conditions`` by ``type`` (strategic merge, as the real
+  API server does for this list);
+* after each such patch the pod's ``Ready`` condition is recomputed like kubelet does: containers
+  ready **and** every ``spec.readinessGates`` condition True;
+* every ``pods/status`` write is logged with a snapshot of the pod's fake agent at that instant,
+  so a test can prove that no pod was ever marked ready while its agent was unverified.
+
+Everything else is kmock's (see operator.md §4 for what it does not emulate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kmock
+
+from weightroll_operator.api import v1alpha1 as api
+from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
+
+__all__ = ["FleetEmulator", "StatusWrite", "fleet_emulator", "make_pod", "make_weightupdate"]
+
+
+@dataclass(frozen=True)
+class StatusWrite:
+    pod: str
+    conditions: list[dict[str, Any]]
+    agent: dict[str, Any] | None
+
+    def gate(self) -> str | None:
+        for cond in self.conditions:
+            if cond.get("type") == CONDITION_WEIGHTS_READY:
+                return str(cond.get("status"))
+        return None
+
+
+class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+    """kmock + conditions merged by type + a kubelet that recomputes ``Ready``."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.status_writes: list[StatusWrite] = []
+        self.agent_snapshot: Callable[[str], dict[str, Any] | None] = lambda pod: None
+        #: Pods whose containers are not ready (kubelet would say so): Ready stays False.
+        self.containers_not_ready: set[str] = set()
+
+    async def _handle(self, request: Any) -> Any:
+        res = request.resource
+        is_status_patch = (
+            res is not None
+            and res.plural == "pods"
+            and request.subresource == "status"
+            and request.method == kmock.method.PATCH
+            and request.name
+        )
+        if not is_status_patch:
+            return await super()._handle(request)
+        key = (kmock.resource("", "v1", "pods"), request.namespace, request.name)
+        before = self._current(key)
+        response = await super()._handle(request)  # kmock replaces the conditions list...
+        if before is not None:  # ...so merge by type and play kubelet on the stored object
+            merged = self._merged(before, request)
+            obj = self.objects[key]
+            obj.patch({"status": {"conditions": merged}})
+            await self._buses[res].put({"type": "MODIFIED", "object": obj.raw})
+        return response
+
+    def _current(self, key: Any) -> dict[str, Any] | None:
+        try:
+            obj = self.objects[key]
+        except KeyError:
+            return None
+        return None if obj.deleted else dict(obj.raw)
+
+    def _merged(self, current: dict[str, Any], request: Any) -> list[dict[str, Any]]:
+        patch = dict(request.data or {})
+        new = list(((patch.get("status") or {}).get("conditions")) or [])
+        conds = {c["type"]: dict(c) for c in (current.get("status") or {}).get("conditions") or []}
+        for c in new:
+            conds[c["type"]] = {**conds.get(c["type"], {}), **c}
+        gates = [g["conditionType"] for g in (current.get("spec") or {}).get("readinessGates") or []]
+        ready = request.name not in self.containers_not_ready and all(
+            conds.get(g, {}).get("status") == "True" for g in gates
+        )
+        conds["Ready"] = {"type": "Ready", "status": "True" if ready else "False"}
+        self.status_writes.append(
+            StatusWrite(pod=request.name, conditions=new, agent=self.agent_snapshot(request.name))
+        )
+        return list(conds.values())
+
+
+@contextlib.asynccontextmanager
+async def fleet_emulator() -> AsyncIterator[tuple[FleetEmulator, str]]:
+    """A running emulator with the WeightUpdate CRD declared; yields it and its URL."""
+    emulator = FleetEmulator()
+    emulator.resources[f"{api.GROUP}/{api.VERSION}/{api.PLURAL}"] = kmock.ResourceInfo(
+        kind=api.KIND,
+        singular=api.SINGULAR,
+        namespaced=True,
+        verbs={"list", "watch", "get", "patch", "create", "delete"},
+        shortnames={api.SHORT_NAME},
+        subresources={"status"},
+    )
+    verbs = {"list", "watch", "get", "patch", "create", "delete"}
+    emulator.resources["v1/pods"] = kmock.ResourceInfo(
+        kind="Pod", singular="pod", namespaced=True, verbs=verbs, subresources={"status"}
+    )
+    for plural, kind in (("secrets", "Secret"), ("events", "Event")):
+        emulator.resources[f"v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind, singular=kind.lower(), namespaced=True, verbs=verbs
+        )
+    async with emulator, kmock.Server(emulator) as server:
+        yield emulator, str(server.url).rstrip("/")
+
+
+def make_pod(
+    name: str,
+    ip: str,
+    port: int,
+    *,
+    namespace: str = "default",
+    labels: dict[str, str] | None = None,
+    gate: bool | None = True,
+) -> dict[str, Any]:
+    """A running vLLM pod with our readiness gate, Ready as kubelet would compute it."""
+    conditions = [{"type": "Ready", "status": "True" if gate else "False"}]
+    if gate is not None:
+        conditions.append({"type": CONDITION_WEIGHTS_READY, "status": "True" if gate else "False"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{name}",
+            "labels": labels or {"app": "llm"},
+            "annotations": {},
+        },
+        "spec": {
+            "readinessGates": [{"conditionType": CONDITION_WEIGHTS_READY}],
+            "containers": [
+                {
+                    "name": "vllm",
+                    "ports": [{"name": "weightroll", "containerPort": port}],
+                }
+            ],
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": conditions,
+            "containerStatuses": [{"name": "vllm", "ready": True, "restartCount": 0}],
+        },
+    }
+
+
+def make_weightupdate(
+    name: str,
+    version: str,
+    *,
+    namespace: str = "default",
+    strategy: dict[str, Any] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "selector": {"matchLabels": {"app": "llm"}},
+        "version": version,
+        "source": {"uri": f"/weights/{version}"},
+        "strategy": strategy or {},
+    }
+    body.update(spec)
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 1},
+        "spec": body,
+    }

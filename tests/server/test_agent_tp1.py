@@ -1,0 +1,227 @@
+"""Server tier, TP=1: the agent drives a real vLLM server through updates, drains and faults.
+
+One server (model A, boot version v0) for the whole module; tests run in file order and each
+leaves the replica committed and ready. The last test restarts vLLM underneath the agent on
+checkpoint B and uses that cold engine as the differential oracle for the warm update A->B.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.server.conftest import MANIFEST, Scenario, start_scenario, stop_scenario
+from tests.server.vllm_server import VllmServer, complete
+
+pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
+
+LONG = 200  # tokens of an in-flight request (max_model_len is 256)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+    scenario = await start_scenario(tmp_path_factory.mktemp("tp1"), tp=1)
+    try:
+        yield scenario
+    finally:
+        await stop_scenario(scenario)
+
+
+async def _long(sc: Scenario, prompt: str) -> dict[str, Any]:
+    return await complete(
+        sc.http, sc.server.url, str(sc.server.model), prompt, LONG, ignore_eos=True, logprobs=None
+    )
+
+
+async def test_happy_path_commits_and_serves_the_new_weights(sc: Scenario) -> None:
+    sc.notes["cold_a"] = await sc.outputs()
+    accepted = await sc.post_update("tp1-b", "v1", sc.models.b)
+    assert accepted["phase"] in ("Pending", "Draining", "Loading", "Verifying", "Committed")
+
+    status = await sc.wait_phase("tp1-b")
+
+    assert status["phase"] == "Committed", status
+    assert status["verdict"] == {"committed": True, "reasons": []}
+    assert {"drain", "begin", "load", "finish", "verify", "resume", "total"} <= set(
+        status["timings"]
+    )
+    (rank,) = status["ranks"]
+    assert rank["ok"] and rank["state"] == "clean" and rank["version"] == "v1"
+    assert rank["missingCount"] == 0 and rank["identityOk"] and rank["digest"]
+    assert rank["bytesLoaded"] > 0
+    assert (await sc.readyz())[0] == 200
+    state = await sc.state()
+    assert state["version"] == "v1" and state["engineState"] == "clean"
+    assert state["source"]["uri"] == f"file://{sc.models.b}"
+    warm_b = await sc.outputs()
+    assert warm_b != sc.notes["cold_a"], "the update must change the completions"
+    sc.notes["warm_b"] = warm_b
+    sc.notes["timings_tp1"] = status["timings"]
+
+
+async def test_round_trip_to_a_equals_the_cold_boot_engine(sc: Scenario) -> None:
+    await sc.post_update("tp1-a", "v0b", sc.models.a)
+    assert (await sc.wait_phase("tp1-a"))["phase"] == "Committed"
+    assert await sc.outputs() == sc.notes["cold_a"]
+    await sc.recover("tp1-b2")
+    assert await sc.outputs() == sc.notes["warm_b"]
+
+
+async def test_wait_drain_finishes_in_flight_requests_and_serves_late_ones_new(
+    sc: Scenario,
+) -> None:
+    prompts = [f"request {i}" for i in range(6)]  # 4 run (max_num_seqs=4), 2 wait
+    in_flight = [asyncio.create_task(_long(sc, prompt)) for prompt in prompts]
+    await asyncio.sleep(0.3)
+    await sc.post_update("tp1-drain", "v2", sc.models.c)
+    await sc.wait_phase("tp1-drain", "Loading", "Verifying", "Committed", "Failed")
+    late = asyncio.create_task(
+        complete(sc.http, sc.server.url, str(sc.server.model), "Weights are reloaded", 8)
+    )
+    done = await asyncio.gather(*in_flight)
+    status = await sc.wait_phase("tp1-drain")
+    assert status["phase"] == "Committed", status
+    assert status["message"].endswith("wait")
+    # Nothing lost: every in-flight request completed normally.
+    assert [choice["finish_reason"] for choice in done] == ["length"] * len(prompts)
+    late_choice = await late
+    # The request that arrived during the update is served by the new weights (C).
+    cold_c = await complete(sc.http, sc.server.url, str(sc.server.model), "Weights are reloaded", 8)
+    assert late_choice["text"] == cold_c["text"]
+    assert late_choice["logprobs"]["token_logprobs"] == cold_c["logprobs"]["token_logprobs"]
+    await sc.recover("tp1-after-drain")
+
+
+async def test_abort_drain_ends_in_flight_requests_explicitly(sc: Scenario) -> None:
+    in_flight = [asyncio.create_task(_long(sc, f"abort {i}")) for i in range(4)]
+    await asyncio.sleep(0.3)
+    await sc.post_update("tp1-abort-drain", "v2", sc.models.c, drain={"mode": "abort"})
+    status = await sc.wait_phase("tp1-abort-drain")
+    assert status["phase"] == "Committed", status
+    reasons = [choice["finish_reason"] for choice in await asyncio.gather(*in_flight)]
+    assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+    await sc.recover("tp1-after-abort-drain")
+
+
+async def _assert_failed_closed(sc: Scenario, update_id: str, code: str, text: str) -> None:
+    status = await sc.wait_phase(update_id)
+    assert status["phase"] == "Failed", status
+    reasons = status["verdict"]["reasons"]
+    assert any(reason.startswith(f"{code}:") and text in reason for reason in reasons), reasons
+    assert await sc.vllm_paused()
+    body = await sc.wait_ready(False)
+    assert any(code in reason for reason in body["reasons"]), body
+
+
+async def test_rank_cannot_read_its_part(sc: Scenario) -> None:
+    sc.set_failpoints("load")
+    await sc.post_update("tp1-unreadable", "v2", sc.models.c)
+    await _assert_failed_closed(sc, "tp1-unreadable", "source_unavailable", "tp0")
+    await sc.recover("tp1-after-unreadable")
+
+
+async def test_checkpoint_bytes_differ_from_the_manifest(sc: Scenario) -> None:
+    tampered = sc.models.root / "c-tampered"
+    shutil.copytree(sc.models.c, tampered)
+    shard = next(tampered.glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-2] ^= 0x01  # flip one bit of the last tensor
+    shard.write_bytes(bytes(raw))
+    await sc.post_update("tp1-tampered", "v2", tampered)
+    await _assert_failed_closed(sc, "tp1-tampered", "manifest_mismatch", "")
+    state = await sc.state()
+    assert state["engineState"] == "clean", "no live byte may change before the check"
+    await sc.recover("tp1-after-tampered")
+
+
+async def test_corrupt_manifest_is_refused(sc: Scenario) -> None:
+    broken = sc.models.root / "c-bad-manifest"
+    shutil.copytree(sc.models.c, broken)
+    text = (broken / MANIFEST).read_text()
+    (broken / MANIFEST).write_text(text.replace('"BF16"', '"F16"', 1))
+    await sc.post_update("tp1-bad-manifest", "v2", broken)
+    await _assert_failed_closed(sc, "tp1-bad-manifest", "manifest_mismatch", "digest mismatch")
+    await sc.recover("tp1-after-bad-manifest")
+
+
+async def test_rank_that_hangs_past_its_timeout(sc: Scenario) -> None:
+    """vLLM 0.32 treats a collective_rpc timeout as fatal: the engine core dies.
+
+    The agent fails the update naming the timeout and holds the replica; once vLLM is restarted
+    (by the kubelet in a pod, by hand here) on its boot weights, the agent sees a version it did
+    not commit, keeps the replica paused, and a full update brings it back.
+    """
+    sc.set_failpoints("finish=hang:10")  # agent --finish-timeout is 5 s
+    await sc.post_update("tp1-hang", "v2", sc.models.c)
+    await _assert_failed_closed(sc, "tp1-hang", "engine_timeout", "weightroll_finish")
+    sc.set_failpoints("")
+    await sc.server.stop()
+    await sc.server.start()
+    body = await sc.wait_ready(False)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 30
+    while not await sc.vllm_paused():
+        assert loop.time() < end, f"the restarted vLLM must be paused by the agent: {body}"
+        await asyncio.sleep(0.2)
+    _, body = await sc.readyz()
+    assert any("did not commit" in reason for reason in body["reasons"]), body
+    await sc.recover("tp1-after-hang")
+
+
+async def test_agent_killed_mid_update_and_restarted(sc: Scenario) -> None:
+    sc.set_failpoints("load=hang:4")
+    await sc.post_update("tp1-killed", "v2", sc.models.c)
+    await sc.wait_phase("tp1-killed", "Loading")
+    await asyncio.sleep(0.5)
+    await sc.agent.kill()
+    sc.set_failpoints("")
+    await sc.agent.start()
+    status = await sc.wait_phase("tp1-killed")
+    assert status["phase"] == "Failed"
+    assert status["verdict"]["reasons"][0].startswith("agent_restarted:"), status
+    body = await sc.wait_ready(False)
+    assert any("agent_restarted" in reason for reason in body["reasons"]), body
+    # The hung load finished after the kill (dirty); the restarted agent aborted it: poisoned.
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 30
+    while (await sc.state())["engineState"] != "poisoned":
+        assert loop.time() < end, await sc.state()
+        await asyncio.sleep(0.2)
+    assert await sc.vllm_paused()
+    await sc.recover("tp1-after-kill")
+
+
+async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario) -> None:
+    """Restart vLLM on checkpoint B: the agent holds it; B cold equals the warm A->B update."""
+    await sc.server.stop()
+    body = await sc.wait_ready(False)
+    assert body["reasons"]
+    cold = VllmServer(
+        model=sc.models.b,
+        log=sc.server.log,
+        boot_version="cold-b",
+        port=sc.server.port,
+        failpoints_file=sc.failpoints,
+    )
+    await cold.start()
+    model_a = sc.server.model
+    sc.server = cold
+    body = await sc.wait_ready(False)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 30
+    while not await sc.vllm_paused():
+        assert loop.time() < end, "the agent must pause a vLLM restarted underneath it"
+        await asyncio.sleep(0.2)
+    _, body = await sc.readyz()
+    assert any("engine_restarted" in reason for reason in body["reasons"]), body
+    # Differential oracle: stop the agent, resume the cold engine by hand, compare.
+    await sc.agent.stop()
+    await sc.http.post(f"{cold.url}/resume")
+    cold_b = await sc.outputs()
+    assert cold_b == sc.notes["warm_b"]
+    assert model_a != cold.model

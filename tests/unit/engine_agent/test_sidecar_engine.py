@@ -1,0 +1,99 @@
+"""Unit tests of the sidecar's vLLM client helpers, command line and persisted store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_agent.protocol import SourceSpec, UpdatePhase, UpdateRequest
+from engine_agent.sidecar.app import TokenFile
+from engine_agent.sidecar.engine import VllmClient, parse_gauge, require_loopback
+from engine_agent.sidecar.main import main as agent_main
+from engine_agent.sidecar.state import MAX_RECORDS, STATE_FILE, Store, UpdateRecord
+
+
+def test_non_loopback_vllm_urls_are_refused() -> None:
+    for url in ("http://10.0.0.5:8000", "http://vllm.default.svc:8000", "https://127.0.0.1:8000"):
+        with pytest.raises(ValueError):
+            require_loopback(url)
+    for url in ("http://127.0.0.1:8000/", "http://localhost:8000", "http://[::1]:8000"):
+        assert not require_loopback(url).endswith("/")
+    with pytest.raises(ValueError, match="loopback"):
+        VllmClient("http://192.168.1.10:8000")
+
+
+def test_agent_refuses_to_start_without_token_or_with_remote_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken\n")
+    assert agent_main(["--vllm-url", "http://127.0.0.1:1"]) == 2
+    assert "--token-file" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    assert agent_main(["--token-file", str(empty)]) == 2
+    assert "empty" in capsys.readouterr().err
+    assert agent_main(["--token-file", str(tmp_path / "absent")]) == 2
+    assert agent_main(["--token-file", str(token_file), "--vllm-url", "http://10.1.2.3:80"]) == 2
+    assert "loopback" in capsys.readouterr().err
+
+
+def test_parse_gauge_sums_samples_and_ignores_longer_names() -> None:
+    text = (
+        "# HELP vllm:num_requests_running Number of requests\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+        'vllm:num_requests_running_total{engine="0"} 99.0\n'
+        "vllm:num_requests_waiting 7\n"
+    )
+    assert parse_gauge(text, "vllm:num_requests_running") == 4.0
+    assert parse_gauge(text, "vllm:num_requests_waiting") == 7.0
+    assert parse_gauge(text, "vllm:absent") is None
+
+
+def test_token_file_strips_whitespace_and_compares_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("abc\n")
+    tokens = TokenFile(path)
+    assert tokens.matches(b"abc")
+    assert not tokens.matches(b"abcd")
+    assert not tokens.matches(b"")
+    path.unlink()
+    assert tokens.matches(b"abc"), "a vanished file keeps the last good token"
+
+
+def _record(update_id: str, phase: UpdatePhase) -> UpdateRecord:
+    request = UpdateRequest(id=update_id, version="v1", source=SourceSpec(uri="/ckpt"))
+    return UpdateRecord(request=request, phase=phase, timings={"drain": 0.5})
+
+
+def test_store_round_trips_through_the_state_dir(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.add(_record("u-1", UpdatePhase.COMMITTED))
+    store.add(_record("u-2", UpdatePhase.LOADING))
+    store.active_id = "u-2"
+    store.memory.expected_version = "v1"
+    store.memory.source = SourceSpec(uri="file:///ckpt/v1")
+    store.memory.hold = "update_incomplete: update u-2 started"
+    store.save()
+    assert (tmp_path / STATE_FILE).exists()
+
+    again = Store(tmp_path)
+    assert again.load()
+    assert again.active_id == "u-2"
+    assert again.records["u-2"].phase is UpdatePhase.LOADING
+    assert again.records["u-1"].to_status() == store.records["u-1"].to_status()
+    assert again.memory == store.memory
+
+
+def test_store_ignores_corrupt_state_and_bounds_history(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_text("{broken")
+    assert not Store(tmp_path).load()
+    assert not Store(None).load()
+    store = Store(None)
+    for index in range(MAX_RECORDS + 10):
+        store.add(_record(f"u-{index}", UpdatePhase.COMMITTED))
+    assert len(store.records) == MAX_RECORDS
+    assert "u-0" not in store.records

@@ -1,0 +1,360 @@
+"""Table-driven tests of the pure planner (issue 4 acceptance 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_agent.protocol import UpdatePhase
+from tests.unit.weightroll_operator.builders import (
+    ME,
+    NOW,
+    OTHER,
+    V1_SRC,
+    agent,
+    pod,
+    run,
+    spec,
+    state,
+    summary,
+)
+from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
+from weightroll_operator.domain.conditions import Reason, timestamp
+from weightroll_operator.domain.model import UnitState
+from weightroll_operator.domain.plan import Persisted, PodClass, queries
+
+FRESH = {f"p{i}": agent("v1") for i in range(10)}
+
+
+def claimed(p: object) -> list[str]:
+    return [a.pod.name for a in p.actions if isinstance(a, Claim)]  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------
+# batching and maxUnavailable
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_unavailable", "not_ready", "expected"),
+    [
+        (1, set(), ["p0"]),
+        (2, set(), ["p0", "p1"]),
+        ("40%", set(), ["p0", "p1"]),
+        ("100%", set(), ["p0", "p1", "p2", "p3", "p4"]),
+        ("1%", set(), ["p0"]),  # rounds down, but at least one
+        # an unready pod counts against the budget, and starting it is free
+        (2, {"p3"}, ["p3", "p0"]),
+        # more unready pods than the budget: only they start (they are down anyway)
+        (1, {"p2", "p4"}, ["p2", "p4"]),
+    ],
+)
+def test_batching_respects_max_unavailable(
+    max_unavailable: int | str, not_ready: set[str], expected: list[str]
+) -> None:
+    pods = [pod(f"p{i}", ready=f"p{i}" not in not_ready) for i in range(5)]
+    p = run(spec(maxUnavailable=max_unavailable), pods, FRESH)
+    assert claimed(p) == expected
+    # every claim is followed by the gate write for the same pod
+    names = [(t, n) for t, n in summary(p) if t in ("Claim", "GateOff")]
+    assert names == [x for n in expected for x in (("Claim", n), ("GateOff", n))]
+
+
+def test_in_flight_units_use_the_budget() -> None:
+    pods = [pod("p0", gate=False, ready=False, st=state()), pod("p1"), pod("p2")]
+    p = run(spec(maxUnavailable=2), pods, {**FRESH, "p0": agent(phase=UpdatePhase.LOADING)})
+    assert claimed(p) == ["p1"]
+
+
+def test_claim_records_previous_version_and_source() -> None:
+    p = run(spec(), [pod("p0")], {"p0": agent("v1", source=V1_SRC)})
+    claim = p.actions[0]
+    assert isinstance(claim, Claim)
+    assert claim.owner == ME
+    assert claim.state.state is UnitState.DRAINING
+    assert (claim.state.previous_version, claim.state.previous_source) == ("v1", V1_SRC)
+    assert claim.state.update_id == "wu-v2"
+    assert claim.state.started_at == timestamp(NOW)
+
+
+def test_traffic_label_is_removed_and_remembered() -> None:
+    pods = [pod("p0", labels={"app": "llm", "serving": "yes"})]
+    p = run(spec(trafficLabel="serving"), pods, FRESH)
+    claim = p.actions[0]
+    assert isinstance(claim, Claim)
+    assert claim.remove_label == "serving"
+    assert claim.state.traffic_label_value == "yes"
+
+
+# --------------------------------------------------------------------------------------------
+# one unit's steps
+# --------------------------------------------------------------------------------------------
+
+DRAINING = state()
+
+
+@pytest.mark.parametrize(
+    ("gate", "ready", "agent_view", "expected"),
+    [
+        # gate write lost (restart between Claim and GateOff): write it again
+        (True, True, agent(), [("GateOff", "p0")]),
+        # gate False but the pod is still Ready: wait, never start the reload
+        (False, True, agent(), []),
+        # drained and observed NotReady, agent never heard of the update: start it
+        (False, False, agent(), [("StartUpdate", "p0")]),
+        # agent busy with it
+        (False, False, agent(phase=UpdatePhase.LOADING), []),
+        # agent unreachable: wait (until the unit times out)
+        (False, False, agent(reachable=False), []),
+        # committed at the version: gate on, then settle, then the event
+        (
+            False,
+            False,
+            agent("v2", phase=UpdatePhase.COMMITTED),
+            [("GateOn", "p0"), ("Settle", "p0"), ("Emit", Reason.UNIT_VERIFIED)],
+        ),
+        # failed verdict: settle failed, stays drained, never GateOn
+        (
+            False,
+            False,
+            agent(phase=UpdatePhase.FAILED, reasons=["digest mismatch"]),
+            [("Settle", "p0"), ("Emit", Reason.UNIT_FAILED), ("Emit", "FailureBudgetExceeded")],
+        ),
+        # committed, but at another version: failed, never GateOn
+        (
+            False,
+            False,
+            agent(phase=UpdatePhase.COMMITTED, update_version="v9"),
+            [("Settle", "p0"), ("Emit", Reason.UNIT_FAILED), ("Emit", "FailureBudgetExceeded")],
+        ),
+    ],
+)
+def test_unit_steps(
+    gate: bool, ready: bool, agent_view: object, expected: list[tuple[str, str]]
+) -> None:
+    pods = [pod("p0", gate=gate, ready=ready, st=DRAINING)]
+    p = run(spec(), pods, {"p0": agent_view})  # type: ignore[dict-item]
+    assert summary(p) == expected
+    for a in p.actions:
+        if isinstance(a, StartUpdate):
+            assert a.request.id == "wu-v2"
+            assert a.request.version == "v2"
+            assert a.request.source.uri == "/weights/v2"
+        if isinstance(a, Settle) and a.state.state is UnitState.FAILED:
+            assert a.release is False
+
+
+def test_unit_times_out_and_aborts() -> None:
+    st = state(started="2026-01-01T11:00:00Z")
+    pods = [pod("p0", gate=False, ready=False, st=st)]
+    p = run(spec(updateTimeoutSeconds=60), pods, {"p0": agent(phase=UpdatePhase.LOADING)})
+    assert summary(p)[:2] == [("AbortUpdate", "p0"), ("Settle", "p0")]
+    assert "UpdateTimeout" in p.reasons["p0"]
+
+
+def test_gate_on_is_never_planned_without_commit() -> None:
+    """Property over every non-committed agent answer: no GateOn for an in-flight pod."""
+    for phase in [None, *UpdatePhase]:
+        for reachable in (True, False):
+            view = agent(phase=phase, reachable=reachable, update_version="v1")
+            pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
+            p = run(spec(), pods, {"p0": view})
+            assert not any(isinstance(a, GateOn) for a in p.actions), (phase, reachable)
+
+
+# --------------------------------------------------------------------------------------------
+# canary and pause
+# --------------------------------------------------------------------------------------------
+
+
+def test_canary_goes_first_then_pauses() -> None:
+    pods = [pod(f"p{i}") for i in range(4)]
+    s = spec(maxUnavailable=3, canary=1, pauseAfterCanary=True)
+    assert claimed(run(s, pods, FRESH)) == ["p0"]
+    # canary verified: hold, Paused with CanaryComplete
+    pods[0] = pod("p0", st=state(UnitState.VERIFIED))
+    p = run(s, pods, FRESH)
+    assert claimed(p) == []
+    assert p.paused_reason == Reason.CANARY_COMPLETE
+    # promote: pauseAfterCanary false -> the rest goes, 3 at a time
+    p = run(spec(maxUnavailable=3, canary=1), pods, FRESH)
+    assert claimed(p) == ["p1", "p2", "p3"]
+
+
+def test_canary_without_pause_waits_for_its_verdict() -> None:
+    pods = [pod("p0", gate=False, ready=False, st=DRAINING), pod("p1"), pod("p2")]
+    s = spec(maxUnavailable=3, canary=1)
+    p = run(s, pods, {**FRESH, "p0": agent(phase=UpdatePhase.LOADING)})
+    assert claimed(p) == []
+
+
+def test_paused_holds_new_units_but_in_flight_finish() -> None:
+    pods = [pod("p0", gate=False, ready=False, st=DRAINING), pod("p1")]
+    p = run(
+        spec(maxUnavailable=2, _spec={"paused": True}),
+        pods,
+        {**FRESH, "p0": agent("v2", phase=UpdatePhase.COMMITTED)},
+    )
+    assert summary(p)[:2] == [("GateOn", "p0"), ("Settle", "p0")]
+    assert claimed(p) == []
+    assert p.paused_reason == Reason.PAUSED_BY_SPEC
+
+
+# --------------------------------------------------------------------------------------------
+# groups
+# --------------------------------------------------------------------------------------------
+
+
+def test_group_is_one_unit() -> None:
+    pods = [pod(f"g{g}-{i}", unit=f"g{g}") for g in range(2) for i in range(2)]
+    p = run(spec(maxUnavailable=1), pods, {p.name: agent() for p in pods})
+    assert claimed(p) == ["g0-0", "g0-1"]
+
+
+def test_group_restored_only_when_every_member_committed() -> None:
+    pods = [pod(f"g0-{i}", unit="g0", gate=False, ready=False, st=DRAINING) for i in range(2)]
+    agents = {"g0-0": agent("v2", phase=UpdatePhase.COMMITTED), "g0-1": agent(phase=UpdatePhase.LOADING)}
+    assert summary(run(spec(), pods, agents)) == []
+    agents["g0-1"] = agent("v2", phase=UpdatePhase.COMMITTED)
+    assert [t for t, _ in summary(run(spec(), pods, agents))].count("GateOn") == 2
+
+
+def test_group_member_failure_fails_the_group() -> None:
+    pods = [pod(f"g0-{i}", unit="g0", gate=False, ready=False, st=DRAINING) for i in range(2)]
+    agents = {
+        "g0-0": agent("v2", phase=UpdatePhase.COMMITTED),
+        "g0-1": agent(phase=UpdatePhase.FAILED, reasons=["rank 1 missing"]),
+    }
+    p = run(spec(maxFailedReplicas=5), pods, agents)
+    assert not any(isinstance(a, GateOn) for a in p.actions)
+    assert {a.pod.name for a in p.actions if isinstance(a, Settle)} == {"g0-0", "g0-1"}
+
+
+# --------------------------------------------------------------------------------------------
+# failure budget, deadline, rollback
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("max_failed", "halted"), [(0, True), (1, False)])
+def test_failure_budget(max_failed: int, halted: bool) -> None:
+    pods = [pod("p0", gate=False, ready=False, st=state(UnitState.FAILED)), pod("p1")]
+    p = run(spec(maxUnavailable=2, maxFailedReplicas=max_failed), pods, FRESH)
+    assert (p.persisted.aborted_at is not None) is halted
+    assert claimed(p) == ([] if halted else ["p1"])
+    if halted:
+        assert p.persisted.abort_reason == Reason.FAILURE_BUDGET_EXCEEDED
+
+
+def test_progress_deadline() -> None:
+    persisted = Persisted(target_version="v2", last_progress_time="2026-01-01T10:00:00Z")
+    pods = [pod("p0", ready=False, gate=False, st=DRAINING), pod("p1")]
+    p = run(spec(progressDeadlineSeconds=60, updateTimeoutSeconds=99999), pods,
+            {"p0": agent(phase=UpdatePhase.LOADING), "p1": agent()}, persisted)
+    assert p.persisted.abort_reason == Reason.PROGRESS_DEADLINE_EXCEEDED
+
+
+def test_rollback_targets_are_the_recorded_previous_weights() -> None:
+    aborted = Persisted(target_version="v2", aborted_at="x", abort_reason="FailureBudgetExceeded")
+    pods = [
+        pod("p0", st=state(UnitState.VERIFIED)),
+        pod("p1", gate=False, ready=False, st=state(UnitState.FAILED), owner=ME),
+        pod("p2"),  # never touched: left alone
+        pod("p3", st=state(UnitState.VERIFIED, previous_source=None)),
+    ]
+    p = run(spec(maxUnavailable=4, onFailure="Rollback"), pods, FRESH, aborted)
+    claims = {a.pod.name: a.state for a in p.actions if isinstance(a, Claim)}
+    assert set(claims) == {"p0", "p1"}
+    for st in claims.values():
+        assert (st.state, st.version, st.rollback_of) == (UnitState.ROLLING_BACK, "v1", "v2")
+        assert st.update_id == "wu-v2-rollback"
+    assert "NoRollbackTarget" in p.reasons["p3"]
+    # next pass: drained rollback pod gets the previous source
+    rb = claims["p1"]
+    p = run(spec(onFailure="Rollback"), [pod("p1", gate=False, ready=False, st=rb)],
+            {"p1": agent()}, aborted)
+    start = next(a for a in p.actions if isinstance(a, StartUpdate))
+    assert (start.request.version, start.request.source.uri) == ("v1", "/weights/v1")
+    # committed: rolled back, traffic restored
+    p = run(spec(onFailure="Rollback"), [pod("p1", gate=False, ready=False, st=rb)],
+            {"p1": agent("v1", phase=UpdatePhase.COMMITTED, update_version="v1",
+                         update_id="wu-v2-rollback")}, aborted)
+    assert summary(p)[:2] == [("GateOn", "p1"), ("Settle", "p1")]
+    assert p.classes["p1"] is PodClass.ROLLED_BACK
+
+
+def test_halt_does_not_roll_back() -> None:
+    aborted = Persisted(target_version="v2", aborted_at="x", abort_reason="FailureBudgetExceeded")
+    p = run(spec(), [pod("p0", st=state(UnitState.VERIFIED)), pod("p1")], FRESH, aborted)
+    assert [a for a in p.actions if isinstance(a, Claim)] == []
+
+
+# --------------------------------------------------------------------------------------------
+# convergence and ownership
+# --------------------------------------------------------------------------------------------
+
+DONE = Persisted(target_version="v2", completion_time="2026-01-01T11:00:00Z")
+
+
+def test_convergence_updates_new_pods_of_a_succeeded_rollout() -> None:
+    pods = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1-new", ready=False, gate=None)]
+    p = run(spec(), pods, {"p1-new": agent("v1", ready=False)}, DONE)
+    assert claimed(p) == ["p1-new"]
+
+
+def test_new_pod_already_at_target_gets_its_gate() -> None:
+    pods = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1", ready=False, gate=None)]
+    p = run(spec(), pods, {"p1": agent("v2")}, DONE)
+    assert summary(p) == [("GateOn", "p1"), ("Emit", Reason.UNIT_RESTORED)]
+
+
+def test_new_pods_are_stale_while_paused() -> None:
+    from weightroll_operator.domain.status import compute_counts
+
+    pods = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1", ready=False, gate=None)]
+    s = spec(_spec={"paused": True})
+    p = run(s, pods, {"p1": agent("v1", ready=False)}, DONE)
+    assert claimed(p) == []
+    assert compute_counts(p, s).stale == 1
+
+
+def test_pods_driven_by_another_update_block_the_rollout() -> None:
+    pods = [pod("p0", st=state(by=OTHER, version="v3")), pod("p1")]
+    p = run(spec(maxUnavailable=2), pods, FRESH)
+    assert p.classes["p0"] is PodClass.BLOCKED
+    assert p.blocked_by == ("ns/other",)
+    assert p.actions == ()
+
+
+def test_foreign_pods_after_completion_are_left_alone() -> None:
+    pods = [pod("p0", st=state(UnitState.VERIFIED, by=OTHER, version="v3"))]
+    p = run(spec(), pods, {"p0": agent("v3")}, DONE)
+    assert p.classes["p0"] is PodClass.FOREIGN
+    assert p.actions == ()
+
+
+def test_restore_needs_an_agent_at_the_target() -> None:
+    verified_off = pod("p0", gate=False, ready=False, st=state(UnitState.VERIFIED))
+    assert summary(run(spec(), [verified_off], {"p0": agent("v2")}, DONE))[0] == ("GateOn", "p0")
+    # the agent lost the weights (container restart): update again instead of restoring
+    p = run(spec(), [verified_off], {"p0": agent("v1")}, DONE)
+    assert not any(isinstance(a, GateOn) for a in p.actions)
+    assert claimed(p) == ["p0"]
+
+
+def test_queries_only_unsettled_pods() -> None:
+    pods = (
+        pod("done", st=state(UnitState.VERIFIED)),
+        pod("flying", gate=False, ready=False, st=DRAINING),
+        pod("failed", st=state(UnitState.FAILED), owner=ME),
+        pod("fresh"),
+        pod("blocked", owner=OTHER),
+    )
+    q = queries(pods, ME, "v2")
+    assert set(q) == {"flying", "fresh"}
+    assert q["flying"].update_id == "wu-v2" and not q["flying"].state
+    assert q["fresh"].state
+
+
+def test_completion() -> None:
+    pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
+    p = run(spec(), pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)})
+    assert p.completed and p.persisted.completion_time == timestamp(NOW)
