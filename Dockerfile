@@ -56,7 +56,7 @@ RUN python3 -m venv /opt/weightroll \
     && rm -rf /wheels /src
 WORKDIR /opt/weightroll
 USER 65532:65532
-EXPOSE 8080 9090
+EXPOSE 8080 8081
 ENTRYPOINT ["weightroll"]
 CMD ["operator"]
 
@@ -75,8 +75,10 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
 COPY --from=build /wheels /wheels
 COPY --from=build /src/wheelhouse /src/wheelhouse
-# Into the base image's own Python, next to vLLM (its workers import the extension). The engine
+# Into the base image's own Python, next to vLLM (its workers import the extension); deliberate,
+# hence PIP_BREAK_SYSTEM_PACKAGES for bases whose Python is marked externally managed. The engine
 # extra is not installed: the base image provides vLLM and torch.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1
 RUN python3 -m pip install --no-cache-dir /wheels/weightroll-*.whl \
     && rm -rf /wheels /src
 USER 65532:65532

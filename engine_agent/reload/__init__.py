@@ -18,6 +18,15 @@ Limitations:
        slices); on accelerators this copies each module to host memory once.
 """
 
-from engine_agent.reload.engine import RankEngine
+from typing import Any
 
 __all__ = ["RankEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the pure submodules (session, coverage, identity) must import without torch.
+    if name == "RankEngine":
+        from engine_agent.reload.engine import RankEngine
+
+        return RankEngine
+    raise AttributeError(name)

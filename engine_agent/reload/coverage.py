@@ -72,6 +72,10 @@ class CoverageLedger:
     def modules(self) -> frozenset[str]:
         return frozenset(self._required)
 
+    def in_scope(self, module: str) -> bool:
+        """True when the session may write ``module`` (required or optional)."""
+        return module in self._required or any(m == module for m, _ in self._optional)
+
     @property
     def required_count(self) -> int:
         return len(self._known)

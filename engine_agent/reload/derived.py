@@ -61,7 +61,9 @@ class MLARefresher:
         return holders
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"{self.name}.{k}": v for k, v in self.layer._parameters.items() if v is not None}
+        out: dict[str, torch.Tensor] = {
+            f"{self.name}.{k}": v for k, v in self.layer._parameters.items() if v is not None
+        }
         for prefix, holder in self._holders().items():
             out |= {f"{prefix}.{k}": v for k, v in _tensor_attrs(holder).items()}
         return out
@@ -87,9 +89,10 @@ class MLARefresher:
             old.data.copy_(new.data)
             refreshed.append(qualified)
 
-        for key, old in params_before.items():
-            keep_storage(f"{self.name}.{key}", old, self.layer._parameters.get(key))
-            self.layer._parameters[key] = old
+        slots: dict[str, Any] = self.layer._parameters
+        for key, old_param in params_before.items():
+            keep_storage(f"{self.name}.{key}", old_param, slots.get(key))
+            slots[key] = old_param
         for prefix, holder in self._holders().items():
             for key, old in attrs_before[prefix].items():
                 keep_storage(f"{prefix}.{key}", old, vars(holder).get(key))

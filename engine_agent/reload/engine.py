@@ -34,6 +34,7 @@ from engine_agent.errors import (
     WrongState,
 )
 from engine_agent.protocol import (
+    AbortArgs,
     ErrorBody,
     LoadSource,
     RankId,
@@ -112,8 +113,8 @@ class RankEngine:
     def finish(self, _args_json: str = "{}") -> dict[str, Any]:
         return self._call("finish", self._finish)
 
-    def abort(self, _args_json: str = "{}") -> dict[str, Any]:
-        return self._call("abort", self._abort)
+    def abort(self, args_json: str = "{}") -> dict[str, Any]:
+        return self._call("abort", lambda: self._abort(_parse(AbortArgs, args_json, "args")))
 
     def status(self) -> dict[str, Any]:
         return RankStatus(
@@ -250,7 +251,9 @@ class RankEngine:
             ledger.require_complete()
             unprocessed = sorted(ledger.touched() - router.processed)
             if unprocessed:
-                raise IdentityChanged(f"modules received weights but were not processed: {unprocessed}")
+                raise IdentityChanged(
+                    f"modules received weights but were not processed: {unprocessed}"
+                )
             if ledger.received_count == 0:
                 raise WrongState("no weights were loaded in this session; nothing to commit")
         with _timed(active.timings, "identity"):
@@ -272,14 +275,23 @@ class RankEngine:
             **self._progress_fields(),
         ).to_wire()
         self.state, self._session = committed, None
-        logger.info("Committed weight update on rank %s: version %s", self.rank.key, committed.version)
+        logger.info(
+            "Committed weight update on rank %s: version %s", self.rank.key, committed.version
+        )
         return report
 
-    def _abort(self) -> dict[str, Any]:
-        if self._session is None or not self.state.in_session:
-            return self._report("abort", ok=True)
+    def _abort(self, args: AbortArgs) -> dict[str, Any]:
         fields = self._progress_fields()
-        self.state = session.abort(self.state)
+        if args.poison:
+            # The coordinator saw another rank of this replica write: the replica is mixed even
+            # if this rank's own bytes are intact.
+            self.state = session.poison(self.state, args.reason or "poisoned by the coordinator")
+        elif self._session is None or not self.state.in_session:
+            return self._report("abort", ok=True)
+        else:
+            self.state = session.abort(self.state)
+        if self._session is None:
+            return self._report("abort", ok=True, fields=fields)
         self._session.router.discard()
         self._session = None
         return self._report("abort", ok=True, fields=fields)
@@ -322,9 +334,7 @@ class RankEngine:
         fields: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         fields = self._progress_fields() if fields is None else fields
-        identity_problems = (
-            [error.message] if isinstance(error, IdentityChanged) else []
-        )
+        identity_problems = [error.message] if isinstance(error, IdentityChanged) else []
         return RankReport(
             rank=self.rank,
             call=call,
@@ -349,7 +359,9 @@ def _parse(model: Any, raw: str, field: str) -> Any:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or field
-        raise InvalidRequest(f"{field}.{where}: {first.get('msg')}", field=f"{field}.{where}") from e
+        raise InvalidRequest(
+            f"{field}.{where}: {first.get('msg')}", field=f"{field}.{where}"
+        ) from e
 
 
 @contextmanager
@@ -359,4 +371,3 @@ def _timed(timings: dict[str, float], step: str) -> Iterator[None]:
         yield
     finally:
         timings[step] = round(timings.get(step, 0.0) + time.perf_counter() - started, 6)
-

@@ -6,6 +6,9 @@ only) or ``finish@tp0=hang:30`` (finish hangs for 30 s on TP rank 0). ``<call>``
 begin, load, finish, abort, state; ``<rank>`` is ``tp<N>``, ``pp<N>`` or ``dp<N>``; the action is
 ``error`` (default) or ``hang:<seconds>``. Unset (the production default), nothing happens.
 
+``WEIGHTROLL_FAILPOINTS_FILE`` names a file holding the same list, re-read on every call, so a
+test can arm and disarm failpoints in a running multi-process engine.
+
 Faults that only one rank of a real engine suffers (a rank that cannot read its part, a rank
 that hangs) cannot be provoked from outside the process; this is the same technique as etcd's
 gofail, scoped to one environment variable that production deployments never set.
@@ -22,11 +25,16 @@ from engine_agent.protocol import RankId
 __all__ = ["check"]
 
 ENV = "WEIGHTROLL_FAILPOINTS"
+FILE_ENV = "WEIGHTROLL_FAILPOINTS_FILE"
 
 
 def check(call: str, rank: RankId) -> None:
     """Fire the failpoint for ``call`` on ``rank`` if one is configured."""
     spec = os.environ.get(ENV, "")
+    path = os.environ.get(FILE_ENV)
+    if path and os.path.exists(path):
+        with open(path) as handle:
+            spec = f"{spec},{handle.read().strip()}"
     for item in filter(None, (part.strip() for part in spec.split(","))):
         target, _, action = item.partition("=")
         name, _, where = target.partition("@")

@@ -289,7 +289,9 @@ def _required_keys(entry: ModuleEntry) -> Iterator[ShardKey]:
                 yield ShardKey(entry.name, param, f"e{e}:w1")
                 yield ShardKey(entry.name, param, f"e{e}:w3")
         elif entry.kind == "moe" and param.startswith("w2_"):
-            yield from (ShardKey(entry.name, param, f"e{e}:w2") for e in sorted(entry.local_experts))
+            yield from (
+                ShardKey(entry.name, param, f"e{e}:w2") for e in sorted(entry.local_experts)
+            )
         else:
             yield ShardKey(entry.name, param, WHOLE)
 
@@ -342,7 +344,9 @@ class LoadRouter:
 
     # -- the two passes -----------------------------------------------------------------
 
-    def dry_run(self, names_shapes: Iterable[tuple[str, torch.Size, torch.dtype]]) -> list[ShardKey]:
+    def dry_run(
+        self, names_shapes: Iterable[tuple[str, torch.Size, torch.dtype]]
+    ) -> list[ShardKey]:
         """Run ``load_weights`` over meta tensors: validate names, shapes and keys, write nothing.
 
         Returns:
@@ -392,7 +396,7 @@ class LoadRouter:
                 saved.append((module, dict(module._parameters)))
                 self._live[entry.name] = saved[-1][1]
                 for pname, template in entry.templates.items():
-                    module._parameters[pname] = self._wrapped(entry, pname, template, dry)
+                    _slots(module)[pname] = self._wrapped(entry, pname, template, dry)
             yield
         finally:
             for module, params in saved:
@@ -408,7 +412,7 @@ class LoadRouter:
         original = getattr(template, "weight_loader", None) or default_weight_loader
         signature = inspect.signature(original)
         proxy = _meta_like(template)
-        in_scope = entry.name in self.ledger.modules
+        in_scope = self.ledger.in_scope(entry.name)
 
         def weightroll_loader(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
@@ -448,7 +452,9 @@ class LoadRouter:
         proxy.weight_loader = weightroll_loader  # type: ignore[attr-defined]
         return proxy
 
-    def _staging_tensor(self, entry: ModuleEntry, pname: str, template: torch.Tensor) -> torch.Tensor:
+    def _staging_tensor(
+        self, entry: ModuleEntry, pname: str, template: torch.Tensor
+    ) -> torch.Tensor:
         staged = self._staging.setdefault(entry.name, {})
         tensor = staged.get(pname)
         if tensor is None:
@@ -472,9 +478,7 @@ class LoadRouter:
         staged = self._staging.pop(entry.name, {})
         module = entry.module
         live_params = {
-            k: v
-            for k, v in self._live.get(entry.name, module._parameters).items()
-            if v is not None
+            k: v for k, v in self._live.get(entry.name, module._parameters).items() if v is not None
         }
         live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
         self.module_digests[entry.name] = hashlib.sha256(
@@ -482,22 +486,23 @@ class LoadRouter:
         ).hexdigest()
         try:
             for pname, tensor in staged.items():
-                module._parameters[pname] = tensor
+                _slots(module)[pname] = tensor
             quant_method = getattr(module, "quant_method", None)
             if isinstance(quant_method, QuantizeMethodBase):
                 if hasattr(module, "_already_called_process_weights_after_loading"):
                     delattr(module, "_already_called_process_weights_after_loading")
                 quant_method.process_weights_after_loading(module)
                 self._replay_expert_kernel_format(entry, quant_method)
-                if hasattr(module, "update_param_tp_status"):
-                    module.update_param_tp_status()
+                update_tp_status = getattr(module, "update_param_tp_status", None)
+                if callable(update_tp_status):
+                    update_tp_status()
             for refresher in self.index.refreshers.get(entry.name, []):
                 self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
             if not self._wrote_live:
                 self._before_live_write()
                 self._wrote_live = True
-            self._copy_into_live(entry, live_params, dict(module._parameters))
-            self._copy_into_live(entry, live_buffers, dict(module._buffers))
+            self._copy_into_live(entry, live_params, _present(module._parameters))
+            self._copy_into_live(entry, live_buffers, _present(module._buffers))
         finally:
             module._parameters.clear()
             module._parameters.update(live_params)
@@ -537,7 +542,9 @@ class LoadRouter:
 
     # -- sparse patches ----------------------------------------------------------------
 
-    def apply_sparse(self, patches: list[tuple[str, torch.Size, torch.Tensor, torch.Tensor]]) -> list[ShardKey]:
+    def apply_sparse(
+        self, patches: list[tuple[str, torch.Size, torch.Tensor, torch.Tensor]]
+    ) -> list[ShardKey]:
         """Apply flat-index patches ``(name, checkpoint shape, indices, values)`` in place.
 
         Every patch is validated (mapping, layout, bounds, dtype) before the first write.
@@ -613,6 +620,16 @@ class LoadRouter:
     def discard(self) -> None:
         """Drop every staging tensor (abort or failure): live storage is left as it is."""
         self._staging.clear()
+
+
+def _slots(module: nn.Module) -> dict[str, Any]:
+    """A module's parameter slots, typed loosely: staging tensors are swapped in and out."""
+    slots: dict[str, Any] = module._parameters
+    return slots
+
+
+def _present(tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if v is not None}
 
 
 def _meta_like(template: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ States and transitions::
     CLEAN(v) --begin--> OPEN(base=v) --first live write--> DIRTY --finish ok--> CLEAN(v')
     OPEN  --finish fails / abort--> CLEAN(v)         (no live byte changed: still exactly v)
     DIRTY --finish fails / abort--> POISONED          (live bytes are a mix of v and v')
+    any state --poison (the coordinator saw another rank write)--> POISONED
     POISONED --begin(full)--> OPEN(poisoned) --finish ok--> CLEAN(v')
     OPEN(poisoned) --finish fails / abort--> POISONED
 
@@ -26,7 +27,16 @@ from dataclasses import dataclass, replace
 from engine_agent.errors import UpdateConflict, WrongState
 from engine_agent.protocol import EngineState, UpdateMode, UpdateSpec
 
-__all__ = ["WeightState", "abort", "begin", "commit", "fail", "initial", "mark_written"]
+__all__ = [
+    "WeightState",
+    "abort",
+    "begin",
+    "commit",
+    "fail",
+    "initial",
+    "mark_written",
+    "poison",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +138,15 @@ def fail(ws: WeightState, reason: str) -> WeightState:
 def abort(ws: WeightState) -> WeightState:
     """Abort the session: the same outcome as a failure, with the reason "aborted"."""
     return fail(ws, f"update {ws.update_id!r} was aborted after writing live weights")
+
+
+def poison(ws: WeightState, reason: str) -> WeightState:
+    """Poison the rank whatever its own state: another rank of the same replica wrote live
+    weights in a session that did not commit, so the replica as a whole is mixed.
+    """
+    return WeightState(
+        state=EngineState.POISONED,
+        version=ws.version,
+        update_id=ws.update_id,
+        poison_reason=reason,
+    )

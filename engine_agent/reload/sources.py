@@ -71,7 +71,7 @@ class CheckpointSource:
                 raise SourceUnavailable(f"cannot read {file}: {e}", field="path") from e
 
     def verify(self, manifest: Any) -> None:
-        """Check every tensor's stored bytes against ``manifest`` (an ``engine_agent.manifest.Manifest``).
+        """Check every tensor's stored bytes against ``manifest`` (a ``Manifest``).
 
         Raises:
             ManifestMismatch: naming the first tensor that differs.

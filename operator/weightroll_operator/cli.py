@@ -16,8 +16,14 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("weightroll_operator.main", "run the WeightUpdate operator (kopf)"),
     "agent": ("engine_agent.sidecar.main", "run the pod sidecar that drives one vLLM replica"),
-    "manifest": ("engine_agent.manifest", "write a JSON manifest (sha256 per tensor) for a checkpoint"),
-    "status": ("weightroll_operator.status_view", "show a WeightUpdate: phase, pods, conditions, events"),
+    "manifest": (
+        "engine_agent.manifest",
+        "write a JSON manifest (sha256 per tensor) for a checkpoint",
+    ),
+    "status": (
+        "weightroll_operator.status_view",
+        "show a WeightUpdate: phase, pods, conditions, events",
+    ),
     "demo": ("engine_agent.demo", "run the embedded demo on this machine"),
 }
 

@@ -205,17 +205,17 @@ def test_upgrade_then_uninstall_keeps_the_crd(kube_cluster: KubeCluster) -> None
     try:
         config.uninstall(RELEASE, ignore_not_found=True)
         config.install(chart, RELEASE, {}, namespace=NAMESPACE, create_namespace=True)
-        config.upgrade(chart, RELEASE, {"operator": {"logLevel": "DEBUG"}}, namespace=NAMESPACE)
-        env = kubectl(
+        config.upgrade(chart, RELEASE, {"operator": {"verbose": True}}, namespace=NAMESPACE)
+        args = kubectl(
             kube_cluster,
             "get",
             "deploy/weightroll-operator",
             "-n",
             NAMESPACE,
             "-o",
-            "jsonpath={.spec.template.spec.containers[0].env[2].value}",
+            "jsonpath={.spec.template.spec.containers[0].args}",
         ).stdout
-        assert env == "DEBUG"
+        assert "--verbose" in args
         config.uninstall(RELEASE)
         left = kubectl(kube_cluster, "get", "crd", "-o", "name").stdout.split()
         assert "customresourcedefinition.apiextensions.k8s.io/weightupdates.weightroll.io" in left

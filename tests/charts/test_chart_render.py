@@ -61,7 +61,7 @@ def test_at_least_two_ci_scenarios() -> None:
         ({"imagee": {"tag": "x"}}, "additional properties 'imagee' not allowed"),
         ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
         ({"operator": {"ports": {"health": 0}}}, "at '/operator/ports/health': minimum"),
-        ({"operator": {"logLevel": "LOUD"}}, "at '/operator/logLevel'"),
+        ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "at '/operator/watchNamespaces/0'"),
         (
             {"prometheusRule": {"customRules": {"WeightUpdateStuck": {"for": "5 minutes"}}}},
             "at '/prometheusRule/customRules/WeightUpdateStuck/for'",
@@ -177,12 +177,13 @@ def test_operator_deployment() -> None:
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (ctr,) = pod["containers"]
     assert ctr["command"] == ["weightroll", "operator"]
+    assert "args" not in ctr  # cluster-wide, INFO logging
     assert ctr["image"] == "ghcr.io/weightroll/weightroll-operator:0.1.0"
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
-    assert ports == {"health": 8080, "metrics": 9090}
+    assert ports == {"health": 8081, "metrics": 8080}
     env = {e["name"]: e.get("value") for e in ctr["env"]}
-    assert env["WEIGHTROLL_HEALTH_PORT"] == "8080"
-    assert env["WEIGHTROLL_METRICS_PORT"] == "9090"
+    assert env["WEIGHTROLL_HEALTH_PORT"] == "8081"
+    assert env["WEIGHTROLL_METRICS_PORT"] == "8080"
     for probe in ("livenessProbe", "readinessProbe"):
         assert ctr[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert ctr["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
@@ -194,12 +195,21 @@ def test_operator_deployment() -> None:
     assert {"name": "tmp", "mountPath": "/tmp"} in ctr["volumeMounts"]
 
 
-def test_image_digest_and_probe_switch() -> None:
+def test_image_digest_args_and_probe_switch() -> None:
     digest = "sha256:" + "a" * 64
-    values = {"image": {"digest": digest}, "operator": {"livenessProbe": {"enabled": False}}}
+    values = {
+        "image": {"digest": digest},
+        "operator": {
+            "livenessProbe": {"enabled": False},
+            "verbose": True,
+            "watchNamespaces": ["ml", "ml-canary"],
+            "extraArgs": ["--interval=2"],
+        },
+    }
     deploy = find(objects(render(values)), "Deployment")
     ctr = deploy["spec"]["template"]["spec"]["containers"][0]
     assert ctr["image"] == f"ghcr.io/weightroll/weightroll-operator@{digest}"
+    assert ctr["args"] == ["--verbose", "--namespace=ml", "--namespace=ml-canary", "--interval=2"]
     assert "livenessProbe" not in ctr and "readinessProbe" in ctr
 
 
@@ -207,7 +217,7 @@ def test_metrics_service_and_servicemonitor() -> None:
     objs = objects(render())
     svc = find(objs, "Service", "weightroll-metrics")
     assert svc["spec"]["ports"] == [
-        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
     ]
     deploy = find(objs, "Deployment")
     assert (

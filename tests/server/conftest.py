@@ -145,6 +145,11 @@ class Scenario:
     async def recover(self, update_id: str) -> dict[str, Any]:
         """A full update back to B (the rollback path) must commit and make the replica ready."""
         self.set_failpoints("")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 60
+        while any("not yet recovered" in reason for reason in (await self.readyz())[1]["reasons"]):
+            assert loop.time() < end, "the agent never recovered the engine state"
+            await asyncio.sleep(0.2)
         await self.post_update(update_id, "v1", self.models.b)
         status = await self.wait_phase(update_id)
         assert status["phase"] == "Committed", status

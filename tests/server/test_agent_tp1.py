@@ -189,9 +189,13 @@ async def test_agent_killed_mid_update_and_restarted(sc: Scenario) -> None:
     # The hung load finished after the kill (dirty); the restarted agent aborted it: poisoned.
     loop = asyncio.get_running_loop()
     end = loop.time() + 30
-    while (await sc.state())["engineState"] != "poisoned":
-        assert loop.time() < end, await sc.state()
+    while True:
+        state = await sc.state()
+        if state["ranks"] and {rank["state"] for rank in state["ranks"]} == {"poisoned"}:
+            break
+        assert loop.time() < end, state
         await asyncio.sleep(0.2)
+    assert state["engineState"] == "poisoned"
     assert await sc.vllm_paused()
     await sc.recover("tp1-after-kill")
 

@@ -19,7 +19,16 @@ from weightroll_operator.domain.model import (
     WeightState,
 )
 
-__all__ = ["AGENT_PORT_NAME", "Unit", "group_units", "matches", "pod_view", "select_pods"]
+__all__ = [
+    "AGENT_PORT_NAME",
+    "Unit",
+    "group_units",
+    "matches",
+    "pod_view",
+    "select_pods",
+    "trim_pod",
+    "trim_weightupdate",
+]
 
 #: Container port name that overrides ``spec.agent.port`` (docs/contracts.md).
 AGENT_PORT_NAME = "weightroll"
@@ -126,3 +135,49 @@ def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
     return tuple(
         Unit(key, tuple(sorted(ps, key=lambda p: p.name))) for key, ps in sorted(groups.items())
     )
+
+
+def trim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """Keep only the fields the operator reads (the pod index holds every pod of the cluster)."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    ports = [
+        {"ports": [dict(p) for p in c.get("ports") or [] if p.get("name") == AGENT_PORT_NAME]}
+        for c in spec.get("containers") or []
+    ]
+    return {
+        "metadata": {
+            k: meta[k]
+            for k in (
+                "name",
+                "namespace",
+                "uid",
+                "labels",
+                "annotations",
+                "resourceVersion",
+                "deletionTimestamp",
+            )
+            if k in meta
+        },
+        "spec": {"readinessGates": list(spec.get("readinessGates") or []), "containers": ports},
+        "status": {
+            "podIP": status.get("podIP"),
+            "conditions": [dict(c) for c in status.get("conditions") or []],
+            "containerStatuses": [
+                {"restartCount": s.get("restartCount", 0)}
+                for s in status.get("containerStatuses") or []
+            ],
+        },
+    }
+
+
+def trim_weightupdate(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Metadata, spec and the status fields ownership decisions read."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    return {
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+        "spec": dict(body.get("spec") or {}),
+        "status": {k: status.get(k) for k in ("phase", "startTime") if k in status},
+    }

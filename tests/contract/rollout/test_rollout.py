@@ -252,7 +252,7 @@ async def test_two_weightupdates_on_one_fleet(h: Harness) -> None:
     # a pod was never owned by both: ownership always passed through "unowned"
     owners = [
         (r.name, ((r.data or {}).get("metadata") or {}).get("annotations", {}))
-        for r in h.emu.requests
+        for r in h.emu
         if r.resource is not None and r.resource.plural == "pods" and r.method == "PATCH"
         and r.subresource is None
     ]

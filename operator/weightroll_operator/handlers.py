@@ -1,0 +1,93 @@
+"""Every kopf handler of the operator, registered on a given registry (house rule 3).
+
+Bodies only call the reconciler and map errors: ``InvalidSpec`` -> ``PermanentError`` (the
+status already says why; a spec change re-runs it), Kubernetes/agent errors -> ``TemporaryError``.
+Pods and WeightUpdates are observed through ``@kopf.index``; no handler is attached to Pods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+from weightroll_operator.domain.fleet import trim_pod, trim_weightupdate
+from weightroll_operator.errors import InvalidSpec, WeightrollError
+from weightroll_operator.reconcile import Reconciler
+from weightroll_operator.settings import OperatorConfig, configure_kopf
+
+__all__ = ["Runtime", "register"]
+
+
+@dataclass
+class Runtime:
+    """What the handlers need: the reconciler and the config (built by ``main``)."""
+
+    reconciler: Reconciler
+    config: OperatorConfig
+    #: Monotonic time of the last finished pass (liveness).
+    last_pass: float = field(default_factory=time.monotonic)
+
+
+def _of(index: kopf.Index[str, Any], namespace: str | None) -> Iterable[Mapping[str, Any]]:
+    return list(index.get(namespace or "", []))
+
+
+def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    """Register the handlers on ``registry``."""
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings, rt.config)
+
+    @kopf.index("pods", id="pods_by_namespace", registry=registry)
+    def pods_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, Any]:
+        return {namespace or "": trim_pod(body)}
+
+    @kopf.index(GROUP, VERSION, PLURAL, id="updates_by_namespace", registry=registry)
+    def updates_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, Any]:
+        return {namespace or "": trim_weightupdate(body)}
+
+    async def run(body: kopf.Body, namespace: str | None, indices: Mapping[str, Any]) -> None:
+        pods, peers = indices["pods_by_namespace"], indices["updates_by_namespace"]
+        try:
+            await rt.reconciler.reconcile(body, _of(pods, namespace), _of(peers, namespace))
+        except InvalidSpec as e:
+            raise kopf.PermanentError(str(e)) from e
+        except WeightrollError as e:
+            raise kopf.TemporaryError(str(e), delay=rt.config.interval) from e
+        finally:
+            rt.last_pass = time.monotonic()
+
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    async def reconcile_on_change(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
+        await run(body, namespace, kw)
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        registry=registry,
+        interval=rt.config.interval,
+        initial_delay=rt.config.interval,
+    )
+    async def reconcile_on_timer(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
+        try:
+            await run(body, namespace, kw)
+        except kopf.PermanentError:
+            return  # reported in the status; a spec change triggers on.update
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    async def release_on_delete(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
+        pods = _of(kw["pods_by_namespace"], namespace)
+        await rt.reconciler.finalize(body, pods)
+
+    @kopf.on.probe(id="lastPassAgeSeconds", registry=registry)
+    def liveness(**_: Any) -> float:
+        return round(time.monotonic() - rt.last_pass, 1)

@@ -1,0 +1,84 @@
+"""``weightroll operator``: run the WeightUpdate operator (kopf) in this process.
+
+Builds the clients, the reconciler and the metrics endpoint, registers the handlers and calls
+``kopf.run``. Standalone by default (no peering): run one replica, or pass ``--peering NAME
+--priority N`` with a distinct priority per replica (equal priorities freeze every replica).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import kopf
+
+from weightroll_operator.agent_client import AgentClient
+from weightroll_operator.handlers import Runtime, register
+from weightroll_operator.k8s.client import KubeApi, KubeConfig
+from weightroll_operator.metrics import Metrics
+from weightroll_operator.reconcile import Reconciler
+from weightroll_operator.settings import OperatorConfig
+
+__all__ = ["build_runtime", "main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightroll operator", description=__doc__)
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch a namespace")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    p.add_argument("--context", help="kubeconfig context")
+    p.add_argument("--interval", type=float, help="seconds between timer passes")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
+    p.add_argument("--health-port", type=int, help="liveness port for /healthz (0 disables)")
+    p.add_argument("--peering", help="kopf peering name (default: standalone)")
+    p.add_argument(
+        "--priority", type=int, default=0, help="peering priority (distinct!)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None) -> Runtime:
+    agents = AgentClient(timeout=config.agent_timeout, concurrency=config.concurrency)
+    reconciler = Reconciler(
+        kube=kube,
+        agents=agents,
+        metrics=metrics,
+        concurrency=config.concurrency,
+        state_ttl=config.state_ttl,
+        poll_interval=config.interval,
+    )
+    return Runtime(reconciler=reconciler, config=config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(argv or []))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = OperatorConfig.from_env(
+        interval=args.interval, metrics_port=args.metrics_port, health_port=args.health_port
+    )
+    kube = KubeApi(KubeConfig.load(args.kubeconfig, args.context))
+    metrics = Metrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+    registry = kopf.OperatorRegistry()
+    register(registry, build_runtime(config, kube, metrics))
+    liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
+    kopf.run(
+        registry=registry,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        priority=args.priority,
+        namespaces=args.namespace,
+        clusterwide=args.all_namespaces or not args.namespace,
+        liveness_endpoint=liveness,
+    )
+    asyncio.run(kube.close())
+    return 0

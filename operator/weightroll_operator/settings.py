@@ -1,0 +1,67 @@
+"""Operator configuration (``WEIGHTROLL_*`` environment variables and CLI flags) and the one
+place where kopf's settings are set (called from the ``on.startup`` handler).
+
+Never log a :class:`OperatorConfig` at DEBUG with credentials in it: it holds none by design (the
+agent token is read from the Secret named in each WeightUpdate).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import kopf
+
+__all__ = ["FINALIZER", "PREFIX", "OperatorConfig", "configure_kopf"]
+
+#: Annotation prefix of kopf's progress and diff-base storage on WeightUpdates.
+PREFIX = "weightroll.io"
+FINALIZER = f"{PREFIX}/finalizer"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Every knob of the operator process. Environment: ``WEIGHTROLL_<FIELD>`` (upper case)."""
+
+    #: Seconds between timer-driven passes of each WeightUpdate.
+    interval: float = 5.0
+    #: Seconds an agent answers before the call counts as unreachable.
+    agent_timeout: float = 5.0
+    #: Parallel agent and pod calls per pass.
+    concurrency: int = 32
+    #: Seconds an agent's ``/v1/state`` answer is reused for an unchanged pod.
+    state_ttl: float = 30.0
+    #: Port of the Prometheus metrics endpoint (0 disables it).
+    metrics_port: int = 8080
+    #: Port of the liveness endpoint ``/healthz`` (0 disables it).
+    health_port: int = 8081
+    #: Level of kopf's own Events posted on WeightUpdates (ours are always posted).
+    posting_level: str = "WARNING"
+    #: Seconds kopf's watch requests last before being re-opened (kopf#810).
+    watch_server_timeout: int = 300
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> OperatorConfig:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"WEIGHTROLL_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = type(getattr(cls(), f.name))(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """Progress in annotations under ``weightroll.io``, our finalizer, quiet kopf Events."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.getLevelName(config.posting_level)
+    settings.watching.server_timeout = config.watch_server_timeout
+    settings.watching.client_timeout = config.watch_server_timeout + 30
+    settings.networking.request_timeout = 30

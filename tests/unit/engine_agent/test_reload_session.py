@@ -1,0 +1,113 @@
+"""Table-driven tests of the per-rank weight state machine (gap 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_agent.errors import UpdateConflict, WrongState
+from engine_agent.protocol import EngineState, UpdateMode, UpdateSpec
+from engine_agent.reload import session
+from engine_agent.reload.session import WeightState
+
+CLEAN = session.initial("v1")
+POISONED = WeightState(EngineState.POISONED, "v1", "u0", poison_reason="half-failed")
+
+
+def spec(mode: str = "full", **kw: object) -> UpdateSpec:
+    extra: dict[str, object] = {"update_id": "u1", "version": "v2", "mode": mode}
+    if mode == "sparse":
+        extra["base_version"] = "v1"
+    if mode == "partial":
+        extra["scope"] = ["model.norm.weight"]
+    return UpdateSpec.model_validate(extra | kw)
+
+
+@pytest.mark.parametrize(
+    ("start", "mode", "kw", "error"),
+    [
+        (CLEAN, "full", {}, None),
+        (CLEAN, "partial", {}, None),
+        (CLEAN, "sparse", {}, None),
+        (CLEAN, "sparse", {"base_version": "v0"}, WrongState),
+        (POISONED, "full", {}, None),
+        (POISONED, "partial", {}, WrongState),
+        (POISONED, "sparse", {}, WrongState),
+    ],
+)
+def test_begin(start: WeightState, mode: str, kw: dict[str, object], error: type | None) -> None:
+    if error is None:
+        opened = session.begin(start, spec(mode, **kw))
+        assert opened.state is EngineState.OPEN and opened.target_version == "v2"
+        assert not opened.serving_safe
+    else:
+        with pytest.raises(error):
+            session.begin(start, spec(mode, **kw))
+
+
+@pytest.mark.parametrize(
+    ("start", "written", "outcome", "state", "version"),
+    [
+        # untouched session on a clean engine: still exactly v1
+        (CLEAN, False, "fail", EngineState.CLEAN, "v1"),
+        (CLEAN, False, "abort", EngineState.CLEAN, "v1"),
+        # live bytes changed and the session did not commit: mixed weights
+        (CLEAN, True, "fail", EngineState.POISONED, "v1"),
+        (CLEAN, True, "abort", EngineState.POISONED, "v1"),
+        # an empty start/finish on a poisoned engine never re-enables serving
+        (POISONED, False, "fail", EngineState.POISONED, "v1"),
+        (POISONED, False, "abort", EngineState.POISONED, "v1"),
+        # only a commit (after every check passed) produces the new version
+        (CLEAN, True, "commit", EngineState.CLEAN, "v2"),
+        (POISONED, True, "commit", EngineState.CLEAN, "v2"),
+    ],
+)
+def test_session_outcomes(
+    start: WeightState, written: bool, outcome: str, state: EngineState, version: str
+) -> None:
+    ws = session.begin(start, spec())
+    if written:
+        ws = session.mark_written(ws)
+        assert ws.state is EngineState.DIRTY
+    if outcome == "commit":
+        ws = session.commit(ws)
+    elif outcome == "abort":
+        ws = session.abort(ws)
+    else:
+        ws = session.fail(ws, "coverage incomplete")
+    assert (ws.state, ws.version) == (state, version)
+    assert ws.serving_safe is (state is EngineState.CLEAN)
+
+
+def test_poisoned_keeps_its_first_reason_through_a_failed_recovery() -> None:
+    ws = session.fail(session.begin(POISONED, spec()), "nothing loaded")
+    assert ws.poison_reason == "half-failed"
+
+
+def test_second_session_conflicts_and_same_untouched_session_is_idempotent() -> None:
+    ws = session.begin(CLEAN, spec())
+    assert session.begin(ws, spec()) == ws
+    with pytest.raises(UpdateConflict, match="u1"):
+        session.begin(ws, spec(update_id="u2"))
+    with pytest.raises(UpdateConflict):
+        session.begin(session.mark_written(ws), spec())
+
+
+def test_poison_fences_any_state() -> None:
+    for start in (CLEAN, session.begin(CLEAN, spec()), POISONED):
+        ws = session.poison(start, "peer rank wrote")
+        assert ws.state is EngineState.POISONED and not ws.serving_safe
+
+
+@pytest.mark.parametrize("call", [session.mark_written, session.commit])
+def test_calls_outside_a_session_are_wrong_state(call: object) -> None:
+    with pytest.raises(WrongState):
+        call(CLEAN)  # type: ignore[operator]
+
+
+def test_mode_field_rules() -> None:
+    with pytest.raises(ValueError, match="baseVersion is required"):
+        UpdateSpec(update_id="u", version="v", mode=UpdateMode.SPARSE)
+    with pytest.raises(ValueError, match="scope must list"):
+        UpdateSpec(update_id="u", version="v", mode=UpdateMode.PARTIAL)
+    with pytest.raises(ValueError, match="scope is only allowed"):
+        UpdateSpec(update_id="u", version="v", scope=["x"])
