@@ -29,6 +29,7 @@ from torch import nn
 
 from engine_agent.errors import (
     AgentError,
+    DerivedStateUnsupported,
     IdentityChanged,
     InvalidRequest,
     WrongState,
@@ -181,6 +182,13 @@ class RankEngine:
             if spec.mode is UpdateMode.SPARSE
             else frozenset()
         )
+        blocked = sorted(set(required) & index.unsupported.keys())
+        if blocked:
+            raise DerivedStateUnsupported(
+                f"{blocked[0]}: {index.unsupported[blocked[0]]}; updating it would leave that "
+                "derived state stale",
+                field="scope",
+            )
         ledger = CoverageLedger(required, optional)
         router = LoadRouter(index, ledger, self.device, self.act_dtype, self._mark_written)
         self._session = _Session(
@@ -322,7 +330,7 @@ class RankEngine:
             if digests
             else "",
             "bytes_loaded": router.bytes_loaded,
-            "timings": active.timings,
+            "timings": active.timings | {k: round(v, 6) for k, v in router.timings.items()},
         }
 
     def _report(

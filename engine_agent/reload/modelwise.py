@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -339,8 +340,18 @@ class LoadRouter:
         self.module_digests: dict[str, str] = {}
         self.bytes_loaded = 0
         self._dry_keys: list[ShardKey] | None = None
+        #: seconds per processing step, summed over modules (digest, post_load, copy_live, ...).
+        self.timings: dict[str, float] = {}
         #: module name -> its live parameters while templates are installed.
         self._live: dict[str, dict[str, Any]] = {}
+
+    @contextmanager
+    def _timed(self, step: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[step] = self.timings.get(step, 0.0) + time.perf_counter() - started
 
     # -- the two passes -----------------------------------------------------------------
 
@@ -469,8 +480,6 @@ class LoadRouter:
 
     def process(self, entry: ModuleEntry) -> None:
         """Run post-load processing on ``entry``'s staging and copy it into live storage."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
         if entry.name in self.index.unsupported:
             raise DerivedStateUnsupported(
                 f"{entry.name}: {self.index.unsupported[entry.name]}", field=entry.name
@@ -481,34 +490,44 @@ class LoadRouter:
             k: v for k, v in self._live.get(entry.name, module._parameters).items() if v is not None
         }
         live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
-        self.module_digests[entry.name] = hashlib.sha256(
-            "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(staged.items())).encode()
-        ).hexdigest()
+        with self._timed("digest"):
+            self.module_digests[entry.name] = _digest_of(staged)
         try:
             for pname, tensor in staged.items():
                 _slots(module)[pname] = tensor
-            quant_method = getattr(module, "quant_method", None)
-            if isinstance(quant_method, QuantizeMethodBase):
-                if hasattr(module, "_already_called_process_weights_after_loading"):
-                    delattr(module, "_already_called_process_weights_after_loading")
-                quant_method.process_weights_after_loading(module)
-                self._replay_expert_kernel_format(entry, quant_method)
-                update_tp_status = getattr(module, "update_param_tp_status", None)
-                if callable(update_tp_status):
-                    update_tp_status()
-            for refresher in self.index.refreshers.get(entry.name, []):
-                self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+            with self._timed("post_load"):
+                self._post_load(entry)
+            with self._timed("refresh_derived"):
+                for refresher in self.index.refreshers.get(entry.name, []):
+                    self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
             if not self._wrote_live:
                 self._before_live_write()
                 self._wrote_live = True
-            self._copy_into_live(entry, live_params, _present(module._parameters))
-            self._copy_into_live(entry, live_buffers, _present(module._buffers))
+            with self._timed("copy_live"):
+                self._copy_into_live(entry, live_params, _present(module._parameters))
+                self._copy_into_live(entry, live_buffers, _present(module._buffers))
         finally:
             module._parameters.clear()
             module._parameters.update(live_params)
             for name, buffer in live_buffers.items():
                 module._buffers[name] = buffer
         self.processed.add(entry.name)
+
+    def _post_load(self, entry: ModuleEntry) -> None:
+        """The module's own post-load step (quant method, experts' kernel format) on staging."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        module = entry.module
+        quant_method = getattr(module, "quant_method", None)
+        if not isinstance(quant_method, QuantizeMethodBase):
+            return
+        if hasattr(module, "_already_called_process_weights_after_loading"):
+            delattr(module, "_already_called_process_weights_after_loading")
+        quant_method.process_weights_after_loading(module)
+        self._replay_expert_kernel_format(entry, quant_method)
+        update_tp_status = getattr(module, "update_param_tp_status", None)
+        if callable(update_tp_status):
+            update_tp_status()
 
     def _replay_expert_kernel_format(self, entry: ModuleEntry, quant_method: Any) -> None:
         # vLLM's unquantized MoE method skips the experts' own post-load step on a weight update
@@ -611,10 +630,8 @@ class LoadRouter:
             quant_method.process_weights_after_loading(entry.module)  # type: ignore[union-attr]
         for refresher in self.index.refreshers.get(entry.name, []):
             self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
-        live = entry.live_tensors()
-        self.module_digests[entry.name] = hashlib.sha256(
-            "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(live.items())).encode()
-        ).hexdigest()
+        with self._timed("digest"):
+            self.module_digests[entry.name] = _digest_of(entry.live_tensors())
         self.processed.add(entry.name)
 
     def discard(self) -> None:
@@ -630,6 +647,12 @@ def _slots(module: nn.Module) -> dict[str, Any]:
 
 def _present(tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if v is not None}
+
+
+def _digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    return hashlib.sha256(
+        "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(tensors.items())).encode()
+    ).hexdigest()
 
 
 def _meta_like(template: torch.Tensor) -> torch.Tensor:

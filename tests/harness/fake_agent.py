@@ -232,7 +232,9 @@ class FakeFleetAgents:
     agents: dict[str, FakeAgent] = field(default_factory=dict)
 
     async def add(self, pod: str, index: int, **kw: Any) -> FakeAgent:
-        agent = FakeAgent(pod=pod, host=f"127.0.0.{index + 2}", port=self.port, token=self.token, **kw)
+        agent = FakeAgent(
+            pod=pod, host=f"127.0.0.{index + 2}", port=self.port, token=self.token, **kw
+        )
         await agent.appear()
         self.agents[pod] = agent
         return agent

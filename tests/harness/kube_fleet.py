@@ -85,7 +85,9 @@ class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         conds = {c["type"]: dict(c) for c in (current.get("status") or {}).get("conditions") or []}
         for c in new:
             conds[c["type"]] = {**conds.get(c["type"], {}), **c}
-        gates = [g["conditionType"] for g in (current.get("spec") or {}).get("readinessGates") or []]
+        gates = [
+            g["conditionType"] for g in (current.get("spec") or {}).get("readinessGates") or []
+        ]
         ready = request.name not in self.containers_not_ready and all(
             conds.get(g, {}).get("status") == "True" for g in gates
         )

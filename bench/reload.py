@@ -1,0 +1,135 @@
+"""Benchmark: a verified full update versus a raw copy and versus vLLM's own reload.
+
+Builds a ~160M-parameter random Llama-style model on CPU (bf16), starts one in-process vLLM
+engine with weightroll's extension, and times, in the same run and on the same engine:
+
+* ``raw_copy``: read the checkpoint (page-cached safetensors) and ``copy_`` every tensor into
+  preallocated tensors of the same shapes — the floor for moving these bytes;
+* ``vllm_reload``: vLLM's ``reload_weights(weights_path=...)`` (its layerwise reload);
+* ``verified``: weightroll's begin/load/finish (coverage, identity, digests, derived state).
+
+Each is repeated ``--rounds`` times alternating between two checkpoints; medians are reported
+and compared as ratios (machines here are noisy, absolute seconds are not comparable across
+runs). Prints one JSON object.
+
+Usage: ``.venv/bin/python bench/reload.py [--layers 6 --hidden 1024 --rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STRUCTURAL = ("begin", "read_headers", "dry_run", "coverage", "identity")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+    from safetensors import safe_open
+
+    from tests.harness.engines import start_engine
+    from tests.harness.models import build_tiny_model, random_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="weightroll-bench-"))
+    shape = dict(
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        vocab_size=args.vocab,
+    )
+    a = build_tiny_model("llama", work / "a", seed=0, **shape)
+    b = random_checkpoint(a, work / "b", seed=1)
+    files = {p: sorted(p.glob("*.safetensors")) for p in (a, b)}
+    n_params = 0
+    with safe_open(str(files[a][0]), framework="pt") as handle:
+        for name in handle.keys():  # noqa: SIM118
+            n_params += int(torch.Size(handle.get_slice(name).get_shape()).numel())
+    engine = start_engine(a)
+
+    def raw_copy(path: Path) -> float:
+        started = time.perf_counter()
+        for file in files[path]:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118
+                    tensor = handle.get_tensor(name)
+                    destinations[name].copy_(tensor)
+        return time.perf_counter() - started
+
+    def vllm_reload(path: Path) -> float:
+        started = time.perf_counter()
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        return time.perf_counter() - started
+
+    counter = iter(range(10_000))
+
+    def verified(path: Path) -> tuple[float, dict[str, float]]:
+        started = time.perf_counter()
+        reports = engine.update(f"bench-{next(counter)}", f"v-{path.name}", path)
+        elapsed = time.perf_counter() - started
+        report = reports[0]
+        assert report["ok"], report
+        return elapsed, report["timings"]
+
+    with safe_open(str(files[a][0]), framework="pt") as handle:
+        destinations = {n: torch.empty_like(handle.get_tensor(n)) for n in handle.keys()}  # noqa: SIM118
+
+    # Warm-up: page cache, allocator, first-call costs.
+    for path in (b, a):
+        raw_copy(path), vllm_reload(path), verified(path)
+
+    results: dict[str, list[float]] = {"raw_copy": [], "vllm_reload": [], "verified": []}
+    breakdowns: list[dict[str, float]] = []
+    for i in range(args.rounds * 2):
+        path = b if i % 2 == 0 else a
+        results["raw_copy"].append(raw_copy(path))
+        results["vllm_reload"].append(vllm_reload(path))
+        seconds, timings = verified(path)
+        results["verified"].append(seconds)
+        breakdowns.append(timings)
+    out_ok = engine.outputs()  # the engine still serves after all of it
+    engine.close()
+
+    median = {k: statistics.median(v) for k, v in results.items()}
+    steps = {k: statistics.median(t.get(k, 0.0) for t in breakdowns) for k in breakdowns[0]}
+    structural = sum(steps.get(k, 0.0) for k in STRUCTURAL)
+    report: dict[str, Any] = {
+        "model": {"params": n_params, "bytes": n_params * 2, **shape},
+        "rounds": args.rounds * 2,
+        "median_seconds": {k: round(v, 4) for k, v in median.items()},
+        "ratios": {
+            "verified_vs_vllm_reload": round(median["verified"] / median["vllm_reload"], 3),
+            "verified_vs_raw_copy": round(median["verified"] / median["raw_copy"], 3),
+            "vllm_reload_vs_raw_copy": round(median["vllm_reload"] / median["raw_copy"], 3),
+            "structural_checks_share_of_verified": round(structural / median["verified"], 4),
+            "digest_share_of_verified": round(steps.get("digest", 0.0) / median["verified"], 4),
+        },
+        "verified_breakdown_seconds": {k: round(v, 4) for k, v in sorted(steps.items())},
+        "goals": {"verified_vs_vllm_reload": "<= 1.3", "structural_checks_share": "<= 0.05"},
+        "engine_serves_after": bool(out_ok.tokens),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

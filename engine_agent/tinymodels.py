@@ -1,0 +1,194 @@
+"""Tiny random Hugging Face checkpoints, generated locally (for tests, benchmarks and the demo).
+
+No model hub is reachable from the machines this project runs on, so every model is built here.
+
+Shapes follow ../shared/design/vllm-on-cpu.md §3: hidden 128, 2 layers, 4 heads, 2 KV heads,
+head_dim 32, vocab 512 — small enough that building one takes well under a second, and
+valid for vLLM's CPU kernels (head_dim in the supported list; MLA latent cache of 576).
+
+Every builder is deterministic in ``seed``: two calls with the same kind and seed write
+bit-identical safetensors, and different seeds give different weights with the same names,
+shapes and dtypes (so one model's checkpoint is a valid update for another's engine).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KINDS",
+    "build_tiny_model",
+    "load_tensors",
+    "random_checkpoint",
+    "tiny_tokenizer",
+    "write_subset",
+    "write_tensors",
+]
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    tie_word_embeddings=False,
+)
+_MLA: dict[str, Any] = dict(
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+
+
+def _configs() -> dict[str, Callable[..., Any]]:
+    import transformers as T
+
+    return {
+        "llama": lambda **kw: T.LlamaConfig(**(_COMMON | kw)),
+        "qwen2_moe": lambda **kw: T.Qwen2MoeConfig(
+            **(_COMMON | kw),
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+        ),
+        "deepseek_v2": lambda **kw: T.DeepseekV2Config(**(_COMMON | _MLA | kw), q_lora_rank=None),
+    }
+
+
+KINDS = ("llama", "qwen2_moe", "deepseek_v2")
+
+
+def tiny_tokenizer(vocab: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained offline on a few sentences, with a chat template."""
+    import transformers as T
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "Weights are reloaded in place.",
+        "The quick brown fox jumps over the lazy dog.",
+        "Every rank verifies the new weights before traffic returns.",
+    ] * 50
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    fast = T.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    )
+    return fast
+
+
+def build_tiny_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random model of ``kind`` (config, safetensors, tokenizer) to ``out_dir``.
+
+    Args:
+        kind: one of :data:`KINDS`.
+        out_dir: target directory (created).
+        seed: torch seed for the random weights.
+        **overrides: config fields to override (e.g. ``hidden_size`` for benchmarks).
+
+    Returns:
+        ``out_dir``.
+    """
+    import torch
+    import transformers as T
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; choose one of {KINDS}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = _configs()[kind](**overrides)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        # HF initialises norms to ones and some biases to zero; randomise every tensor so that
+        # an update that misses any of them is visible in the outputs.
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param, dtype=torch.float32).mul_(0.08).to(param.dtype))
+    model.save_pretrained(out_dir)
+    tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    (out_dir / "weightroll-test-model.json").write_text(json.dumps({"kind": kind, "seed": seed}))
+    return out_dir
+
+
+def random_checkpoint(model_dir: Path, out_dir: Path, seed: int) -> Path:
+    """Write a checkpoint with the names, shapes and dtypes of ``model_dir`` and new random values.
+
+    The result is a full update for an engine serving ``model_dir`` (config and tokenizer are
+    copied so the directory also starts a cold engine for differential tests).
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for src in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(str(src))
+        new = {
+            name: (torch.randn(t.shape, generator=gen) * 0.08).to(t.dtype)
+            for name, t in tensors.items()
+        }
+        save_file(new, str(out_dir / src.name), metadata={"format": "pt"})
+    for other in Path(model_dir).iterdir():
+        if other.suffix != ".safetensors" and other.is_file():
+            shutil.copy(other, out_dir / other.name)
+    return out_dir
+
+
+def load_tensors(model_dir: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint directory, by name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for src in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors |= load_file(str(src))
+    return tensors
+
+
+def write_tensors(path: Path, tensors: dict[str, Any]) -> Path:
+    """Write ``tensors`` as one safetensors file at ``path``."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def write_subset(model_dir: Path, path: Path, keep: Callable[[str], bool]) -> Path:
+    """Write the tensors of ``model_dir`` whose names satisfy ``keep`` to one file."""
+    return write_tensors(path, {k: v for k, v in load_tensors(model_dir).items() if keep(k)})
