@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
     args = parser.parse_args()
 
     import torch
@@ -128,7 +129,10 @@ def main() -> None:
         "goals": {"verified_vs_vllm_reload": "<= 1.3", "structural_checks_share": "<= 0.05"},
         "engine_serves_after": bool(out_ok.tokens),
     }
-    print(json.dumps(report, indent=2))
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,7 @@ class Agent:
         self._last_ranks: list[RankStatus] = []
         self._last_state: EngineState | None = None
         self._message = ""
+        self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -196,6 +197,8 @@ class Agent:
         self._guard = asyncio.create_task(self._guard_loop(), name="weightroll-agent-guard")
 
     async def stop(self) -> None:
+        """Stop the guard and any running update (which ends Aborted, replica held)."""
+        self._stopping = True
         for task in (self._task, self._guard):
             if task is not None and not task.done():
                 task.cancel()
@@ -623,7 +626,12 @@ class Agent:
             self._finish_record(record, UpdatePhase.COMMITTED, [])
             logger.info("Committed update %s (version %s)", record.id, request.version)
         except asyncio.CancelledError:
-            problem = Problem("aborted", f"update aborted by request during {record.phase.value}")
+            during = record.phase.value
+            problem = (
+                Problem("agent_stopped", f"the agent stopped during {during}")
+                if self._stopping
+                else Problem("aborted", f"update aborted by request during {during}")
+            )
             await asyncio.shield(self._cleanup(record, [problem], UpdatePhase.ABORTED, drained))
             record.timings["total"] = round(self._monotonic() - started, 6)
         except _Failed as e:

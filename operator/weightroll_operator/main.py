@@ -35,9 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
     p.add_argument("--health-port", type=int, help="liveness port for /healthz (0 disables)")
     p.add_argument("--peering", help="kopf peering name (default: standalone)")
-    p.add_argument(
-        "--priority", type=int, default=0, help="peering priority (distinct!)"
-    )
+    p.add_argument("--priority", type=int, default=0, help="peering priority (distinct!)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 

@@ -268,13 +268,23 @@ class Reconciler:
     ) -> dict[str, AgentView]:
         sem = asyncio.Semaphore(self.concurrency)
         by_name = {v.name: v for v in views}
+        now = time.monotonic()
+        seen: dict[str, AgentView] = {}
+        todo: list[tuple[PodView, Query]] = []
+        for name, query in asked.items():
+            pod = by_name[name]
+            cached = self._states.get(_state_key(pod)) if query.update_id is None else None
+            if cached is not None and cached[1] > now:
+                seen[name] = cached[0]
+            else:
+                todo.append((pod, query))
 
         async def one(pod: PodView, query: Query) -> tuple[str, AgentView]:
             async with sem:
                 return pod.name, await self._ask(pod, query, token)
 
-        pairs = await asyncio.gather(*(one(by_name[n], q) for n, q in asked.items()))
-        return dict(pairs)
+        seen.update(await asyncio.gather(*(one(p, q) for p, q in todo)))
+        return seen
 
     async def _ask(self, pod: PodView, query: Query, token: str | None) -> AgentView:
         if pod.ip is None:
@@ -296,16 +306,7 @@ class Reconciler:
                 or ((update.message,) if update.message else ()),
             )
             return AgentView(reachable=True, version=update.version, update=view)
-        key = (
-            pod.namespace,
-            pod.name,
-            pod.incarnation,
-            pod.state.to_json() if pod.state else "",
-            str(pod.gate),
-        )
-        cached = self._states.get(key)
-        if cached is not None and cached[1] > time.monotonic():
-            return cached[0]
+        key = _state_key(pod)
         try:
             state = await self.agents.state(target)
         except AgentError as e:
@@ -392,6 +393,19 @@ class Reconciler:
                 if started is not None:
                     drained[pod.name] = started.timestamp()
         m.observe_pods(namespace, name, drained, {n: not a.reachable for n, a in agents.items()})
+
+
+def _state_key(pod: PodView) -> tuple[str, ...]:
+    """A cached ``/v1/state`` answer is valid while the pod, its containers and our view of it
+    are unchanged (a container restart changes ``incarnation``)."""
+    state = pod.state
+    return (
+        pod.namespace,
+        pod.name,
+        pod.incarnation,
+        "" if state is None else f"{state.state}|{state.version}|{state.update_id}",
+        str(pod.gate),
+    )
 
 
 def _check_wire(spec: WeightUpdateSpec, name: str) -> None:

@@ -149,6 +149,30 @@ async def test_corrupt_manifest_is_refused(sc: Scenario) -> None:
     await sc.recover("tp1-after-bad-manifest")
 
 
+def _sample(text: str, line_start: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {line_start} in /metrics")
+
+
+async def test_metrics_report_state_phases_bytes_and_failures(sc: Scenario) -> None:
+    await sc.wait_ready()
+    text = await (await sc.http.get(f"{sc.agent.url}/metrics")).text()
+    assert _sample(text, 'weightroll_agent_engine_state{state="clean"}') == 1
+    assert _sample(text, 'weightroll_agent_engine_state{state="poisoned"}') == 0
+    assert _sample(text, "weightroll_agent_ready") == 1
+    histogram = "weightroll_agent_phase_duration_seconds_count"
+    for phase in ("drain", "begin", "load", "finish", "verify", "resume"):
+        assert _sample(text, f'{histogram}{{phase="{phase}"}}') > 0
+    assert _sample(text, "weightroll_agent_bytes_loaded_total") > 0
+    failures = "weightroll_agent_verification_failures_total"
+    assert _sample(text, f'{failures}{{reason="source_unavailable"}}') >= 1
+    assert _sample(text, f'{failures}{{reason="manifest_mismatch"}}') >= 2
+    assert _sample(text, 'weightroll_agent_updates_total{outcome="committed"}') >= 5
+    assert _sample(text, 'weightroll_agent_updates_total{outcome="failed"}') >= 3
+
+
 async def test_rank_that_hangs_past_its_timeout(sc: Scenario) -> None:
     """vLLM 0.32 treats a collective_rpc timeout as fatal: the engine core dies.
 

@@ -5,6 +5,7 @@ Pure functions over plain dicts (the pod bodies from the kopf index or a list ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,11 +52,17 @@ def matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
     return True
 
 
-def _condition(pod: Mapping[str, Any], ctype: str) -> bool | None:
-    for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == ctype:
-            return bool(cond.get("status") == "True")
-    return None
+def _conditions(pod: Mapping[str, Any]) -> dict[str, bool]:
+    return {
+        str(c.get("type")): c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    }
+
+
+@functools.lru_cache(maxsize=65536)
+def _state(text: str) -> WeightState | None:
+    # Pure and the result is frozen: the same annotation text is parsed once.
+    return WeightState.from_json(text)
 
 
 def _port(pod: Mapping[str, Any], default: int) -> int:
@@ -76,18 +83,19 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None, default_port: int)
     restarts = ",".join(str(s.get("restartCount", 0)) for s in statuses)
     owner = annotations.get(ANNOTATION_OWNER)
     name = str(meta.get("name", ""))
+    conditions = _conditions(pod)
     return PodView(
         name=name,
         namespace=str(meta.get("namespace", "")),
         unit=labels.get(group_by, name) if group_by else name,
-        ready=_condition(pod, "Ready") is True,
-        gate=_condition(pod, CONDITION_WEIGHTS_READY),
+        ready=conditions.get("Ready") is True,
+        gate=conditions.get(CONDITION_WEIGHTS_READY),
         has_gate=any(
             g.get("conditionType") == CONDITION_WEIGHTS_READY
             for g in (pod.get("spec") or {}).get("readinessGates") or []
         ),
         owner=OwnerKey(owner) if owner else None,
-        state=WeightState.from_json(raw_state) if raw_state else None,
+        state=_state(raw_state) if raw_state else None,
         ip=(pod.get("status") or {}).get("podIP"),
         port=_port(pod, default_port),
         labels=labels,

@@ -434,6 +434,42 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
     b.progressed = True
 
 
+#: Unit-transition Events are aggregated per reason and pass (one Event per batch, not per pod),
+#: which keeps API writes per pod bounded; each message still names every unit (up to a limit).
+_AGGREGATED = {
+    Reason.UNIT_DRAINING,
+    Reason.UNIT_VERIFIED,
+    Reason.UNIT_FAILED,
+    Reason.UNIT_ROLLING_BACK,
+    Reason.UNIT_ROLLED_BACK,
+    Reason.UNIT_RESTORED,
+}
+_MAX_LISTED = 20
+
+
+def _aggregate_events(actions: list[Action]) -> tuple[Action, ...]:
+    grouped: dict[str, list[Emit]] = {}
+    out: list[Action] = []
+    for action in actions:
+        if isinstance(action, Emit) and action.reason in _AGGREGATED:
+            if action.reason not in grouped:
+                grouped[action.reason] = []
+                out.append(action)  # placeholder, replaced below
+            grouped[action.reason].append(action)
+        else:
+            out.append(action)
+    for i, action in enumerate(out):
+        if isinstance(action, Emit) and action.reason in grouped:
+            emits = grouped[action.reason]
+            if len(emits) == 1:
+                continue
+            listed = "; ".join(e.message for e in emits[:_MAX_LISTED])
+            more = f"; and {len(emits) - _MAX_LISTED} more" if len(emits) > _MAX_LISTED else ""
+            message = f"{len(emits)} units: {listed}{more}"
+            out[i] = Emit(action.reason, message[:2000], any(e.warning for e in emits))
+    return tuple(out)
+
+
 def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: datetime) -> Plan:
     """Compute this pass's actions. Pure: same inputs, same plan.
 
@@ -660,7 +696,7 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     flying_after = len(still_flying | claimed_units)
     remaining_pending = sum(1 for u in pending_units if u.key not in claimed_units)
     return Plan(
-        actions=tuple(b.actions),
+        actions=_aggregate_events(b.actions),
         persisted=new_persisted,
         classes=classes,
         pods={p.name: p for p in fleet.pods},

@@ -112,6 +112,24 @@ async def test_agent_restart_without_state_rederives_from_ranks(
         await stop_harness(second)
 
 
+async def test_agent_stopped_mid_update_aborts_and_holds(
+    fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    harness = await start_harness(fake, token_file, tmp_path / "state")
+    fake.gate("weightroll_load")
+    await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
+    await fake.entered["weightroll_load"].wait()
+    fake.gates["weightroll_load"].set()
+    agent = harness.agent
+    await stop_harness(harness)  # runs the app's cleanup: agent.stop()
+    record = agent.get("u-1")
+    assert record.phase.value == "Aborted"
+    assert record.verdict is not None
+    assert record.verdict.reasons[0].startswith("agent_stopped:")
+    assert fake.paused
+    assert agent.store.memory.hold is not None
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
