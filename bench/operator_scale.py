@@ -8,7 +8,7 @@ kubelet (Ready = every readiness gate True); each agent commits ``T`` seconds af
 
 Reported: reconcile pass time (p50/p95/max), API writes per pod (by kind), total rollout time
 versus the ideal ``ceil(N / maxUnavailable) * T``, and whether each goal of the issue is met
-(≤ 1.1× ideal, ≤ 100 ms per pass, ≤ 6 API writes per pod).
+(at most 1.1 x ideal, 100 ms per pass, 6 API writes per pod).
 
 Usage: ``python bench/operator_scale.py [--pods 1000] [--update-seconds 2] [--interval 0.02]``
 """
@@ -26,6 +26,11 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from weightroll_operator.api.v1alpha1 import resolve_max_unavailable
+from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
+from weightroll_operator.ports import AgentTarget
+from weightroll_operator.reconcile import Reconciler
+
 from engine_agent.protocol import (
     AgentState,
     EngineState,
@@ -35,10 +40,6 @@ from engine_agent.protocol import (
     UpdateStatus,
     Verdict,
 )
-from weightroll_operator.api.v1alpha1 import resolve_max_unavailable
-from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
-from weightroll_operator.ports import AgentTarget
-from weightroll_operator.reconcile import Reconciler
 
 NS = "bench"
 

@@ -25,13 +25,18 @@
 #
 # The build follows ../shared/design/tooling.md §1: GOPATH mode (module mode fails with vendor/),
 # reflect2 swapped for Debian's 1.0.2 (1.0.1 crashes on Go >= 1.18 at the first CR create), and
-# the OpenAPI definitions generated before building. System packages: scripts/system-deps.sh.
+# the OpenAPI definitions generated before building. A fourth fix, found here: with Go >= 1.19 the
+# vendored go-openapi type validator rejects every "", 0 and false in a custom resource as null
+# (`status.conditions.message in body must be of type string: "null"`); it is patched back to
+# upstream's meaning (only a real null). System packages: scripts/system-deps.sh.
 #
 # Limitations: no controller-manager, scheduler or kubelet — pods stay Pending unless a test
 # plays kubelet; the `default` ServiceAccount is not created; Kubernetes 1.20 has no CEL.
 set -euo pipefail
 
 K8S_VERSION=v1.20.2
+# Bump when the build recipe changes: a cached binary from another recipe is rebuilt.
+RECIPE="v1.20.2 reflect2-1.0.2 gopath openapi-gen openapi-zero-values"
 CACHE=${WEIGHTROLL_KUBE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/weightroll/kube}
 RUN=${WEIGHTROLL_KUBE_RUN:-$CACHE/run}
 BIN=$CACHE/bin/kube-apiserver
@@ -49,7 +54,8 @@ die() {
 }
 
 is_built() {
-  [ -x "$BIN" ] && "$BIN" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION"
+  [ -x "$BIN" ] && [ "$(cat "$BIN.recipe" 2>/dev/null)" = "$RECIPE" ] &&
+    "$BIN" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION"
 }
 
 cmd_build() {
@@ -90,6 +96,13 @@ cmd_build() {
   rm -rf vendor/github.com/modern-go/reflect2
   cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 vendor/github.com/modern-go/reflect2
 
+  # Fix 4: go-openapi/validate compares reflect.Value structs to spot zero values; since Go 1.19
+  # reflect.Zero and a zero value boxed in an interface share runtime.zeroVal, so "", 0 and false
+  # compared equal to "zero" and were rejected as null (real 1.20 builds, Go 1.15, never did).
+  local tv=vendor/github.com/go-openapi/validate/type.go
+  sed -i 's/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/' "$tv"
+  grep -q '^	if data == nil {$' "$tv" || die "could not patch $tv"
+
   # Fix 2: GOPATH mode, offline.
   export GO111MODULE=off GOPATH="$W/gopath" GOPROXY=off GOFLAGS="" CGO_ENABLED=0 GOCACHE="$W/gocache"
 
@@ -115,6 +128,7 @@ cmd_build() {
   done
   go build -ldflags "$ldf" -o "$BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver
   mv "$BIN.tmp" "$BIN"
+  echo "$RECIPE" >"$BIN.recipe"
   cd "$CACHE"
   is_built || die "built binary does not report $K8S_VERSION"
   if [ "${KEEP_BUILD:-0}" != 1 ]; then

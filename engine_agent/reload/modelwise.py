@@ -400,14 +400,28 @@ class LoadRouter:
 
     @contextmanager
     def _installed(self, *, dry: bool) -> Iterator[None]:
+        """Swap every parameter of the model for a proxy for one ``load_weights`` call.
+
+        Indexed parameters get a routing proxy; every other parameter (derived tensors such as
+        MLA's ``W_UV``) gets a guard whose loader refuses, so no checkpoint name can reach a
+        live tensor by a path that bypasses the accounting.
+        """
         saved: list[tuple[nn.Module, dict[str, Any]]] = []
+        entries = {id(e.module): e for e in self.index.entries.values()}
         try:
-            for entry in self.index.entries.values():
-                module = entry.module
+            for name, module in self.index.model.named_modules():
+                if not module._parameters:
+                    continue
                 saved.append((module, dict(module._parameters)))
-                self._live[entry.name] = saved[-1][1]
-                for pname, template in entry.templates.items():
-                    _slots(module)[pname] = self._wrapped(entry, pname, template, dry)
+                entry = entries.get(id(module))
+                templates = entry.templates if entry is not None else {}
+                if entry is not None:
+                    self._live[entry.name] = saved[-1][1]
+                for pname, live in list(module._parameters.items()):
+                    if pname in templates and entry is not None:
+                        _slots(module)[pname] = self._wrapped(entry, pname, templates[pname], dry)
+                    elif live is not None:
+                        _slots(module)[pname] = _guard(f"{name}.{pname}" if name else pname, live)
             yield
         finally:
             for module, params in saved:
@@ -653,6 +667,21 @@ def _digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
     return hashlib.sha256(
         "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(tensors.items())).encode()
     ).hexdigest()
+
+
+def _guard(qualified: str, live: torch.Tensor) -> torch.Tensor:
+    """A meta stand-in for a parameter no checkpoint may write."""
+    proxy = _meta_like(live)
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise UnknownTensor(
+            f"{qualified} is not a checkpoint parameter of this model (derived or runtime state); "
+            "remove it from the checkpoint",
+            field=qualified,
+        )
+
+    proxy.weight_loader = refuse  # type: ignore[attr-defined]
+    return proxy
 
 
 def _meta_like(template: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ def _of(index: kopf.Index[str, Any], namespace: str | None) -> Iterable[Mapping[
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     """Register the handlers on ``registry``."""
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings, rt.config)
 
@@ -63,9 +63,10 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         finally:
             rt.last_pass = time.monotonic()
 
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    # Explicit ids: they become annotation keys (weightroll.io/<id>) of kopf's progress storage.
+    @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile-update", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile-resume", registry=registry)
     async def reconcile_on_change(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
         await run(body, namespace, kw)
 
@@ -73,6 +74,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         GROUP,
         VERSION,
         PLURAL,
+        id="reconcile-timer",
         registry=registry,
         interval=rt.config.interval,
         initial_delay=rt.config.interval,
@@ -83,7 +85,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         except kopf.PermanentError:
             return  # reported in the status; a spec change triggers on.update
 
-    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.delete(GROUP, VERSION, PLURAL, id="release", registry=registry)
     async def release_on_delete(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
         pods = _of(kw["pods_by_namespace"], namespace)
         await rt.reconciler.finalize(body, pods)

@@ -322,3 +322,27 @@ def test_second_begin_while_a_session_is_open_is_a_conflict(engine_at_a: Engine)
     assert not other["ok"] and other["error"]["code"] == "update_conflict"
     assert "one" in other["error"]["message"]
     engine.rpc("weightroll_abort")
+
+
+def test_manifest_is_checked_before_any_live_byte(
+    engine_at_a: Engine, dense: dict[str, Any], tmp_path: Path
+) -> None:
+    from engine_agent.manifest import build_manifest, write_manifest
+
+    engine = engine_at_a
+    manifest = tmp_path / "b.manifest.json"
+    write_manifest(build_manifest(dense["b"], version="b"), manifest)
+    wrong = tmp_path / "a.manifest.json"
+    write_manifest(build_manifest(dense["a"], version="a"), wrong)
+
+    assert _only(engine.rpc("weightroll_begin", {"updateId": "mf-bad", "version": "b"}))["ok"]
+    bad = _only(engine.rpc("weightroll_load", {"path": str(dense["b"]), "manifest": str(wrong)}))
+    assert not bad["ok"] and bad["error"]["code"] == "manifest_mismatch", bad
+    assert bad["state"] == "clean" and bad["version"] == "a", "checked before anything was written"
+
+    assert _only(engine.rpc("weightroll_begin", {"updateId": "mf-good", "version": "b"}))["ok"]
+    good = _only(
+        engine.rpc("weightroll_load", {"path": str(dense["b"]), "manifest": str(manifest)})
+    )
+    assert good["ok"], good
+    assert _only(engine.rpc("weightroll_finish"))["ok"]

@@ -158,3 +158,19 @@ def test_sparse_patch_against_the_wrong_base_is_refused(mla: dict[str, Any]) -> 
     report = _only(engine.update("mla-base", "c", mla["patch"], mode="sparse", baseVersion="b"))
     assert not report["ok"] and report["error"]["code"] == "wrong_state"
     assert "'b'" in report["error"]["message"] and "'a'" in report["error"]["message"]
+
+
+def test_a_checkpoint_cannot_write_derived_state_directly(mla: dict[str, Any]) -> None:
+    engine: Engine = mla["engine"]
+    _ensure_clean_a(engine, mla)
+    w_uv = "model.layers.0.self_attn.mla_attn.mla_attn.W_UV"
+    sneaky = write_tensors(
+        mla["root"] / "w_uv.safetensors", {w_uv: torch.zeros(4, 512, 32, dtype=torch.bfloat16)}
+    )
+    report = _only(
+        engine.update("mla-w-uv", "a-x", sneaky, mode="partial", scope=["model.layers.0."])
+    )
+    assert not report["ok"] and report["error"]["code"] == "unknown_tensor", report
+    assert "W_UV" in report["error"]["message"]
+    assert report["state"] == "clean" and report["version"] == "a"
+    assert engine.outputs() == mla["boot"]

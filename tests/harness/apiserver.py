@@ -149,20 +149,32 @@ def stop_apiserver(run_dir: Path) -> None:
 
 
 def kubectl(
-    cluster: KubeCluster, *args: str, kubeconfig: Path | None = None, check: bool = True
+    cluster: KubeCluster,
+    *args: str,
+    kubeconfig: Path | None = None,
+    check: bool = True,
+    input_: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run kubectl against ``cluster`` (admin unless ``kubeconfig`` is given)."""
+    """Run kubectl against ``cluster`` (admin unless ``kubeconfig`` is given).
+
+    Raises:
+        AssertionError: with kubectl's stderr when ``check`` and it exits non-zero.
+    """
     exe = shutil.which("kubectl")
     if exe is None:
         pytest.skip("kubectl is not installed")
     cfg = kubeconfig or cluster.kubeconfig
-    return subprocess.run(
+    proc = subprocess.run(
         [exe, f"--kubeconfig={cfg}", *args],
+        input=input_,
         capture_output=True,
         text=True,
-        check=check,
+        check=False,
         timeout=120,
     )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc
 
 
 def service_account_token(cluster: KubeCluster, namespace: str, name: str) -> str:

@@ -1,4 +1,4 @@
-"""Test double of the pod agent's HTTP API: a real aiohttp server speaking ``engine_agent.protocol``.
+"""Test double of the pod agent's HTTP API: a real aiohttp server speaking the protocol.
 
 ``FakeAgent`` serves ``/healthz``, ``/readyz``, ``/v1/state``, ``POST /v1/updates``,
 ``GET /v1/updates/{id}`` and ``POST /v1/updates/{id}/abort`` with bearer-token checks, like the

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import kmock
-
 from weightroll_operator.api import v1alpha1 as api
 from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from engine_agent.sidecar.engine import parse_gauge
 from tests.server.conftest import MANIFEST, Scenario, start_scenario, stop_scenario
 from tests.server.vllm_server import VllmServer, complete
 
@@ -77,7 +78,7 @@ async def test_wait_drain_finishes_in_flight_requests_and_serves_late_ones_new(
 ) -> None:
     prompts = [f"request {i}" for i in range(6)]  # 4 run (max_num_seqs=4), 2 wait
     in_flight = [asyncio.create_task(_long(sc, prompt)) for prompt in prompts]
-    await asyncio.sleep(0.3)
+    await _until_running(sc)
     await sc.post_update("tp1-drain", "v2", sc.models.c)
     await sc.wait_phase("tp1-drain", "Loading", "Verifying", "Committed", "Failed")
     late = asyncio.create_task(
@@ -97,9 +98,21 @@ async def test_wait_drain_finishes_in_flight_requests_and_serves_late_ones_new(
     await sc.recover("tp1-after-drain")
 
 
+async def _until_running(sc: Scenario) -> None:
+    """Wait until vLLM reports a running request (generation of 200 tokens takes ~0.5 s)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 10
+    while True:
+        text = await (await sc.http.get(f"{sc.server.url}/metrics")).text()
+        if (parse_gauge(text, "vllm:num_requests_running") or 0) >= 1:
+            return
+        assert loop.time() < end, "no request started running"
+        await asyncio.sleep(0.01)
+
+
 async def test_abort_drain_ends_in_flight_requests_explicitly(sc: Scenario) -> None:
-    in_flight = [asyncio.create_task(_long(sc, f"abort {i}")) for i in range(4)]
-    await asyncio.sleep(0.3)
+    in_flight = [asyncio.create_task(_long(sc, f"abort {i}")) for i in range(8)]
+    await _until_running(sc)
     await sc.post_update("tp1-abort-drain", "v2", sc.models.c, drain={"mode": "abort"})
     status = await sc.wait_phase("tp1-abort-drain")
     assert status["phase"] == "Committed", status

@@ -292,10 +292,27 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
     ]
     rollback = any(p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in flying)
     label = _unit_label(unit)
+
+    def committed(pod: PodView) -> bool:
+        agent = b.fleet.agents.get(pod.name)
+        update = agent.update if agent is not None else None
+        return (
+            update is not None
+            and pod.state is not None
+            and update.phase is UpdatePhase.COMMITTED
+            and update.committed
+            and update.version == pod.state.version
+        )
+
+    # A restart between GateOn and Settle leaves the gate True on a committed unit: finish it
+    # below instead of draining it again. Anything else with the gate not False is re-drained.
+    all_committed = all(committed(p) for p in flying)
     for pod in flying:
-        if pod.gate is not False:
+        if pod.gate is not False and not all_committed:
             b.actions.append(GateOff(pod, message=f"Draining for weights {pod.state.version}"))  # type: ignore[union-attr]
-    drained = all(p.gate is False and (not p.ready or not p.has_gate) for p in flying)
+    drained = all_committed or all(
+        p.gate is False and (not p.ready or not p.has_gate) for p in flying
+    )
     started = [parse_time(p.state.started_at) for p in flying if p.state is not None]
     deadline = min((s for s in started if s is not None), default=now) + timedelta(
         seconds=spec.strategy.update_timeout_seconds
@@ -348,7 +365,8 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         labels: dict[str, str | None] = {LABEL_WEIGHT_VERSION: st.version}
         if tl and st.traffic_label_value is not None:
             labels[tl] = st.traffic_label_value
-        b.actions.append(GateOn(pod, version=st.version))
+        if pod.gate is not True:
+            b.actions.append(GateOn(pod, version=st.version))
         b.actions.append(
             Settle(pod, st.evolve(state=done, reason="", started_at=st.started_at), labels=labels)
         )

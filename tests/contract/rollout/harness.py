@@ -9,9 +9,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
-
-from tests.harness.fake_agent import FakeAgent, FakeFleetAgents
-from tests.harness.kube_fleet import FleetEmulator, make_pod, make_weightupdate
 from weightroll_operator.agent_client import AgentClient
 from weightroll_operator.api import v1alpha1 as api
 from weightroll_operator.domain.model import (
@@ -23,6 +20,9 @@ from weightroll_operator.domain.model import (
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.reconcile import PassResult, Reconciler
+
+from tests.harness.fake_agent import FakeAgent, FakeFleetAgents
+from tests.harness.kube_fleet import FleetEmulator, make_pod, make_weightupdate
 
 NS = "default"
 
@@ -39,9 +39,7 @@ class Harness:
 
     def new_reconciler(self) -> Reconciler:
         """A fresh operator process: no memory of earlier passes (restart)."""
-        return Reconciler(
-            kube=self.kube, agents=self.client, metrics=self.metrics, state_ttl=0.0
-        )
+        return Reconciler(kube=self.kube, agents=self.client, metrics=self.metrics, state_ttl=0.0)
 
     def _snapshot(self, pod: str) -> dict[str, Any] | None:
         agent = self.agents.agents.get(pod)

@@ -9,10 +9,10 @@ from typing import Any
 
 import kopf
 import pytest
-
-from tests.contract.rollout.harness import NS, Harness
 from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.settings import OperatorConfig
+
+from tests.contract.rollout.harness import NS, Harness
 
 pytestmark = pytest.mark.asyncio
 
@@ -62,4 +62,5 @@ async def test_operator_rolls_out_8_pods(h: Harness) -> None:
     assert h.max_drained_at_once() <= 3
     # kopf keeps its progress under our prefix, never under kopf.zalando.org
     assert not any(k.startswith("kopf.zalando.org") for k in annotations)
+    assert all("<" not in k for k in annotations), annotations  # valid annotation keys
     assert {"UnitDraining", "UnitVerified", "PhaseChanged"} <= events

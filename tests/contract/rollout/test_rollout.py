@@ -7,10 +7,10 @@ Each test asserts the WeightUpdate status, the pods' conditions and, from the lo
 from __future__ import annotations
 
 import pytest
-
-from tests.contract.rollout.harness import NS, Harness
 from weightroll_operator.domain.model import LABEL_WEIGHT_VERSION, UnitState
 from weightroll_operator.errors import InvalidSpec
+
+from tests.contract.rollout.harness import NS, Harness
 
 pytestmark = pytest.mark.asyncio
 
@@ -22,7 +22,12 @@ async def test_full_rollout_of_8_pods(h: Harness) -> None:
 
     status = await h.status("wu")
     assert status["replicas"] == {
-        "total": 8, "updated": 8, "verified": 8, "draining": 0, "failed": 0, "stale": 0
+        "total": 8,
+        "updated": 8,
+        "verified": 8,
+        "draining": 0,
+        "failed": 0,
+        "stale": 0,
     }
     assert h.condition(status, "Verified")["status"] == "True"
     assert h.condition(status, "Progressing")["reason"] == "RolloutComplete"
@@ -99,8 +104,11 @@ async def test_failing_pod_rolls_back(h: Harness) -> None:
     assert h.agents["pod-4"].executions == []
     h.assert_never_ready_unverified({"v1", "v2"})
     # pod-2 never served v2: its only True write happened after the rollback to v1
-    assert [w.agent["version"] for w in h.emu.status_writes  # type: ignore[index]
-            if w.pod == "pod-2" and w.gate() == "True"] == ["v1"]
+    assert [
+        w.agent["version"]
+        for w in h.emu.status_writes  # type: ignore[index]
+        if w.pod == "pod-2" and w.gate() == "True"
+    ] == ["v1"]
 
 
 async def test_pause_and_resume(h: Harness) -> None:
@@ -206,8 +214,9 @@ async def test_hanging_agent_times_out_and_disappearing_agent_fails(h: Harness) 
     await h.add_pods(3)
     h.agents["pod-0"].scripts["v2"] = "hang"
     await h.create_wu(
-        "wu", "v2", strategy={"maxUnavailable": 2, "updateTimeoutSeconds": 1,
-                              "maxFailedReplicas": 5}
+        "wu",
+        "v2",
+        strategy={"maxUnavailable": 2, "updateTimeoutSeconds": 1, "maxFailedReplicas": 5},
     )
 
     async def pod1_in_flight() -> bool:
@@ -253,7 +262,9 @@ async def test_two_weightupdates_on_one_fleet(h: Harness) -> None:
     owners = [
         (r.name, ((r.data or {}).get("metadata") or {}).get("annotations", {}))
         for r in h.emu
-        if r.resource is not None and r.resource.plural == "pods" and r.method == "PATCH"
+        if r.resource is not None
+        and r.resource.plural == "pods"
+        and r.method == "PATCH"
         and r.subresource is None
     ]
     last: dict[str, str | None] = {}
@@ -279,7 +290,7 @@ async def test_invalid_spec_is_reported(h: Harness) -> None:
     cond = h.condition(status, "InvalidSpec")
     assert cond["status"] == "True" and "spec.source.baseVersion" in cond["message"]
     await h.create_wu("wu2", "v2", source={"uri": "s3://bucket/w"})
-    with pytest.raises(InvalidSpec, match="spec.source"):
+    with pytest.raises(InvalidSpec, match=r"spec\.source"):
         await h.tick("wu2")
     assert h.agents["pod-0"].executions == []
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from engine_agent.protocol import UpdatePhase
 from weightroll_operator.api.v1alpha1 import WeightUpdateSpec
 from weightroll_operator.domain.model import (
     AgentView,
@@ -18,6 +17,8 @@ from weightroll_operator.domain.model import (
     WeightState,
 )
 from weightroll_operator.domain.plan import Fleet, Persisted, Plan, plan, queries
+
+from engine_agent.protocol import UpdatePhase
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 ME = OwnerKey("ns/wu")

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from weightroll_operator.api import crdgen
 from weightroll_operator.api.v1alpha1 import WeightUpdateSpec, parse_spec, resolve_max_unavailable
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
+from weightroll_operator.domain.conditions import Reason, timestamp
+from weightroll_operator.domain.model import UnitState
+from weightroll_operator.domain.plan import Persisted, PodClass, queries
 
 from engine_agent.protocol import UpdatePhase
 from tests.unit.weightroll_operator.builders import (
@@ -17,10 +21,6 @@ from tests.unit.weightroll_operator.builders import (
     state,
     summary,
 )
-from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
-from weightroll_operator.domain.conditions import Reason, timestamp
-from weightroll_operator.domain.model import UnitState
-from weightroll_operator.domain.plan import Persisted, PodClass, queries
 
 FRESH = {f"p{i}": agent("v1") for i in range(10)}
 
@@ -212,7 +212,10 @@ def test_group_is_one_unit() -> None:
 
 def test_group_restored_only_when_every_member_committed() -> None:
     pods = [pod(f"g0-{i}", unit="g0", gate=False, ready=False, st=DRAINING) for i in range(2)]
-    agents = {"g0-0": agent("v2", phase=UpdatePhase.COMMITTED), "g0-1": agent(phase=UpdatePhase.LOADING)}
+    agents = {
+        "g0-0": agent("v2", phase=UpdatePhase.COMMITTED),
+        "g0-1": agent(phase=UpdatePhase.LOADING),
+    }
     assert summary(run(spec(), pods, agents)) == []
     agents["g0-1"] = agent("v2", phase=UpdatePhase.COMMITTED)
     assert [t for t, _ in summary(run(spec(), pods, agents))].count("GateOn") == 2
@@ -247,8 +250,12 @@ def test_failure_budget(max_failed: int, halted: bool) -> None:
 def test_progress_deadline() -> None:
     persisted = Persisted(target_version="v2", last_progress_time="2026-01-01T10:00:00Z")
     pods = [pod("p0", ready=False, gate=False, st=DRAINING), pod("p1")]
-    p = run(spec(progressDeadlineSeconds=60, updateTimeoutSeconds=99999), pods,
-            {"p0": agent(phase=UpdatePhase.LOADING), "p1": agent()}, persisted)
+    p = run(
+        spec(progressDeadlineSeconds=60, updateTimeoutSeconds=99999),
+        pods,
+        {"p0": agent(phase=UpdatePhase.LOADING), "p1": agent()},
+        persisted,
+    )
     assert p.persisted.abort_reason == Reason.PROGRESS_DEADLINE_EXCEEDED
 
 
@@ -269,14 +276,25 @@ def test_rollback_targets_are_the_recorded_previous_weights() -> None:
     assert "NoRollbackTarget" in p.reasons["p3"]
     # next pass: drained rollback pod gets the previous source
     rb = claims["p1"]
-    p = run(spec(onFailure="Rollback"), [pod("p1", gate=False, ready=False, st=rb)],
-            {"p1": agent()}, aborted)
+    p = run(
+        spec(onFailure="Rollback"),
+        [pod("p1", gate=False, ready=False, st=rb)],
+        {"p1": agent()},
+        aborted,
+    )
     start = next(a for a in p.actions if isinstance(a, StartUpdate))
     assert (start.request.version, start.request.source.uri) == ("v1", "/weights/v1")
     # committed: rolled back, traffic restored
-    p = run(spec(onFailure="Rollback"), [pod("p1", gate=False, ready=False, st=rb)],
-            {"p1": agent("v1", phase=UpdatePhase.COMMITTED, update_version="v1",
-                         update_id="wu-v2-rollback")}, aborted)
+    p = run(
+        spec(onFailure="Rollback"),
+        [pod("p1", gate=False, ready=False, st=rb)],
+        {
+            "p1": agent(
+                "v1", phase=UpdatePhase.COMMITTED, update_version="v1", update_id="wu-v2-rollback"
+            )
+        },
+        aborted,
+    )
     assert summary(p)[:2] == [("GateOn", "p1"), ("Settle", "p1")]
     assert p.classes["p1"] is PodClass.ROLLED_BACK
 
@@ -358,3 +376,9 @@ def test_completion() -> None:
     pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
     p = run(spec(), pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)})
     assert p.completed and p.persisted.completion_time == timestamp(NOW)
+
+
+def test_restart_between_gate_on_and_settle_finishes_without_draining_again() -> None:
+    pods = [pod("p0", gate=True, ready=True, st=DRAINING)]
+    p = run(spec(), pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)})
+    assert summary(p) == [("Settle", "p0"), ("Emit", Reason.UNIT_VERIFIED)]

@@ -1,0 +1,121 @@
+"""Status computation (counts, conditions, phase, change detection) and the status view."""
+
+from __future__ import annotations
+
+from weightroll_operator.api.v1alpha1 import ConditionType, Phase
+from weightroll_operator.domain.conditions import (
+    get_condition,
+    new_condition,
+    remove_condition,
+    set_condition,
+)
+from weightroll_operator.domain.model import UnitState
+from weightroll_operator.domain.plan import Persisted
+from weightroll_operator.domain.status import build_status, status_patch
+from weightroll_operator.status_view import render
+
+from engine_agent.protocol import UpdatePhase
+from tests.unit.weightroll_operator.builders import NOW, agent, pod, run, spec, state
+
+
+def test_golden_status_mid_rollout() -> None:
+    s = spec(maxUnavailable=2)
+    pods = [
+        pod("p0", st=state(UnitState.VERIFIED)),
+        pod("p1", gate=False, ready=False, st=state()),
+        pod("p2"),
+    ]
+    p = run(s, pods, {"p1": agent(phase=UpdatePhase.LOADING), "p2": agent()})
+    status = build_status(p, s, None, 3, NOW).to_json_dict()
+    conds = {c["type"]: (c["status"], c["reason"]) for c in status.pop("conditions")}
+    assert conds == {
+        "Progressing": ("True", "RolloutProgressing"),
+        "Verified": ("False", "ReplicasUnverified"),
+        "Degraded": ("False", "NoFailures"),
+        "Paused": ("False", "NotPaused"),
+        "Blocked": ("False", "NotBlocked"),
+    }
+    assert status == {
+        "phase": "Progressing",
+        "observedGeneration": 3,
+        "targetVersion": "v2",
+        "replicas": {
+            "total": 3,
+            "updated": 1,
+            "verified": 1,
+            "draining": 2,
+            "failed": 0,
+            "stale": 0,
+        },
+        "stableVersion": "v1",
+        "pods": [
+            {"name": "p1", "state": "Updating", "version": "v2"},
+            {"name": "p2", "state": "Updating"},
+            {"name": "p0", "state": "Verified", "version": "v2"},
+        ],
+        "startTime": "2026-01-01T12:00:00Z",
+        "lastProgressTime": "2026-01-01T12:00:00Z",
+        "message": "Progressing: 1/3 pods verified at v2; 2 updating",
+    }
+
+
+def test_unchanged_status_is_not_written() -> None:
+    s = spec()
+    pods = [pod("p0", st=state(UnitState.VERIFIED))]
+    done = Persisted(target_version="v2", completion_time="2026-01-01T11:00:00Z")
+    first = build_status(run(s, pods, {}, done), s, None, 1, NOW)
+    assert first.phase is Phase.SUCCEEDED
+    raw = first.to_json_dict()
+    assert status_patch(None, first) is not None
+    second = build_status(run(s, pods, {}, done), s, first, 1, NOW)
+    assert status_patch(raw, second) is None
+    # keys we no longer set are removed with null (merge patch)
+    assert status_patch({**raw, "abortReason": "x"}, second) == {**raw, "abortReason": None}
+
+
+def test_conditions_keep_transition_time_unless_status_flips() -> None:
+    a = new_condition(ConditionType.PAUSED, False, "NotPaused", "", NOW)
+    later = NOW.replace(hour=13)
+    conds, changed = set_condition([a], new_condition(ConditionType.PAUSED, False, "X", "", later))
+    assert changed and conds[0].last_transition_time == a.last_transition_time
+    conds, changed = set_condition(conds, new_condition(ConditionType.PAUSED, True, "X", "", later))
+    assert changed and conds[0].last_transition_time == "2026-01-01T13:00:00Z"
+    _, changed = set_condition(conds, conds[0])
+    assert not changed
+    assert get_condition(conds, ConditionType.PAUSED) is not None
+    conds, removed = remove_condition(conds, ConditionType.PAUSED)
+    assert removed and conds == []
+
+
+def test_phases() -> None:
+    s = spec()
+    aborted = Persisted(target_version="v2", aborted_at="x", abort_reason="FailureBudgetExceeded")
+    failed = [pod("p0", gate=False, ready=False, st=state(UnitState.FAILED))]
+    p = run(s, failed, {}, aborted)
+    assert build_status(p, s, None, 1, NOW).phase is Phase.FAILED
+    assert build_status(run(s, [], {}), s, None, 1, NOW).phase is Phase.PENDING
+    paused = spec(_spec={"paused": True})
+    p = run(paused, [pod("p0")], {"p0": agent()})
+    assert build_status(p, paused, None, 1, NOW).phase is Phase.PAUSED  # created paused
+    started = Persisted(target_version="v2", start_time="2026-01-01T11:00:00Z")
+    p = run(paused, [pod("p0")], {"p0": agent()}, started)
+    assert build_status(p, paused, None, 1, NOW).phase is Phase.PAUSED
+
+
+def test_render_status_view() -> None:
+    body = {
+        "metadata": {"name": "wu", "namespace": "ml"},
+        "spec": {"version": "v2"},
+        "status": {
+            "phase": "Failed",
+            "message": "Failed: 1/2 pods verified at v2; 1 failed",
+            "replicas": {"total": 2, "verified": 1, "failed": 1},
+            "conditions": [{"type": "Degraded", "status": "True", "reason": "UnitsFailed"}],
+            "pods": [{"name": "p1", "state": "Failed", "reason": "DigestMismatch"}],
+        },
+    }
+    events = [{"lastTimestamp": "t1", "type": "Warning", "reason": "UnitFailed", "message": "m"}]
+    text = render(body, events)
+    assert "Phase:     Failed" in text
+    assert "p1   Failed  -        DigestMismatch" in text
+    assert "UnitFailed" in text and "total 2, updated 0, verified 1" in text
