@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import math
 import statistics
@@ -45,7 +46,16 @@ NS = "bench"
 
 
 class MemKube:
-    """In-memory Kubernetes API: the calls of ``KubePort``, counted."""
+    """In-memory Kubernetes API: the calls of ``KubePort``, counted.
+
+    Every write replaces the pod object (copy on write), as a watch / the kopf index delivers a
+    new object per change; the operator relies on that to reuse views of unchanged pods.
+    """
+
+    def _fresh(self, name: str) -> dict[str, Any]:
+        pod = copy.deepcopy(self.pods[name])
+        self.pods[name] = pod
+        return pod
 
     def __init__(self, pods: dict[str, dict[str, Any]], wu: dict[str, Any]) -> None:
         self.pods, self.wu = pods, wu
@@ -55,7 +65,7 @@ class MemKube:
         self, namespace: str, name: str, condition: Mapping[str, Any]
     ) -> None:
         self.writes["pod-status"] += 1
-        status = self.pods[name]["status"]
+        status = self._fresh(name)["status"]
         conds = {c["type"]: c for c in status["conditions"]}
         conds[condition["type"]] = dict(condition)
         ready = conds[CONDITION_WEIGHTS_READY]["status"] == "True"
@@ -71,7 +81,7 @@ class MemKube:
         labels: Mapping[str, str | None] | None = None,
     ) -> None:
         self.writes["pod-metadata"] += 1
-        meta = self.pods[name]["metadata"]
+        meta = self._fresh(name)["metadata"]
         for key, values in (("annotations", annotations), ("labels", labels)):
             for k, v in (values or {}).items():
                 if v is None:

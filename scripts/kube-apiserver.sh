@@ -36,7 +36,7 @@ set -euo pipefail
 
 K8S_VERSION=v1.20.2
 # Bump when the build recipe changes: a cached binary from another recipe is rebuilt.
-RECIPE="v1.20.2 reflect2-1.0.2 gopath openapi-gen openapi-zero-values"
+RECIPE="v1.20.2 reflect2-1.0.2 gopath openapi-gen openapi-zero-values-2"
 CACHE=${WEIGHTROLL_KUBE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/weightroll/kube}
 RUN=${WEIGHTROLL_KUBE_RUN:-$CACHE/run}
 BIN=$CACHE/bin/kube-apiserver
@@ -99,9 +99,14 @@ cmd_build() {
   # Fix 4: go-openapi/validate compares reflect.Value structs to spot zero values; since Go 1.19
   # reflect.Zero and a zero value boxed in an interface share runtime.zeroVal, so "", 0 and false
   # compared equal to "zero" and were rejected as null (real 1.20 builds, Go 1.15, never did).
-  local tv=vendor/github.com/go-openapi/validate/type.go
-  sed -i 's/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/' "$tv"
-  grep -q '^	if data == nil {$' "$tv" || die "could not patch $tv"
+  # apiextensions uses kube-openapi's fork of the validator; patch both copies.
+  local tv zero='reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data))'
+  for tv in vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go \
+    vendor/github.com/go-openapi/validate/type.go; do
+    grep -qF "$zero" "$tv" || die "unexpected $tv: zero-value check not found"
+    sed -i "s/if data == nil || $zero {/if data == nil {/" "$tv"
+    ! grep -qF "$zero" "$tv" || die "could not patch $tv"
+  done
 
   # Fix 2: GOPATH mode, offline.
   export GO111MODULE=off GOPATH="$W/gopath" GOPROXY=off GOFLAGS="" CGO_ENABLED=0 GOCACHE="$W/gocache"

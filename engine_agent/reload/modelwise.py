@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from engine_agent.errors import (
+    AgentError,
     DerivedStateUnsupported,
     IdentityChanged,
     ShapeMismatch,
@@ -509,11 +510,19 @@ class LoadRouter:
         try:
             for pname, tensor in staged.items():
                 _slots(module)[pname] = tensor
-            with self._timed("post_load"):
-                self._post_load(entry)
-            with self._timed("refresh_derived"):
-                for refresher in self.index.refreshers.get(entry.name, []):
-                    self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+            try:
+                with self._timed("post_load"):
+                    self._post_load(entry)
+                with self._timed("refresh_derived"):
+                    for refresher in self.index.refreshers.get(entry.name, []):
+                        self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+            except AgentError:
+                raise
+            except Exception as e:  # a vLLM post-load step failed: name the module, not a loader
+                raise AgentError(
+                    f"post-load processing of {entry.name} failed: {type(e).__name__}: {e}",
+                    field=entry.name,
+                ) from e
             if not self._wrote_live:
                 self._before_live_write()
                 self._wrote_live = True

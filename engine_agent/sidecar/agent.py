@@ -94,6 +94,8 @@ class AgentConfig:
     control_timeout: float = 30.0
     #: Bound of ``/pause?mode=abort``.
     abort_pause_timeout: float = 60.0
+    #: Seconds ``POST /v1/updates/{id}/abort`` waits for the update to wind down.
+    abort_wait: float = 1.0
     #: Seconds between two observations by the guard.
     watch_interval: float = 5.0
     #: Seconds an observation is reused by ``/readyz`` and ``/v1/state``.
@@ -264,9 +266,11 @@ class Agent:
             return record
         task = self._task
         if task is not None and not task.done() and self.store.active_id == update_id:
+            record.message = "abort requested"
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task)
+            # Cleanup (weightroll_abort on every rank) queues behind a running rank call in
+            # vLLM, which can take minutes: wait briefly, then answer; callers poll the status.
+            await asyncio.wait([task], timeout=self.config.abort_wait)
         return record
 
     async def readiness(self) -> Readiness:

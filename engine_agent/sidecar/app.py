@@ -147,7 +147,12 @@ async def _post_update(request: web.Request) -> web.Response:
     try:
         created, record = agent.submit(update)
     except UpdateConflict as e:
-        return _error(409, "conflict", str(e), field=e.active_id)
+        response = _error(409, "conflict", str(e), field=e.active_id)
+        if e.active_id is not None:
+            # ErrorBody has no slot for it yet; the operator's client reads ``activeId``.
+            body = ErrorBody(code="conflict", message=str(e), field=e.active_id).to_wire()
+            response = web.json_response({**body, "activeId": e.active_id}, status=409)
+        return response
     return web.json_response(record.to_status().to_wire(), status=202 if created else 200)
 
 
@@ -168,7 +173,9 @@ async def _abort_update(request: web.Request) -> web.Response:
         return _error(404, "not_found", f"no update with id {update_id!r}", field="id")
     except UpdateConflict as e:
         return _error(409, "conflict", str(e), field="id")
-    return web.json_response(record.to_status().to_wire())
+    # 202 while the update still winds down (ranks finishing a call); poll GET for the end.
+    status = 200 if record.phase.terminal else 202
+    return web.json_response(record.to_status().to_wire(), status=status)
 
 
 async def _not_found(request: web.Request) -> web.Response:

@@ -24,6 +24,8 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._drained: dict[tuple[str, str], set[str]] = {}
+        self._unreachable: dict[tuple[str, str], set[str]] = {}
         r, wu = self.registry, ["namespace", "name"]
         self.updates_total = Counter(
             "weightroll_updates", "Finished rollouts by outcome", [*wu, "outcome"], registry=r
@@ -148,12 +150,19 @@ class Metrics:
         drained_since: Mapping[str, float],
         unreachable: Mapping[str, bool],
     ) -> None:
-        for pod, since in drained_since.items():
-            self.drained_since.labels(namespace, name, pod).set(since)
-        for pod, down in unreachable.items():
-            self.agent_unreachable.labels(namespace, name, pod).set(1 if down else 0)
-
-    def forget_pod(self, namespace: str, name: str, pod: str) -> None:
-        for gauge in (self.drained_since, self.agent_unreachable):
-            with contextlib.suppress(KeyError):
-                gauge.remove(namespace, name, pod)
+        """Per-pod gauges; series of pods no longer reported are removed (no stale series)."""
+        key = (namespace, name)
+        for gauge, values, seen in (
+            (self.drained_since, drained_since, self._drained),
+            (
+                self.agent_unreachable,
+                {p: 1.0 if d else 0.0 for p, d in unreachable.items()},
+                self._unreachable,
+            ),
+        ):
+            for pod, value in values.items():
+                gauge.labels(namespace, name, pod).set(value)
+            for gone in seen.get(key, set()) - set(values):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(namespace, name, gone)
+            seen[key] = set(values)

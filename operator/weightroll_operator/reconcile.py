@@ -29,7 +29,7 @@ from weightroll_operator.api.v1alpha1 import (
     WeightUpdateStatus,
     parse_spec,
 )
-from weightroll_operator.apply import ActionResult, ApplyContext, apply, target_of
+from weightroll_operator.apply import SKIPPED, ActionResult, ApplyContext, apply, target_of
 from weightroll_operator.domain.actions import AbortUpdate, Action, Emit, Settle
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.fleet import pod_view, select_pods
@@ -109,6 +109,25 @@ class Reconciler:
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
+    _views: dict[int, tuple[Mapping[str, Any], str | None, int, PodView]] = field(
+        default_factory=dict
+    )
+
+    def _view(self, pod: Mapping[str, Any], group_by: str | None, port: int) -> PodView:
+        """:func:`pod_view`, reused while the *same* pod object is passed again.
+
+        The kopf index (like a watch) hands over a new object for every change and never
+        mutates one, so object identity is a change token; the cache holds a reference, so an
+        id is never reused while cached.
+        """
+        cached = self._views.get(id(pod))
+        if cached is not None and cached[0] is pod and cached[1:3] == (group_by, port):
+            return cached[3]
+        if len(self._views) > 200_000:
+            self._views.clear()
+        result = pod_view(pod, group_by=group_by, default_port=port)
+        self._views[id(pod)] = (pod, group_by, port, result)
+        return result
 
     # ------------------------------------------------------------------------------------------
 
@@ -157,7 +176,7 @@ class Reconciler:
             await self._write_status(namespace, name, raw_status, status)
             raise InvalidSpec(str(e)) from e
 
-        views = select_pods(pods, spec, namespace)
+        views = select_pods(pods, spec, namespace, self._view)
         token = await self._token(namespace, spec)
         asked = queries(views, owner, spec.version)
         agents = await self._observe(views, asked, token)
@@ -177,7 +196,12 @@ class Reconciler:
             concurrency=self.concurrency,
         )
         results = await apply(the_plan.actions, ctx)
-        status = build_status(the_plan, spec, old_status, generation, now)
+        notes = {
+            r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
+            for r in results
+            if r.error is not None and not isinstance(r.action, Emit) and r.error is not SKIPPED
+        }
+        status = build_status(the_plan, spec, old_status, generation, now, notes)
         written = await self._write_status(namespace, name, raw_status, status)
         if old_status is None or old_status.phase is not status.phase:
             await self._phase_event(ctx, old_status, status)
@@ -225,10 +249,9 @@ class Reconciler:
                         state=UnitState.FAILED, reason="Aborted: the WeightUpdate was deleted"
                     )
                 actions.append(Settle(view, st, release=True))
-            if actions:
-                actions.append(
-                    Emit(Reason.UNIT_ABORTED, f"Released {len(actions)} pods on deletion")
-                )
+            released = sum(1 for a in actions if isinstance(a, Settle))
+            if released:
+                actions.append(Emit(Reason.UNIT_ABORTED, f"Released {released} pods on deletion"))
             token = None
             if spec is not None:
                 try:
@@ -247,7 +270,7 @@ class Reconciler:
             )
             await apply(actions, ctx)
             self._locks.pop(owner, None)
-            return sum(1 for a in actions if isinstance(a, Settle))
+            return released
 
     # ------------------------------------------------------------------------------------------
 
@@ -296,7 +319,9 @@ class Reconciler:
             except AgentError as e:
                 return AgentView(reachable=False, error=str(e))
             if update is None:
-                return AgentView(reachable=True)
+                # Unknown id: not started yet, or the agent restarted and lost its records;
+                # its state says whether it already serves the version (then no second load).
+                return await self._ask(pod, Query(state=True), token)
             view = UpdateView(
                 id=update.id,
                 phase=update.phase,
@@ -371,10 +396,13 @@ class Reconciler:
             last.timestamp() if last else None,
         )
         start = parse_time(new.start_time)
+        # A Succeeded rollout converging a new pod goes back through Progressing: count the
+        # rollout once, when it first completes.
+        reconverged = new.phase is Phase.SUCCEEDED and old is not None and old.completion_time
         m.observe_transition(
             namespace,
             name,
-            old.phase if old is not None else None,
+            new.phase if reconverged else old.phase if old is not None else None,
             new.phase,
             (now - start).total_seconds() if start else None,
         )

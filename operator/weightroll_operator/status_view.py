@@ -85,8 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=10, help="how many recent Events to show")
     args = p.parse_args(list(argv or []))
     try:
-        api = KubeApi(KubeConfig.load(args.kubeconfig, args.context))
-        body, events = asyncio.run(_fetch(api, args.namespace, args.name))
+        config = KubeConfig.load(args.kubeconfig, args.context)
+    except Exception as e:  # kubernetes' ConfigException, OSError, ...: all mean "no cluster"
+        print(f"weightroll status: cannot load a kubeconfig: {e}", file=sys.stderr)
+        return 2
+    try:
+        body, events = asyncio.run(_fetch(KubeApi(config), args.namespace, args.name))
     except KubeError as e:
         print(f"weightroll status: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,16 @@ the operator in-process under the chart's ServiceAccount identity).
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,6 +99,13 @@ def installed(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
     finally:
         config.uninstall(RELEASE, ignore_not_found=True)
         config.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _operator_token(cluster: KubeCluster) -> str:
@@ -224,3 +240,114 @@ def test_upgrade_then_uninstall_keeps_the_crd(kube_cluster: KubeCluster) -> None
     finally:
         config.uninstall(RELEASE, ignore_not_found=True)
         config.close()
+
+
+OPERATOR_LOGIN_BUG = (
+    "weightroll operator builds its own kopf.OperatorRegistry without an @kopf.on.login handler, "
+    "so kopf finds no credentials (LoginError: Ran out of valid credentials); remove this marker "
+    "once main.py registers one"
+)
+
+
+@pytest.mark.xfail(reason=OPERATOR_LOGIN_BUG, strict=True)
+def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) -> None:
+    """`weightroll operator` authenticated as the chart's ServiceAccount reads the fleet, the token
+    Secret and writes status and Events without a single 403 (the full rollout under this
+    identity is the e2e tier's)."""
+    if not crd_available():
+        pytest.skip("the generated CRD file does not exist yet")
+    token = _operator_token(installed)
+    kubeconfig = installed.run_dir or Path(tempfile.mkdtemp())
+    op_cfg = Path(kubeconfig) / "kubeconfig-operator-test"
+    op_cfg.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {"server": installed.server, "insecure-skip-tls-verify": True},
+                    }
+                ],
+                "users": [{"name": "op", "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "op"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    ns = f"rbac-{uuid.uuid4().hex[:6]}"
+    objs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "default", "namespace": ns},
+            "automountServiceAccountToken": False,
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "vllm-example-weightroll-token", "namespace": ns},
+            "stringData": {"token": "not-a-secret"},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "vllm-0", "namespace": ns, "labels": {"app": "rbac"}},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "readinessGates": [{"conditionType": "weightroll.io/weights-ready"}],
+                "containers": [{"name": "vllm", "image": "example.invalid/none"}],
+            },
+        },
+        {
+            "apiVersion": "weightroll.io/v1alpha1",
+            "kind": "WeightUpdate",
+            "metadata": {"name": "wu", "namespace": ns},
+            "spec": {
+                "selector": {"matchLabels": {"app": "rbac"}},
+                "version": "v2",
+                "source": {"uri": "file:///models/v2"},
+                "agent": {
+                    "port": _free_port(),
+                    "tokenSecretRef": {"name": "vllm-example-weightroll-token"},
+                },
+            },
+        },
+    ]
+    for obj in objs:
+        kubectl(installed, "apply", "-f", "-", input_=yaml.safe_dump(obj))
+    log_path = Path(kubeconfig) / f"operator-{ns}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "weightroll"),
+                "operator",
+                f"--kubeconfig={op_cfg}",
+                "--interval=1",
+                "--metrics-port=0",
+                "--health-port=0",
+            ],
+            env={**os.environ, "KUBECONFIG": str(op_cfg)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            status: dict[str, Any] = {}
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                out = kubectl(installed, "get", "wu", "wu", "-n", ns, "-o", "json").stdout
+                status = json.loads(out).get("status") or {}
+                if status.get("phase"):
+                    break
+                time.sleep(1)
+            time.sleep(3)  # let a few passes (timer, events) run
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    text = log_path.read_text()
+    assert status.get("phase"), f"no status written; operator log:\n{text[-3000:]}"
+    assert "replicas" in status
+    assert " 403" not in text and "Forbidden" not in text, text[-3000:]
+    kubectl(installed, "delete", "namespace", ns, "--wait=false", check=False)

@@ -8,8 +8,9 @@ pod IP + one agent port exactly like a real cluster.
 
 Scripts per version decide what an update does: ``succeed`` (Draining -> Loading -> Verifying ->
 Committed), ``fail`` (-> Failed with a reason, stays paused), ``hang`` (stays Loading until
-aborted). :meth:`FakeAgent.disappear` stops the server (connection refused) and
-:meth:`FakeAgent.appear` brings it back with the same state.
+aborted), ``reject`` (the POST gets a 422 naming ``source.uri``). :meth:`FakeAgent.disappear`
+stops the server (connection refused) and :meth:`FakeAgent.appear` brings it back with the same
+state.
 
 Every update execution is recorded in ``executions`` so a test can assert that no version was
 loaded twice.
@@ -39,7 +40,7 @@ from engine_agent.protocol import (
 
 __all__ = ["FakeAgent", "FakeFleetAgents", "Script", "free_port"]
 
-Script = Literal["succeed", "fail", "hang"]
+Script = Literal["succeed", "fail", "hang", "reject"]
 
 
 def free_port() -> int:
@@ -151,6 +152,8 @@ class FakeAgent:
             return self._error(422, "invalid", str(e))
         if req.id in self.updates:
             return web.json_response(self.updates[req.id].to_wire(), status=202)
+        if self.scripts.get(req.version) == "reject":
+            return self._error(422, "invalid", "source.uri: no such directory", "source.uri")
         if self.active is not None:
             return self._error(409, "conflict", f"update {self.active} is active")
         self.active = req.id

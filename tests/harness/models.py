@@ -1,21 +1,6 @@
 """Tiny random models for tests: see :mod:`engine_agent.tinymodels` (shared with the demo)."""
 
-from engine_agent.tinymodels import (
-    KINDS,
-    build_tiny_model,
-    load_tensors,
-    random_checkpoint,
-    tiny_tokenizer,
-    write_subset,
-    write_tensors,
-)
+from engine_agent import tinymodels
+from engine_agent.tinymodels import *  # noqa: F403
 
-__all__ = [
-    "KINDS",
-    "build_tiny_model",
-    "load_tensors",
-    "random_checkpoint",
-    "tiny_tokenizer",
-    "write_subset",
-    "write_tensors",
-]
+__all__ = tinymodels.__all__

@@ -6,7 +6,7 @@ Pure functions over plain dicts (the pod bodies from the kopf index or a list ca
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +105,19 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None, default_port: int)
     )
 
 
+#: Signature of :func:`pod_view` (a caller may pass a caching wrapper to :func:`select_pods`).
+ViewFn = Callable[[Mapping[str, Any], str | None, int], PodView]
+
+
+def _view(pod: Mapping[str, Any], group_by: str | None, default_port: int) -> PodView:
+    return pod_view(pod, group_by=group_by, default_port=default_port)
+
+
 def select_pods(
-    pods: Iterable[Mapping[str, Any]], spec: WeightUpdateSpec, namespace: str
+    pods: Iterable[Mapping[str, Any]],
+    spec: WeightUpdateSpec,
+    namespace: str,
+    view: ViewFn = _view,
 ) -> tuple[PodView, ...]:
     """Views of the pods in ``namespace`` matched by the spec's selector, deleting pods left out.
 
@@ -119,7 +130,7 @@ def select_pods(
             continue
         if not matches(spec.selector, meta.get("labels") or {}):
             continue
-        views.append(pod_view(pod, group_by=spec.group_by, default_port=spec.agent.port))
+        views.append(view(pod, spec.group_by, spec.agent.port))
     return tuple(sorted(views, key=lambda v: v.name))
 
 

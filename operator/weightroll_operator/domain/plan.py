@@ -295,11 +295,20 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
 
     def committed(pod: PodView) -> bool:
         agent = b.fleet.agents.get(pod.name)
-        update = agent.update if agent is not None else None
+        if agent is None or pod.state is None:
+            return False
+        update = agent.update
+        if update is None:
+            # The agent does not know the id but is ready (every rank committed, generation
+            # resumed) at the version: it already serves it, e.g. it restarted after the commit.
+            return (
+                agent.reachable
+                and agent.ready
+                and agent.version == pod.state.version
+                and agent.active_update_id is None
+            )
         return (
-            update is not None
-            and pod.state is not None
-            and update.phase is UpdatePhase.COMMITTED
+            update.phase is UpdatePhase.COMMITTED
             and update.committed
             and update.version == pod.state.version
         )
@@ -331,13 +340,25 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         update = agent.update if agent is not None else None
         if agent is None or not agent.reachable:
             running.append(pod)
+        elif committed(pod):
+            continue
+        elif update is None and not rollback and st.version != spec.version:
+            # spec.version changed before this pod's update started: retarget it (keeping the
+            # recorded previous weights) instead of sending the old version with the new source.
+            retarget = st.evolve(
+                version=spec.version,
+                update_id=make_update_id(b.fleet.name, spec.version),
+                started_at=timestamp(now),
+            )
+            b.actions.append(Claim(pod, owner, retarget))
+            b.progressed = True
+            running.append(pod)
         elif update is None:
             if agent.active_update_id != st.update_id:
                 b.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
             running.append(pod)
         elif update.phase is UpdatePhase.COMMITTED:
-            if update.version != st.version or not update.committed:
-                failed[pod.name] = f"CommittedWrongVersion: agent committed {update.version}"
+            failed[pod.name] = f"CommittedWrongVersion: agent committed {update.version}"
         elif update.phase.terminal:
             why = "; ".join(update.reasons) or update.phase.value
             failed[pod.name] = f"Update{update.phase.value}: {why}"
@@ -600,7 +621,15 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     if rollback:
         # 4a. Roll back every touched, settled unit in place, within the same budget.
         for unit in units:
-            if unit.key in still_flying or unit.key in b.finished:
+            if unit.key in b.finished:
+                # A forward update that just ended still has to be rolled back (next pass).
+                forward = not any(
+                    p.state is not None and p.state.state is UnitState.ROLLING_BACK
+                    for p in unit.pods
+                )
+                rollback_remaining += int(forward)
+                continue
+            if unit.key in still_flying:
                 continue
             pods_here = [p for p in unit.pods if p.state is not None and p.state.by == owner]
             needs = [

@@ -6,6 +6,7 @@ unchanged conditions would change, so an idle pass writes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -166,7 +167,7 @@ def _conditions(
     return conds
 
 
-def _pod_results(plan: Plan) -> list[PodResult]:
+def _pod_results(plan: Plan, extra: Mapping[str, str]) -> list[PodResult]:
     order = [
         PodClass.FAILED,
         PodClass.ROLLBACK_FAILED,
@@ -190,7 +191,7 @@ def _pod_results(plan: Plan) -> list[PodResult]:
                 name=name,
                 state=_STATE_OF[cls],
                 version=pod.state.version if pod.state is not None else None,
-                reason=(plan.reasons.get(name) or plan.notes.get(name) or None),
+                reason=(plan.reasons.get(name) or extra.get(name) or plan.notes.get(name) or None),
                 unit=pod.unit if pod.unit != name else None,
             )
         )
@@ -218,8 +219,13 @@ def build_status(
     old: WeightUpdateStatus | None,
     generation: int | None,
     now: datetime,
+    notes: Mapping[str, str] | None = None,
 ) -> WeightUpdateStatus:
-    """The new status: counts, conditions, phase, ``observedGeneration``, persisted intents."""
+    """The new status: counts, conditions, phase, ``observedGeneration``, persisted intents.
+
+    ``notes`` are per-pod reasons seen while applying the plan (e.g. an agent refusing the
+    update); they show in ``status.pods`` until the pod's state explains itself.
+    """
     counts = compute_counts(plan, spec)
     phase = compute_phase(plan, spec)
     old_conds = list(old.conditions) if old is not None else []
@@ -241,9 +247,10 @@ def build_status(
         replicas=counts,
         stable_version=stable,
         conditions=_conditions(old_conds, plan, spec, phase, counts, now),
-        pods=_pod_results(plan),
+        pods=_pod_results(plan, notes or {}),
         start_time=p.start_time,
-        completion_time=p.completion_time if phase is Phase.SUCCEEDED else None,
+        # kept once set: it marks the version as rolled out (convergence, superseded pods)
+        completion_time=p.completion_time,
         last_progress_time=p.last_progress_time,
         aborted_at=p.aborted_at,
         abort_reason=p.abort_reason,

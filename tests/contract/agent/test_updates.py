@@ -166,11 +166,11 @@ async def test_abort_endpoint_stops_the_update_and_stays_paused(
     gate = harness.fake.gate("weightroll_load")
     await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
     await harness.fake.entered["weightroll_load"].wait()
-    aborting = asyncio.create_task(harness.post("/v1/updates/u-1/abort"))
-    await asyncio.sleep(0.05)
+    # The ranks are busy loading: the abort answers 202 at once, the update winds down after.
+    response = await harness.post("/v1/updates/u-1/abort")
+    assert response.status == 202
+    assert (await response.json())["message"] == "abort requested"
     gate.set()
-    response = await aborting
-    assert response.status == 200
     status = await harness.wait_phase("u-1")
     assert status["phase"] == "Aborted"
     assert status["verdict"]["committed"] is False

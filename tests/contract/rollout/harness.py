@@ -57,15 +57,18 @@ class Harness:
         async with self.http.post(path, json=body) as resp:
             assert resp.status < 400, await resp.text()
 
-    async def add_pods(self, n: int, start: int = 0, **agent_kw: Any) -> list[FakeAgent]:
+    async def add_pods(
+        self, n: int, start: int = 0, gate: bool | None = True, **agent_kw: Any
+    ) -> list[FakeAgent]:
         created = []
         for i in range(start, start + n):
             name = f"pod-{i}"
             agent = await self.agents.add(name, i, **agent_kw)
-            await self._post(
-                f"/api/v1/namespaces/{NS}/pods", make_pod(name, agent.host, self.agents.port)
-            )
+            pod = make_pod(name, agent.host, self.agents.port, gate=gate)
+            await self._post(f"/api/v1/namespaces/{NS}/pods", pod)
             created.append(agent)
+        if start > 0:
+            return created
         await self._post(
             f"/api/v1/namespaces/{NS}/secrets",
             {

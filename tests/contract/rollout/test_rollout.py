@@ -42,6 +42,8 @@ async def test_full_rollout_of_8_pods(h: Harness) -> None:
         assert h.agents[f"pod-{i}"].executions == ["wu-v2"]
     h.assert_never_ready_unverified({"v2"})
     assert h.max_drained_at_once() <= 2
+    updates = h.metrics.updates_total.labels(NS, "wu", "succeeded")._value.get()
+    assert updates == 1
     # 2 pod-status + 2 pod-metadata writes per pod, 2 Events per pod, amortised status writes
     per_pod = (h.kube.writes["pod-status"] + h.kube.writes["pod-metadata"]) / 8
     assert per_pod == 4
@@ -82,6 +84,7 @@ async def test_failing_pod_halts(h: Harness) -> None:
         assert h.agents[f"pod-{i}"].executions == []
     assert status["replicas"]["failed"] == 1 and status["replicas"]["stale"] == 3
     h.assert_never_ready_unverified({"v2"})
+    assert h.metrics.updates_total.labels(NS, "wu", "failed")._value.get() == 1
 
 
 async def test_failing_pod_rolls_back(h: Harness) -> None:
@@ -103,6 +106,7 @@ async def test_failing_pod_rolls_back(h: Harness) -> None:
     assert h.agents["pod-2"].executions == ["wu-v2", "wu-v2-rollback"]
     assert h.agents["pod-4"].executions == []
     h.assert_never_ready_unverified({"v1", "v2"})
+    assert h.metrics.updates_total.labels(NS, "wu", "rolled_back")._value.get() == 1
     # pod-2 never served v2: its only True write happened after the rollback to v1
     assert [
         w.agent["version"]
@@ -213,6 +217,7 @@ async def test_pod_deleted_mid_update(h: Harness) -> None:
 async def test_hanging_agent_times_out_and_disappearing_agent_fails(h: Harness) -> None:
     await h.add_pods(3)
     h.agents["pod-0"].scripts["v2"] = "hang"
+    h.agents["pod-1"].step = 1.0  # slow enough to be caught in flight
     await h.create_wu(
         "wu",
         "v2",
@@ -326,3 +331,68 @@ async def test_wrong_token_is_reported_and_nothing_drains(h: Harness) -> None:
     assert await h.gate("pod-0") == "True"  # never drained: the agent's version is unknown
     assert h.agents["pod-0"].executions == []
     assert h.metrics.agent_unreachable.labels(NS, "wu", "pod-0")._value.get() == 1
+
+
+async def test_status_view_reads_the_cluster(h: Harness) -> None:
+    from weightroll_operator.k8s.client import KubeApi, KubeConfig
+    from weightroll_operator.status_view import _fetch, render
+
+    await h.add_pods(2)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 2})
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+    body, events = await _fetch(KubeApi(KubeConfig(server=h.url)), NS, "wu")
+    text = render(body, events)
+    assert "Phase:     Succeeded" in text
+    assert "pod-0  Verified  v2" in text
+    assert "UnitVerified" in text and "PhaseChanged" in text
+
+
+async def test_succeeded_rollout_converges_new_pods(h: Harness) -> None:
+    await h.add_pods(3)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+    # scale-up: a new pod booted with the old weights, one booted with the new ones; neither
+    # has the gate condition yet, so both are NotReady
+    await h.add_pods(1, start=3, gate=None)
+    await h.add_pods(1, start=4, gate=None, version="v2", source="/weights/v2")
+
+    async def all_verified() -> bool:
+        return (await h.status("wu")).get("replicas", {}).get("verified") == 5
+
+    await h.run_until(["wu"], all_verified)
+    assert (await h.status("wu"))["phase"] == "Succeeded"
+    assert h.agents["pod-3"].executions == ["wu-v2"]
+    assert h.agents["pod-4"].executions == []  # already serving v2: only the gate was set
+    assert h.metrics.updates_total.labels(NS, "wu", "succeeded")._value.get() == 1
+    assert await h.gate("pod-3") == "True" and await h.gate("pod-4") == "True"
+    h.assert_never_ready_unverified({"v2"})
+
+
+async def test_progress_deadline_fails_the_rollout(h: Harness) -> None:
+    await h.add_pods(2)
+    h.agents["pod-0"].scripts["v2"] = "hang"
+    await h.create_wu(
+        "wu",
+        "v2",
+        strategy={"maxUnavailable": 1, "progressDeadlineSeconds": 1, "updateTimeoutSeconds": 600},
+    )
+    await h.run_until(["wu"], h.phase_is("wu", "Failed"))
+    status = await h.status("wu")
+    progressing = h.condition(status, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "ProgressDeadlineExceeded")
+    assert await h.gate("pod-0") == "False"  # the hanging unit stays drained
+    assert h.agents["pod-1"].executions == []
+    h.assert_never_ready_unverified({"v2"})
+
+
+async def test_agent_refusing_the_update_is_reported(h: Harness) -> None:
+    await h.add_pods(1)
+    h.agents["pod-0"].scripts["v2"] = "reject"
+    await h.create_wu("wu", "v2", strategy={"updateTimeoutSeconds": 1})
+    for _ in range(3):
+        await h.tick("wu")
+    pods = (await h.status("wu"))["pods"]
+    assert "StartUpdateFailed" in pods[0]["reason"] and "422" in pods[0]["reason"]
+    await h.run_until(["wu"], h.phase_is("wu", "Failed"))
+    assert await h.gate("pod-0") == "False"
+    h.assert_never_ready_unverified({"v2"})

@@ -97,3 +97,18 @@ def test_store_ignores_corrupt_state_and_bounds_history(tmp_path: Path) -> None:
         store.add(_record(f"u-{index}", UpdatePhase.COMMITTED))
     assert len(store.records) == MAX_RECORDS
     assert "u-0" not in store.records
+
+
+def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from engine_agent.sidecar.main import _parser, build_config
+
+    monkeypatch.setenv("WEIGHTROLL_AGENT_VLLM_URL", "http://127.0.0.1:18000")
+    monkeypatch.setenv("WEIGHTROLL_AGENT_LOAD_TIMEOUT", "42")
+    monkeypatch.setenv("WEIGHTROLL_AGENT_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("WEIGHTROLL_AGENT_INITIAL_SOURCE", "file:///models/a")
+    config = build_config(_parser().parse_args(["--finish-timeout", "7"]))
+    assert config.vllm_url == "http://127.0.0.1:18000"
+    assert config.load_timeout == 42.0
+    assert config.finish_timeout == 7.0
+    assert config.state_dir == tmp_path
+    assert config.initial_source is not None and config.initial_source.path == "/models/a"

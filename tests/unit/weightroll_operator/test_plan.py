@@ -279,7 +279,7 @@ def test_rollback_targets_are_the_recorded_previous_weights() -> None:
     p = run(
         spec(onFailure="Rollback"),
         [pod("p1", gate=False, ready=False, st=rb)],
-        {"p1": agent()},
+        {"p1": agent("v1", ready=False)},  # the failed update left it poisoned, not ready
         aborted,
     )
     start = next(a for a in p.actions if isinstance(a, StartUpdate))
@@ -382,3 +382,84 @@ def test_restart_between_gate_on_and_settle_finishes_without_draining_again() ->
     pods = [pod("p0", gate=True, ready=True, st=DRAINING)]
     p = run(spec(), pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)})
     assert summary(p) == [("Settle", "p0"), ("Emit", Reason.UNIT_VERIFIED)]
+
+
+def _peer(name: str, phase: str | None, start: str | None, app: str = "llm") -> dict[str, object]:
+    status = {k: v for k, v in (("phase", phase), ("startTime", start)) if v is not None}
+    return {
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {
+            "selector": {"matchLabels": {"app": app}},
+            "version": "v9",
+            "source": {"uri": "/w"},
+        },
+        "status": status,
+    }
+
+
+@pytest.mark.parametrize(
+    ("peer", "my_start", "blocked"),
+    [
+        (_peer("a", "Progressing", "2026-01-01T10:00:00Z"), None, True),
+        (_peer("a", "Progressing", "2026-01-01T10:00:00Z"), "2026-01-01T09:00:00Z", False),
+        (_peer("a", "Paused", "2026-01-01T10:00:00Z"), "2026-01-01T11:00:00Z", True),
+        (_peer("a", "RollingBack", "2026-01-01T10:00:00Z"), None, True),
+        (_peer("a", "Succeeded", "2026-01-01T10:00:00Z"), None, False),
+        (_peer("a", "Failed", "2026-01-01T10:00:00Z"), None, False),
+        (_peer("a", "Pending", None), None, False),  # not started: no claim on the fleet
+        (_peer("a", "Progressing", "2026-01-01T10:00:00Z", app="other"), None, False),
+        # same start second: the smaller name wins ("ns/a" < "ns/wu")
+        (_peer("a", "Progressing", "2026-01-01T10:00:00Z"), "2026-01-01T10:00:00Z", True),
+        (_peer("zz", "Progressing", "2026-01-01T10:00:00Z"), "2026-01-01T10:00:00Z", False),
+        (_peer("wu", "Progressing", "2026-01-01T10:00:00Z"), None, False),  # itself
+    ],
+)
+def test_fleet_level_ownership(
+    peer: dict[str, object], my_start: str | None, blocked: bool
+) -> None:
+    from weightroll_operator.domain.ownership import blocking_peers
+
+    holders = blocking_peers(ME, my_start, (pod("p0"),), [peer])
+    assert bool(holders) is blocked
+    if blocked:
+        # and the planner then starts nothing, naming the holder
+        from weightroll_operator.domain.plan import Fleet, plan
+
+        fleet = Fleet(name="wu", owner=ME, pods=(pod("p0"),), agents=FRESH, peers=holders)
+        p = plan(spec(), fleet, Persisted(target_version="v2"), NOW)
+        assert claimed(p) == [] and p.blocked_by == holders
+
+
+def test_version_change_retargets_units_not_yet_started() -> None:
+    old = state(version="v1b", update_id="wu-v1b")
+    pods = [pod("p0", gate=False, ready=False, st=old)]
+    p = run(spec(), pods, {"p0": agent("v1")})  # the agent never heard of wu-v1b
+    claim = p.actions[0]
+    assert isinstance(claim, Claim)
+    assert (claim.state.version, claim.state.update_id) == ("v2", "wu-v2")
+    assert claim.state.previous_version == "v1"
+    assert not any(isinstance(a, StartUpdate) for a in p.actions)
+    # already started: it finishes at its version first
+    started = agent("v1", phase=UpdatePhase.LOADING, update_id="wu-v1b", update_version="v1b")
+    p = run(spec(), pods, {"p0": started})
+    assert p.actions == ()
+
+
+def test_agent_that_lost_the_update_record_but_serves_the_version_is_not_reloaded() -> None:
+    pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
+    p = run(spec(), pods, {"p0": agent("v2", ready=True)})  # 404 for the id, state at v2
+    assert summary(p)[:2] == [("GateOn", "p0"), ("Settle", "p0")]
+    # not ready at v2 (e.g. still paused): never restored, the update is sent (idempotent)
+    p = run(spec(), pods, {"p0": agent("v2", ready=False)})
+    assert summary(p) == [("StartUpdate", "p0")]
+
+
+def test_rollback_phase_does_not_flicker_when_the_last_forward_unit_ends() -> None:
+    from weightroll_operator.domain.status import compute_phase
+
+    aborted = Persisted(target_version="v2", aborted_at="x", abort_reason="FailureBudgetExceeded")
+    pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
+    s = spec(onFailure="Rollback")
+    p = run(s, pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)}, aborted)
+    assert p.finished == {"p0": "succeeded"}
+    assert compute_phase(p, s).value == "RollingBack"

@@ -1,0 +1,45 @@
+"""The operator's metric names are exactly the ones docs/contracts.md lists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from prometheus_client import generate_latest
+from weightroll_operator.api.v1alpha1 import Phase, ReplicaCounts
+from weightroll_operator.metrics import Metrics
+
+CONTRACTS = Path(__file__).resolve().parents[3] / "docs" / "contracts.md"
+
+
+def _contract_names() -> set[str]:
+    text = CONTRACTS.read_text()
+    section = text.split("Operator (`weightroll_` prefix", 1)[1].split(
+        "Agent (`weightroll_agent_", 1
+    )[0]
+    return set(re.findall(r"`(weightroll_[a-z_]+)", section))
+
+
+def test_metric_names_match_the_contract() -> None:
+    m = Metrics()
+    m.observe_status("ns", "wu", Phase.PROGRESSING, ReplicaCounts(total=3), 600, 1.0)
+    m.observe_transition("ns", "wu", Phase.PROGRESSING, Phase.SUCCEEDED, 12.0)
+    m.observe_units("ns", "wu", {"p0": "failed"}, {"p0": 3.0}, {"p0": "UpdateFailed: digest"})
+    m.observe_pods("ns", "wu", {"p0": 1.0}, {"p0": True})
+    exposed = generate_latest(m.registry).decode()
+    names = {f.name + "_total" if f.type == "counter" else f.name for f in m.registry.collect()}
+    assert names == _contract_names()
+    assert 'weightroll_updates_total{name="wu",namespace="ns",outcome="succeeded"} 1.0' in exposed
+    assert 'weightroll_update_phase{name="wu",namespace="ns",phase="Progressing"} 1.0' in exposed
+    assert (
+        'weightroll_verification_failures_total{name="wu",namespace="ns",reason="UpdateFailed"}'
+        in exposed
+    )
+
+
+def test_per_pod_series_are_removed_when_no_longer_reported() -> None:
+    m = Metrics()
+    m.observe_pods("ns", "wu", {"p0": 1.0, "p1": 2.0}, {"p0": True})
+    m.observe_pods("ns", "wu", {"p1": 2.0}, {})
+    exposed = generate_latest(m.registry).decode()
+    assert 'pod="p1"' in exposed and 'pod="p0"' not in exposed
