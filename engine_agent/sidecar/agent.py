@@ -321,9 +321,12 @@ class Agent:
     async def _observe_now(self) -> _Observation:
         at = self._monotonic()
         try:
-            paused = await self.client.is_paused()
-            world = await self.client.world_size()
-            results = await self.client.collective_rpc(STATE, "{}", self.config.control_timeout)
+            # Concurrently: under load vLLM's API server answers each call slowly.
+            paused, world, results = await asyncio.gather(
+                self.client.is_paused(),
+                self.client.world_size(),
+                self.client.collective_rpc(STATE, "{}", self.config.control_timeout),
+            )
         except EngineError as e:
             self._last_state = None
             self.metrics.set_engine_state(None)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 import yaml
@@ -63,7 +64,7 @@ CRD = {
 }
 
 
-def _apply(cluster: KubeCluster, obj: dict[str, object]) -> None:
+def _apply(cluster: KubeCluster, obj: Mapping[str, Any]) -> None:
     kubectl(cluster, "apply", "-f", "-", input_=yaml.safe_dump(obj))
 
 

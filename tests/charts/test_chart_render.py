@@ -376,3 +376,44 @@ def test_readme_is_generated_from_values() -> None:
         "run: python tests/charts/chart_readme.py --write"
     )
     assert all(desc for _, _, _, desc in values_rows())
+
+
+#: Keys a structural schema forbids inside anyOf/allOf/oneOf/not (Kubernetes "Specifying a
+#: structural schema"); the apiserver rejects such a CRD with "must be empty to be structural".
+_JUNCTOR_FORBIDDEN = {"type", "description", "default", "nullable", "additionalProperties"}
+
+
+def _structural_problems(node: Any, path: str, in_junctor: bool = False) -> list[str]:
+    problems: list[str] = []
+    if isinstance(node, dict):
+        if in_junctor:
+            problems += [
+                f"{path}.{k}"
+                for k in node
+                if k in _JUNCTOR_FORBIDDEN or k.startswith("x-kubernetes-")
+            ]
+        for key, value in node.items():
+            if key in ("anyOf", "allOf", "oneOf"):
+                for i, branch in enumerate(value):
+                    problems += _structural_problems(branch, f"{path}.{key}[{i}]", True)
+            elif key == "not":
+                problems += _structural_problems(value, f"{path}.not", True)
+            elif key in ("properties", "patternProperties"):
+                for name, sub in value.items():
+                    problems += _structural_problems(sub, f"{path}.{key}[{name}]", in_junctor)
+            elif key in ("items", "additionalProperties") and isinstance(value, dict):
+                problems += _structural_problems(value, f"{path}.{key}", in_junctor)
+    return problems
+
+
+def test_crd_schema_is_structural() -> None:
+    """Offline version of the apiserver's structural-schema check (fast feedback for crdgen)."""
+    needs_crd()
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    for version in crd["spec"]["versions"]:
+        schema = version["schema"]["openAPIV3Schema"]
+        problems = _structural_problems(schema, f"{version['name']}.openAPIV3Schema")
+        assert problems == [], (
+            "not structural (use x-kubernetes-int-or-string with plain minimum/pattern instead of "
+            f"typed anyOf branches): {problems}"
+        )
