@@ -169,6 +169,8 @@ class ErrorBody(WireModel):
     code: str
     message: str
     field: str | None = None
+    #: On a 409 conflict: the id of the update that is running.
+    active_id: str | None = None
 
 
 class RankStatus(WireModel):
@@ -220,6 +222,8 @@ class RankReport(WireModel):
     #: SHA-256 over the live bytes of the touched modules after commit.
     digest: str = ""
     bytes_loaded: int = 0
+    #: Digest of the manifest this rank verified the loaded bytes against ("" when none).
+    manifest_digest: str = ""
     #: Seconds spent in each step of the call (read, load, process, refresh, verify, digest).
     timings: dict[str, float] = Field(default_factory=dict)
 

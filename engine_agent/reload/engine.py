@@ -74,6 +74,8 @@ class _Session:
         self.storage = storage
         self.kernels = kernels
         self.timings: dict[str, float] = {}
+        #: Digest of the manifest the last load was verified against.
+        self.manifest_digest = ""
 
 
 class RankEngine:
@@ -227,6 +229,7 @@ class RankEngine:
                 raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
             with _timed(active.timings, "verify_manifest"):
                 checkpoint.verify(manifest)
+            active.manifest_digest = manifest.digest
         if active.spec.mode is UpdateMode.SPARSE:
             return self._load_sparse(active, checkpoint)
         with _timed(active.timings, "dry_run"):
@@ -330,6 +333,7 @@ class RankEngine:
             if digests
             else "",
             "bytes_loaded": router.bytes_loaded,
+            "manifest_digest": active.manifest_digest,
             "timings": active.timings | {k: round(v, 6) for k, v in router.timings.items()},
         }
 

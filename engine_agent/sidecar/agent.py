@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -134,6 +135,22 @@ class _Observation:
     world_size: int | None = None
     states: StateRound | None = None
     problems: list[Problem] = field(default_factory=list)
+
+
+def _abort_args(record: UpdateRecord, cause: Problem) -> str:
+    """``weightroll_abort`` argument: fence every rank when any rank may have written.
+
+    A rank whose own call failed before writing returns to clean, but the replica is mixed if
+    another rank wrote (or its state is unknown): then every rank must be poisoned, or a later
+    partial update would be accepted by the "clean" ranks (docs/contracts.md, replica fence).
+    """
+    written = not record.ranks or any(
+        report.state in (EngineState.DIRTY, EngineState.POISONED) for report in record.ranks
+    )
+    if not written:
+        return "{}"
+    reason = f"update {record.id} did not commit on every rank: {cause.message}"
+    return json.dumps({"poison": True, "reason": reason[:500]})
 
 
 class _Failed(Exception):
@@ -675,7 +692,9 @@ class Agent:
         self._set_hold(Problem(first.code, f"update {record.id} did not commit: {first.message}"))
         if record.phase in (UpdatePhase.LOADING, UpdatePhase.VERIFYING):
             try:
-                results = await self.client.collective_rpc(ABORT, "{}", self.config.control_timeout)
+                results = await self.client.collective_rpc(
+                    ABORT, _abort_args(record, first), self.config.control_timeout
+                )
                 reports = [r for r in results if isinstance(r, dict)]
                 self._merge_ranks(record, collect_reports(ABORT, reports, len(reports)).reports)
             except EngineError as e:

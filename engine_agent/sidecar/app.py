@@ -147,12 +147,8 @@ async def _post_update(request: web.Request) -> web.Response:
     try:
         created, record = agent.submit(update)
     except UpdateConflict as e:
-        response = _error(409, "conflict", str(e), field=e.active_id)
-        if e.active_id is not None:
-            # ErrorBody has no slot for it yet; the operator's client reads ``activeId``.
-            body = ErrorBody(code="conflict", message=str(e), field=e.active_id).to_wire()
-            response = web.json_response({**body, "activeId": e.active_id}, status=409)
-        return response
+        body = ErrorBody(code="conflict", message=str(e), field="id", active_id=e.active_id)
+        return web.json_response(body.to_wire(), status=409)
     return web.json_response(record.to_status().to_wire(), status=202 if created else 200)
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Extension used by the server tests: the real one plus run-time failpoints.
-TEST_EXTENSION = "weightroll_failpoint_ext.FailpointFileExtension"
+#: The production extension; run-time failpoints come from ``WEIGHTROLL_FAILPOINTS_FILE``.
 PROD_EXTENSION = "engine_agent.vllm_extension.WeightRollExtension"
+TEST_EXTENSION = PROD_EXTENSION
 
 
 def free_port() -> int:
@@ -60,7 +60,7 @@ class VllmServer:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_LOGGING_LEVEL="INFO",
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "server")]),
+            PYTHONPATH=str(ROOT),
             WEIGHTROLL_BOOT_VERSION=self.boot_version,
         )
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -93,7 +93,7 @@ async def test_second_concurrent_update_is_409_naming_the_active_id(
     assert response.status == 409
     error = await response.json()
     assert error["code"] == "conflict"
-    assert error["field"] == "u-1"
+    assert error["field"] == "id" and error["activeId"] == "u-1"
     assert "u-1" in error["message"]
     status, body = await harness.readyz()
     assert status == 503 and "u-1 in progress" in body["reasons"][0]
