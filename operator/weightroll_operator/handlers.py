@@ -8,7 +8,7 @@ Pods and WeightUpdates are observed through ``@kopf.index``; no handler is attac
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +37,24 @@ def _of(index: kopf.Index[str, Any], namespace: str | None) -> Iterable[Mapping[
     return list(index.get(namespace or "", []))
 
 
-def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
-    """Register the handlers on ``registry``."""
+def register(
+    registry: kopf.OperatorRegistry,
+    rt: Runtime,
+    login: Callable[[], kopf.ConnectionInfo] | None = None,
+) -> None:
+    """Register the handlers on ``registry``.
+
+    Args:
+        registry: the kopf registry to fill.
+        rt: the operator's runtime (reconciler, config).
+        login: the credentials kopf uses; the operator's own API client uses the same ones, so
+            both act as one identity (the chart's ServiceAccount in a cluster).
+    """
+    if login is not None:
+
+        @kopf.on.login(id="login", registry=registry)
+        def credentials(**_: Any) -> kopf.ConnectionInfo:
+            return login()
 
     @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

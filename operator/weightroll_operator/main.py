@@ -53,6 +53,18 @@ def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None
     return Runtime(reconciler=reconciler, config=config)
 
 
+def _login(cfg: KubeConfig) -> kopf.ConnectionInfo:
+    """kopf's credentials: the same server and identity as the operator's own API client."""
+    return kopf.ConnectionInfo(
+        server=cfg.server,
+        token=cfg.token,
+        ca_path=cfg.ca_file,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        insecure=not cfg.verify,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(argv or []))
     logging.basicConfig(
@@ -62,12 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = OperatorConfig.from_env(
         interval=args.interval, metrics_port=args.metrics_port, health_port=args.health_port
     )
-    kube = KubeApi(KubeConfig.load(args.kubeconfig, args.context))
+    kube_config = KubeConfig.load(args.kubeconfig, args.context)
+    kube = KubeApi(kube_config)
     metrics = Metrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
     registry = kopf.OperatorRegistry()
-    register(registry, build_runtime(config, kube, metrics))
+    register(registry, build_runtime(config, kube, metrics), login=lambda: _login(kube_config))
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
     kopf.run(
         registry=registry,

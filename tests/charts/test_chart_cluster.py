@@ -211,45 +211,6 @@ def test_crd_installed_and_established(installed: KubeCluster) -> None:
     assert ann == "keep"
 
 
-def test_upgrade_then_uninstall_keeps_the_crd(kube_cluster: KubeCluster) -> None:
-    """Last in this module: it replaces the `installed` release (same name, since the CRD's Helm
-    ownership ties it to one release)."""
-    if not crd_available():
-        pytest.skip("the generated CRD file does not exist yet")
-    config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
-    chart = str(CHART)
-    try:
-        config.uninstall(RELEASE, ignore_not_found=True)
-        config.install(chart, RELEASE, {}, namespace=NAMESPACE, create_namespace=True)
-        config.upgrade(chart, RELEASE, {"operator": {"verbose": True}}, namespace=NAMESPACE)
-        args = kubectl(
-            kube_cluster,
-            "get",
-            "deploy/weightroll-operator",
-            "-n",
-            NAMESPACE,
-            "-o",
-            "jsonpath={.spec.template.spec.containers[0].args}",
-        ).stdout
-        assert "--verbose" in args
-        config.uninstall(RELEASE)
-        left = kubectl(kube_cluster, "get", "crd", "-o", "name").stdout.split()
-        assert "customresourcedefinition.apiextensions.k8s.io/weightupdates.weightroll.io" in left
-        gone = kubectl(kube_cluster, "get", "deploy", "-n", NAMESPACE, "-o", "name").stdout
-        assert "weightroll-operator" not in gone
-    finally:
-        config.uninstall(RELEASE, ignore_not_found=True)
-        config.close()
-
-
-OPERATOR_LOGIN_BUG = (
-    "weightroll operator builds its own kopf.OperatorRegistry without an @kopf.on.login handler, "
-    "so kopf finds no credentials (LoginError: Ran out of valid credentials); remove this marker "
-    "once main.py registers one"
-)
-
-
-@pytest.mark.xfail(reason=OPERATOR_LOGIN_BUG, strict=True)
 def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) -> None:
     """`weightroll operator` authenticated as the chart's ServiceAccount reads the fleet, the token
     Secret and writes status and Events without a single 403 (the full rollout under this
@@ -318,6 +279,23 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
     ]
     for obj in objs:
         kubectl(installed, "apply", "-f", "-", input_=yaml.safe_dump(obj))
+    # The apiserver's RBAC authorizer learns new bindings from its informers a moment after the
+    # chart is installed; a pod of the chart would start later than that in a real cluster.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        allowed = kubectl(
+            installed,
+            "auth",
+            "can-i",
+            "list",
+            "weightupdates.weightroll.io",
+            "--all-namespaces",
+            "--as=system:serviceaccount:weightroll-system:weightroll-operator",
+            check=False,
+        )
+        if allowed.stdout.strip() == "yes":
+            break
+        time.sleep(0.5)
     log_path = Path(kubeconfig) / f"operator-{ns}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -351,3 +329,34 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
     assert "replicas" in status
     assert " 403" not in text and "Forbidden" not in text, text[-3000:]
     kubectl(installed, "delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_upgrade_then_uninstall_keeps_the_crd(kube_cluster: KubeCluster) -> None:
+    """Last in this module: it replaces the `installed` release (same name, since the CRD's Helm
+    ownership ties it to one release)."""
+    if not crd_available():
+        pytest.skip("the generated CRD file does not exist yet")
+    config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
+    chart = str(CHART)
+    try:
+        config.uninstall(RELEASE, ignore_not_found=True)
+        config.install(chart, RELEASE, {}, namespace=NAMESPACE, create_namespace=True)
+        config.upgrade(chart, RELEASE, {"operator": {"verbose": True}}, namespace=NAMESPACE)
+        args = kubectl(
+            kube_cluster,
+            "get",
+            "deploy/weightroll-operator",
+            "-n",
+            NAMESPACE,
+            "-o",
+            "jsonpath={.spec.template.spec.containers[0].args}",
+        ).stdout
+        assert "--verbose" in args
+        config.uninstall(RELEASE)
+        left = kubectl(kube_cluster, "get", "crd", "-o", "name").stdout.split()
+        assert "customresourcedefinition.apiextensions.k8s.io/weightupdates.weightroll.io" in left
+        gone = kubectl(kube_cluster, "get", "deploy", "-n", NAMESPACE, "-o", "name").stdout
+        assert "weightroll-operator" not in gone
+    finally:
+        config.uninstall(RELEASE, ignore_not_found=True)
+        config.close()

@@ -51,12 +51,12 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             return structural({**options[0], **rest}, defs)
         types = {o.get("type") for o in options}
         if types == {"integer", "string"}:
+            # A structural schema forbids ``type`` inside anyOf branches: int-or-string is one
+            # untyped node whose value validations apply by kind (minimum to integers, pattern
+            # to strings).
             node: dict[str, Any] = {"x-kubernetes-int-or-string": True}
-            node["anyOf"] = [
-                {k: v for k, v in structural(o, defs).items() if k not in ("type",)}
-                | {"type": o["type"]}
-                for o in options
-            ]
+            for option in options:
+                node |= {k: v for k, v in structural(option, defs).items() if k != "type"}
             if "description" in rest:
                 node["description"] = rest["description"]
             return node
@@ -96,10 +96,8 @@ def build_crd() -> dict[str, Any]:
     spec_schema["description"] = "What to roll out: this version on every selected pod."
     # The int-or-string field gets its bounds here: pydantic cannot attach them to a union.
     max_unavailable = spec_schema["properties"]["strategy"]["properties"]["maxUnavailable"]
-    max_unavailable["anyOf"] = [
-        {"type": "integer", "minimum": 1},
-        {"type": "string", "pattern": r"^(100|[1-9][0-9]?)%$"},
-    ]
+    max_unavailable["minimum"] = 1
+    max_unavailable["pattern"] = r"^(100|[1-9][0-9]?)%$"
     max_unavailable["description"] = (
         "Units that may be unavailable at once, counting units already not ready: "
         "an integer >= 1 or a percentage in (0%, 100%]."
