@@ -513,6 +513,12 @@ def _parser() -> argparse.ArgumentParser:
             "Write a JSON manifest (dtype, shape, sha256 per tensor, total bytes, digest) for a "
             "safetensors checkpoint."
         ),
+        epilog=(
+            "Only *.safetensors files directly inside DIR are hashed. Name the manifest in the "
+            "WeightUpdate's spec.source.manifest; every rank checks the bytes it reads against "
+            "it before writing a live tensor. Exit status: 0 written, 1 the checkpoint cannot "
+            "be hashed or the manifest not written, 2 bad usage."
+        ),
     )
     parser.add_argument("directory", metavar="DIR", help="checkpoint directory (or one file)")
     parser.add_argument(
@@ -537,7 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         manifest = build_manifest(args.directory, args.version, args.base_version)
     except ManifestError as e:
-        print(f"weightroll manifest: {e}", file=sys.stderr)
+        root = Path(args.directory)
+        bad_dir = not root.exists() or (root.is_dir() and not any(root.glob("*.safetensors")))
+        hint = "; pass a directory of *.safetensors files (or one such file)" if bad_dir else ""
+        print(f"weightroll manifest: {e}{hint}", file=sys.stderr)
         return 1
     if args.out == "-":
         json.dump(manifest.to_json(), sys.stdout, indent=2)

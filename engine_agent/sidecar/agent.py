@@ -107,6 +107,17 @@ class AgentConfig:
     initial_source: SourceSpec | None = None
     #: Version vLLM starts with; ``None`` adopts what the ranks report at start-up.
     initial_version: str | None = None
+    #: Directory under which weight sources and manifests are resolved (``/models/v2`` is read
+    #: at ``<source_root>/models/v2``); ``None`` reads them as given. Sources keep their
+    #: pod-view URIs everywhere else (records, ``/v1/state``). For pod simulators without mount
+    #: namespaces (``weightroll_operator.devcluster``), where each pod has its own volume root.
+    source_root: Path | None = None
+
+    def local_path(self, path: str) -> str:
+        """Where this process reads a source path (``path`` itself without ``source_root``)."""
+        if self.source_root is None:
+            return path
+        return str(self.source_root / path.lstrip("/"))
 
 
 class UpdateConflict(Exception):
@@ -574,7 +585,9 @@ class Agent:
             manifest_path = request.source.manifest_path
             if manifest_path is not None:
                 try:
-                    manifest = await asyncio.to_thread(load_manifest, manifest_path)
+                    manifest = await asyncio.to_thread(
+                        load_manifest, self.config.local_path(manifest_path)
+                    )
                 except ManifestError as e:
                     raise _Failed([Problem(e.code, str(e))]) from e
                 problems = self._check_manifest(request, manifest)
@@ -597,7 +610,10 @@ class Agent:
             lap("begin")
             if not begin.ok:
                 raise _Failed(begin.problems)
-            source = LoadSource(path=request.source.path, manifest=manifest_path)
+            source = LoadSource(
+                path=self.config.local_path(request.source.path),
+                manifest=None if manifest_path is None else self.config.local_path(manifest_path),
+            )
             arg = source.model_dump_json(by_alias=True)
             load = check_session(
                 await self._call_ranks(record, LOAD, arg, self.config.load_timeout, world),

@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("INITIAL_SOURCE"),
         help="path or file:// URI of the weights vLLM starts with [INITIAL_SOURCE]",
     )
+    add(
+        "--source-root",
+        default=_env("SOURCE_ROOT"),
+        help="resolve weight sources and manifests under this directory [SOURCE_ROOT]",
+    )
     for name, help_text in (
         ("begin_timeout", "seconds for weightroll_begin"),
         ("load_timeout", "seconds for weightroll_load"),
@@ -105,6 +110,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         state_dir=Path(args.state_dir) if args.state_dir else None,
         initial_source=source,
         initial_version=args.initial_version,
+        source_root=Path(args.source_root) if args.source_root else None,
     )
 
 

@@ -14,17 +14,26 @@ from collections.abc import Sequence
 
 #: subcommand -> (module exposing ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "operator": ("weightroll_operator.main", "run the WeightUpdate operator (kopf)"),
-    "agent": ("engine_agent.sidecar.main", "run the pod sidecar that drives one vLLM replica"),
+    "operator": (
+        "weightroll_operator.main",
+        "run the WeightUpdate operator (kopf) against the current kubeconfig or in-cluster",
+    ),
+    "agent": (
+        "engine_agent.sidecar.main",
+        "run the pod sidecar that drives one vLLM replica (needs --token-file)",
+    ),
     "manifest": (
         "engine_agent.manifest",
         "write a JSON manifest (sha256 per tensor) for a checkpoint",
     ),
     "status": (
         "weightroll_operator.status_view",
-        "show a WeightUpdate: phase, pods, conditions, events",
+        "show a WeightUpdate NAME: phase, pods, conditions, events",
     ),
-    "demo": ("engine_agent.demo", "run the embedded demo on this machine"),
+    "demo": (
+        "engine_agent.demo",
+        "run a verified in-place update on a real vLLM engine on this machine (make demo)",
+    ),
 }
 
 
@@ -32,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightroll",
         description="Roll verified in-place weight updates through vLLM servers.",
+        epilog="Run `weightroll COMMAND --help` for the options of one command. "
+        "Docs: README.md, docs/architecture.md, docs/api.md.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kube = KubeApi(kube_config)
     metrics = Metrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
+        metrics.serve(config.metrics_port, addr=config.metrics_addr)
     registry = kopf.OperatorRegistry()
     register(registry, build_runtime(config, kube, metrics), login=lambda: _login(kube_config))
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None

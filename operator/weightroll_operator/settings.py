@@ -35,6 +35,8 @@ class OperatorConfig:
     state_ttl: float = 30.0
     #: Port of the Prometheus metrics endpoint (0 disables it).
     metrics_port: int = 8080
+    #: Address the metrics endpoint binds to (``127.0.0.1`` for a local run).
+    metrics_addr: str = "0.0.0.0"
     #: Port of the liveness endpoint ``/healthz`` (0 disables it).
     health_port: int = 8081
     #: Level of kopf's own Events posted on WeightUpdates (ours are always posted).

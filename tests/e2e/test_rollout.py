@@ -1,0 +1,140 @@
+"""End to end on the real kube-apiserver: the chart, the operator as its ServiceAccount, three
+real vLLM CPU engines with their agents (issue 5, acceptance 3 and 4).
+
+The tests of this module share one fleet and run in file order, each starting from what the
+previous one left (every pod serving the version named in its docstring):
+
+1. ``v1 -> v2`` succeeds: every pod Ready again and serving the new weights.
+2. ``v2 -> v3`` with one pod's copy of v3 corrupt and ``onFailure: Rollback``: every touched pod
+   returns to v2 and serves traffic again.
+3. ``v2 -> v4`` with one pod's copy of v4 corrupt and ``onFailure: Halt``: the rollout stops,
+   that pod stays NotReady (drained), the alert metrics show it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from tests.e2e.conftest import GATE, NAMESPACE, PODS, Fleet
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.server,
+    pytest.mark.timeout(900),
+    pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"),
+]
+
+PROMPTS = ("Weights are reloaded in place", "The quick brown fox")
+#: Completions per version, recorded by the tests (the module's scenario state).
+SEEN: dict[str, dict[str, tuple[str, list[float]]]] = {}
+
+
+def _serve(fleet: Fleet) -> dict[str, tuple[str, list[float]]]:
+    """Each pod's completion of PROMPTS (joined), after checking all pods agree."""
+    out: dict[str, tuple[str, list[float]]] = {}
+    for pod in fleet.pods:
+        texts, logprobs = [], []
+        for prompt in PROMPTS:
+            text, lp = fleet.complete(pod, prompt)
+            texts.append(text)
+            logprobs.extend(lp)
+        out[pod] = ("|".join(texts), logprobs)
+    return out
+
+
+def _same(a: tuple[str, list[float]], b: tuple[str, list[float]]) -> bool:
+    return a[0] == b[0] and all(
+        math.isclose(x, y, abs_tol=1e-3) for x, y in zip(a[1], b[1], strict=True)
+    )
+
+
+def _uniform(served: dict[str, tuple[str, list[float]]]) -> tuple[str, list[float]]:
+    first = next(iter(served.values()))
+    for pod, got in served.items():
+        assert _same(got, first), f"{pod} serves other weights than its peers: {served}"
+    return first
+
+
+def _labels(fleet: Fleet, name: str) -> dict[str, str]:
+    return {"namespace": NAMESPACE, "name": name}
+
+
+def test_rollout_reaches_succeeded_and_serves_new_weights(fleet: Fleet) -> None:
+    """v1 -> v2: Succeeded, every pod Ready, every pod serves the same, new completions."""
+    SEEN["v1"] = {"all": _uniform(_serve(fleet))}
+    fleet.publish("v2", seed=1)
+    began = time.monotonic()
+    fleet.apply_weightupdate("to-v2", "v2")
+    status = fleet.wait_phase("to-v2", "Succeeded", "Failed", timeout=240)
+    fleet.timings["rollout_v2_s"] = time.monotonic() - began
+    assert status["phase"] == "Succeeded", status
+    assert status["replicas"]["updated"] == len(PODS), status
+    fleet.wait_pods("Ready", "True", PODS, timeout=30)
+    for pod in PODS:
+        assert fleet.condition(pod, GATE) == "True"
+        labels = fleet.pod(pod)["metadata"]["labels"]
+        assert labels.get("weightroll.io/weight-version") == "v2", labels
+        state = fleet.agent_state(pod)
+        assert state["version"] == "v2" and state["ready"], state
+    v2 = _uniform(_serve(fleet))
+    assert v2[0] != SEEN["v1"]["all"][0], "the completions did not change with the new weights"
+    SEEN["v2"] = {"all": v2}
+    assert (
+        fleet.metric("weightroll_updates_total", outcome="succeeded", **_labels(fleet, "to-v2"))
+        == 1
+    )
+    assert fleet.metric("weightroll_replicas", state="updated", **_labels(fleet, "to-v2")) == len(
+        PODS
+    )
+
+
+def test_corrupt_checkpoint_rolls_back_every_touched_pod(fleet: Fleet) -> None:
+    """v2 -> v3, the last pod's v3 corrupt, onFailure Rollback: all pods back on v2, Ready."""
+    if "v2" not in SEEN:
+        pytest.skip("needs the fleet on v2 (test_rollout_reaches_succeeded_and_serves_new_weights)")
+    fleet.publish("v3", seed=2)
+    bad = PODS[-1]
+    fleet.corrupt(bad, "v3")
+    fleet.apply_weightupdate("to-v3", "v3", on_failure="Rollback")
+    status = fleet.wait_phase("to-v3", "RolledBack", "Failed", "Succeeded", timeout=300)
+    assert status["phase"] == "RolledBack", status
+    failed = [p for p in status.get("pods") or [] if p.get("name") == bad]
+    assert failed, status
+    fleet.wait_pods("Ready", "True", PODS, timeout=60)
+    for pod in PODS:
+        state = fleet.agent_state(pod)
+        assert state["version"] == "v2" and state["ready"], (pod, state)
+    assert _same(_uniform(_serve(fleet)), SEEN["v2"]["all"]), "pods do not serve v2 again"
+    labels = _labels(fleet, "to-v3")
+    assert fleet.metric("weightroll_updates_total", outcome="rolled_back", **labels) == 1
+    assert fleet.metric("weightroll_update_phase", phase="RolledBack", **labels) == 1
+    assert (fleet.metric("weightroll_verification_failures_total") or 0) >= 0
+
+
+def test_corrupt_checkpoint_halts_and_keeps_the_pod_drained(fleet: Fleet) -> None:
+    """v2 -> v4, the middle pod's v4 corrupt, onFailure Halt: Failed, that pod NotReady."""
+    if "v2" not in SEEN:
+        pytest.skip("needs the fleet on v2 (test_rollout_reaches_succeeded_and_serves_new_weights)")
+    fleet.publish("v4", seed=3)
+    bad = PODS[1]
+    fleet.corrupt(bad, "v4")
+    fleet.apply_weightupdate("to-v4", "v4", on_failure="Halt")
+    status = fleet.wait_phase("to-v4", "Failed", "Succeeded", timeout=300)
+    assert status["phase"] == "Failed", status
+    assert status["replicas"]["failed"] == 1, status
+    assert fleet.condition(bad, GATE) == "False"
+    assert fleet.condition(bad, "Ready") == "False"
+    assert fleet.condition(bad, "ContainersReady") == "False"  # the agent holds the replica
+    state = fleet.agent_state(bad)
+    assert state["version"] == "v2" and not state["ready"], state
+    others = tuple(p for p in PODS if p != bad)
+    fleet.wait_pods("Ready", "True", others, timeout=30)
+    labels = _labels(fleet, "to-v4")
+    assert fleet.metric("weightroll_updates_total", outcome="failed", **labels) == 1
+    assert fleet.metric("weightroll_update_phase", phase="Failed", **labels) == 1
+    assert fleet.metric("weightroll_replicas", state="failed", **labels) == 1
+    drained = fleet.metric("weightroll_replica_drained_since_timestamp_seconds", pod=bad, **labels)
+    assert drained is not None and 0 < drained <= time.time(), drained
