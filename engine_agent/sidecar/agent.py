@@ -582,6 +582,7 @@ class Agent:
         self.store.save()
         try:
             world = await self.client.world_size()
+            manifest_digest: str | None = None
             manifest_path = request.source.manifest_path
             if manifest_path is not None:
                 try:
@@ -593,6 +594,7 @@ class Agent:
                 problems = self._check_manifest(request, manifest)
                 if problems:
                     raise _Failed(problems)
+                manifest_digest = manifest.digest
             lap("preflight")
 
             self._enter(record, UpdatePhase.DRAINING)
@@ -630,6 +632,7 @@ class Agent:
                 await self._call_ranks(record, FINISH, "{}", self.config.finish_timeout, world),
                 request.id,
                 request.version,
+                manifest_digest,
             )
             lap("finish")
             if not finish.ok:

@@ -222,8 +222,14 @@ def check_session(round_: RankRound, update_id: str) -> RankRound:
     return RankRound(round_.call, round_.reports, (*round_.problems, problem))
 
 
-def check_commit(round_: RankRound, update_id: str, version: str) -> RankRound:
-    """Rules 4-5 for ``weightroll_finish``: may this replica be declared committed?"""
+def check_commit(
+    round_: RankRound, update_id: str, version: str, manifest_digest: str | None = None
+) -> RankRound:
+    """Rules 4-5 for ``weightroll_finish``: may this replica be declared committed?
+
+    With ``manifest_digest``, every rank must also report that it verified its bytes against
+    exactly that manifest (a rank that skipped the check, or read another one, fails).
+    """
     round_ = check_session(round_, update_id)
     problems = list(round_.problems)
     reports = round_.reports
@@ -271,6 +277,16 @@ def check_commit(round_: RankRound, update_id: str, version: str) -> RankRound:
                     "identity_changed",
                     f"rank {report.rank.key} storage/kernel identity changed: "
                     f"{_names(report.identity_problems) or 'no detail given'}",
+                )
+            )
+    if manifest_digest is not None:
+        unverified = ranks_where(lambda report: report.manifest_digest != manifest_digest)
+        if unverified:
+            problems.append(
+                Problem(
+                    "manifest_unverified",
+                    f"ranks did not verify against manifest {manifest_digest[:12]}: "
+                    f"{_names(unverified)}",
                 )
             )
     no_digest = ranks_where(lambda report: not report.digest)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 
 import kopf
@@ -25,7 +26,13 @@ __all__ = ["build_runtime", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightroll operator", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="weightroll operator",
+        description=(
+            "Run the WeightUpdate operator (kopf) in this process. Standalone by default: run one "
+            "replica, or pass --peering NAME --priority N with a distinct priority per replica."
+        ),
+    )
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], help="watch a namespace")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
@@ -74,7 +81,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = OperatorConfig.from_env(
         interval=args.interval, metrics_port=args.metrics_port, health_port=args.health_port
     )
-    kube_config = KubeConfig.load(args.kubeconfig, args.context)
+    try:
+        kube_config = KubeConfig.load(args.kubeconfig, args.context)
+    except Exception as e:  # the kubernetes client raises several unrelated types here
+        print(
+            f"weightroll operator: cannot load Kubernetes credentials ({e}); run in a pod with a "
+            "ServiceAccount, or pass --kubeconfig FILE (or set $KUBECONFIG)",
+            file=sys.stderr,
+        )
+        return 2
     kube = KubeApi(kube_config)
     metrics = Metrics()
     if config.metrics_port:

@@ -51,11 +51,11 @@ TOKEN_SECRET = "light-weightroll-token"
 APP = "light"
 
 
-def _pod(name: str, fail: tuple[str, ...] = ()) -> dict[str, Any]:
+def _pod(name: str, fail: tuple[str, ...] = (), app: str = APP) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": APP}},
+        "metadata": {"name": name, "labels": {"app": app}},
         "spec": {
             "automountServiceAccountToken": False,
             "readinessGates": [{"conditionType": GATE}],
@@ -250,13 +250,13 @@ def test_restart_delete_and_scale(light: Light) -> None:
 # ------------------------------------------------------------------------------------- RBAC
 
 
-def _weightupdate(ns: str, name: str, version: str) -> dict[str, Any]:
+def _weightupdate(ns: str, name: str, version: str, app: str = APP) -> dict[str, Any]:
     return {
         "apiVersion": "weightroll.io/v1alpha1",
         "kind": "WeightUpdate",
         "metadata": {"name": name, "namespace": ns},
         "spec": {
-            "selector": {"matchLabels": {"app": APP}},
+            "selector": {"matchLabels": {"app": app}},
             "version": version,
             "source": {"uri": f"file:///models/{version}"},
             "strategy": {"maxUnavailable": 1, "updateTimeoutSeconds": 60},
@@ -265,7 +265,7 @@ def _weightupdate(ns: str, name: str, version: str) -> dict[str, Any]:
     }
 
 
-def _start_operator(light: Light, tag: str) -> tuple[subprocess.Popen[bytes], Path]:
+def _start_operator(light: Light, tag: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     cfg = _operator_kubeconfig(light.cluster, light.run / f"kubeconfig-{tag}")
     log = light.run / f"operator-{tag}.log"
     with log.open("wb") as handle:
@@ -277,6 +277,7 @@ def _start_operator(light: Light, tag: str) -> tuple[subprocess.Popen[bytes], Pa
                 "--interval=1",
                 f"--metrics-port={_free_port()}",
                 "--health-port=0",
+                *extra,
             ],
             env={**os.environ, "KUBECONFIG": str(cfg), "WEIGHTROLL_METRICS_ADDR": "127.0.0.1"},
             stdout=handle,
@@ -350,11 +351,13 @@ def test_every_clusterrole_rule_is_needed(light: Light) -> None:
     )
     rules: list[dict[str, Any]] = role["rules"]
     assert len(rules) >= 8
-    light.apply(_pod("p-0"))
-    light.wait("p-0", ContainersReady="True")
     unneeded: list[str] = []
     try:
         for i, rule in enumerate(rules):
+            # A fresh pod per case: a failed case leaves its pod drained and owned.
+            app = f"rule-{i}"
+            light.apply(_pod(f"r-{i}", app=app))
+            light.wait(f"r-{i}", ContainersReady="True")
             _set_rules(light.cluster, rules[:i] + rules[i + 1 :])
             deadline = time.monotonic() + 20
             while (
@@ -362,11 +365,14 @@ def test_every_clusterrole_rule_is_needed(light: Light) -> None:
             ):
                 assert time.monotonic() < deadline, f"rule {_rule_id(rule)} still granted"
                 time.sleep(0.3)
-            proc, log = _start_operator(light, f"rule{i}")
+            # kopf lists and watches namespaces only to resolve namespace globs
+            # (operator.watchNamespaces: ["ml-*"]); clusterwide (the default) it never does.
+            extra = ["--namespace=light-*"] if rule["resources"] == ["namespaces"] else []
+            proc, log = _start_operator(light, f"rule{i}", *extra)
             name = f"wu-{i}"
             needle = f'resource "{rule["resources"][0]}"'
             try:
-                light.apply(_weightupdate(light.ns, name, f"v{i + 2}"))
+                light.apply(_weightupdate(light.ns, name, f"v{i + 2}", app=app))
                 deadline = time.monotonic() + 25
                 while needle not in log.read_text(errors="replace"):
                     if time.monotonic() > deadline or _phase(light, name) == "Succeeded":
@@ -386,6 +392,7 @@ def test_every_clusterrole_rule_is_needed(light: Light) -> None:
                     check=False,
                 )
                 light.kubectl("delete", "wu", name, "--wait=false", check=False)
+                light.kubectl("delete", "pod", f"r-{i}", "--wait=false", check=False)
     finally:
         _set_rules(light.cluster, rules)
     assert not unneeded, "no 403 without these rules (not needed?): " + "; ".join(unneeded)

@@ -75,6 +75,7 @@ class FakeRank:
         self.state, self.version, self.update_id, self.target = "clean", version, None, None
         self.poison_reason = None
         self.loaded_bytes = 0
+        self.manifest_digest = ""
 
     def _report(
         self, call: str, ok: bool = True, error: dict[str, Any] | None = None
@@ -119,6 +120,7 @@ class FakeRank:
                 return self._error(call, "wrong_state", "engine is poisoned")
             self.update_id, self.target = body["updateId"], body["version"]
             self.state = "open"
+            self.manifest_digest = ""
             self.loaded_bytes = 0
             return self._report(call)
         if method == "weightroll_load":
@@ -137,6 +139,7 @@ class FakeRank:
                     return self._error(
                         call, "manifest_mismatch", "checkpoint bytes differ from the manifest"
                     )
+                self.manifest_digest = pinned.digest
             files = (
                 [path]
                 if os.path.isfile(path)
@@ -166,11 +169,14 @@ class FakeRank:
                     "digest": hashlib.sha256(f"{self.target}:{self.tp}".encode()).hexdigest(),
                     "identityOk": not self.identity_problems,
                     "identityProblems": self.identity_problems,
+                    "manifestDigest": self.manifest_digest,
                 }
             )
             return report
         if method == "weightroll_abort":
-            if self.state == "dirty":
+            if body.get("poison"):
+                self.state, self.poison_reason = "poisoned", body.get("reason") or "fenced"
+            elif self.state == "dirty":
                 self.state, self.poison_reason = "poisoned", "aborted while dirty"
             elif self.state == "open":
                 self.state, self.update_id = "clean", None

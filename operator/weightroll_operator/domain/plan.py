@@ -157,7 +157,9 @@ def queries(pods: tuple[PodView, ...], owner: OwnerKey, version: str) -> dict[st
         if st is not None and st.by == owner and pod.owner == owner and st.state.in_flight:
             result[pod.name] = Query(state=False, update_id=st.update_id)
         elif st is not None and st.state is UnitState.VERIFIED and st.version == version:
-            if pod.gate is not True:
+            # A verified pod whose containers are not ready (vLLM or the agent restarted under
+            # it) may serve boot weights again: ask its agent, so it is re-updated, not counted.
+            if pod.gate is not True or not pod.ready:
                 result[pod.name] = Query(state=True)
         elif st is not None and st.by == owner and _settled_here(st, version):
             continue

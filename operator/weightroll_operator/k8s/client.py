@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import logging
 import os
 import ssl
@@ -144,7 +145,16 @@ class KubeApi:
             async with session.request(
                 method, path, json=body, headers=headers, params=params
             ) as resp:
-                data: Any = await resp.json(content_type=None) if resp.content_length != 0 else None
+                text = await resp.text() if resp.content_length != 0 else ""
+                try:
+                    data: Any = json.loads(text) if text else None
+                except json.JSONDecodeError:
+                    # A proxy or load balancer answered with HTML or plain text.
+                    data = {"message": text[:200]}
+                    if resp.status < 400:
+                        raise KubeUnavailable(
+                            resp.status, f"{method} {path}: not a Kubernetes API response"
+                        ) from None
                 if resp.status >= 400:
                     message = data.get("message", resp.reason) if isinstance(data, dict) else ""
                     raise kube_error(resp.status, f"{method} {path}: {message}", data)

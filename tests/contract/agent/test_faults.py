@@ -85,12 +85,14 @@ CASES: list[tuple[str, int, Script, str, str, str]] = [
         "",
     ),
     (
+        # tp0's finish result never arrived: whatever tp0 did, the replica cannot be trusted,
+        # so the agent fences every rank (abort with poison).
         "rank-result-missing",
         2,
         _rank(0, missing={"weightroll_finish"}),
         "rank_missing",
         "1 of 2 ranks answered",
-        "clean",
+        "poisoned",
     ),
     (
         # Two results for a world of two, but both from tp0: counting alone would pass.

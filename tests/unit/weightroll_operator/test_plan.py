@@ -463,3 +463,17 @@ def test_rollback_phase_does_not_flicker_when_the_last_forward_unit_ends() -> No
     p = run(s, pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)}, aborted)
     assert p.finished == {"p0": "succeeded"}
     assert compute_phase(p, s).value == "RollingBack"
+
+
+def test_verified_pod_whose_containers_restarted_is_asked_again_and_re_updated() -> None:
+    """vLLM restarted under a verified pod: its gate is still True but the pod is not Ready.
+
+    The operator must ask the agent (which now reports boot weights) and update the pod again,
+    not keep counting it as verified.
+    """
+    settled = pod("p0", st=state(UnitState.VERIFIED))
+    restarted = pod("p0", st=state(UnitState.VERIFIED), ready=False)
+    assert queries((settled,), ME, "v2") == {}
+    assert "p0" in queries((restarted,), ME, "v2")
+    p = run(spec(), [restarted], {"p0": agent("boot", ready=False)}, DONE)
+    assert claimed(p) == ["p0"]
