@@ -39,7 +39,7 @@ import yaml
 
 from tests.harness.apiserver import KubeCluster, kube_cluster, kubectl, service_account_token
 
-__all__ = ["GATE", "NAMESPACE", "PODS", "Fleet", "fleet", "kube_cluster"]
+__all__ = ["COLD", "FIRST_UPDATE", "GATE", "NAMESPACE", "PODS", "Fleet", "fleet", "kube_cluster"]
 
 logger = logging.getLogger("tests.e2e")
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +49,12 @@ WORKLOAD = "vllm-example"
 TOKEN_SECRET = "vllm-example-weightroll-token"
 SELECTOR = {"app.kubernetes.io/name": WORKLOAD}
 GATE = "weightroll.io/weights-ready"
+#: Name (and ``app.kubernetes.io/name``) of the reference pod: vLLM alone, cold on a checkpoint.
+COLD = "vllm-cold"
 PODS = tuple(f"{WORKLOAD}-{i}" for i in range(3))
 BOOT_VERSION = "v1"
+#: Version of the first WeightUpdate; its checkpoint is generated when the fleet starts.
+FIRST_UPDATE = "v2"
 MANIFEST = "weightroll-manifest.json"
 SERVED_MODEL = "tiny"
 #: Seconds allowed for three vLLM servers to start at once on 2 cores.
@@ -193,6 +197,42 @@ class Fleet:
             f"WeightUpdate {name} not in {phases} after {timeout}s: "
             f"{json.dumps(status, indent=1)}\n{self.logs()}"
         )
+
+    def start_cold_pod(self, version: str) -> None:
+        """Start a reference pod: the chart's vLLM container alone, booting ``version``
+        (not selected by any WeightUpdate, no readiness gate, no agent)."""
+        template = json.loads(
+            self.kubectl("get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json")
+        )["spec"]["template"]["spec"]
+        vllm = next(c for c in template["containers"] if c["name"] == "vllm")
+        vllm["args"] = [
+            f"/models/{version}" if a == f"/models/{BOOT_VERSION}" else a for a in vllm["args"]
+        ]
+        spec = {**template, "containers": [vllm], "readinessGates": []}
+        self.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": COLD,
+                    "namespace": NAMESPACE,
+                    "labels": {"app.kubernetes.io/name": COLD},
+                },
+                "spec": spec,
+            }
+        )
+
+    def wait_serving(self, pod: str, timeout: float = POD_START_TIMEOUT) -> None:
+        """Until ``pod``'s vLLM answers a completion (it has no readiness probe)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.complete(pod, "ping", max_tokens=1)
+                return
+            except (urllib.error.URLError, OSError, KeyError):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{pod} does not serve after {timeout}s") from None
+                time.sleep(2)
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -416,7 +456,7 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             SimulatorConfig(
                 namespace=NAMESPACE,
                 root=run / "pods",
-                label_selector=f"app.kubernetes.io/name={WORKLOAD}",
+                label_selector=f"app.kubernetes.io/name in ({WORKLOAD},{COLD})",
                 volumes={"vllm-models": pv},
                 env=env,
             ),
@@ -447,9 +487,6 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             ),
         )
         sim.start()
-        began = time.monotonic()
-        for pod in _pods_from_deployment(kube_cluster):
-            kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(pod))
         _wait_rbac(kube_cluster)
         port = _free_port()
         operator, log = _start_operator(kube_cluster, run, port)
@@ -461,6 +498,13 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             operator_log=log,
             operator=operator,
         )
+        # The first update's checkpoint, generated now, and a reference pod booting it cold:
+        # it starts together with the fleet (one vLLM start later costs more on 2 cores).
+        fl.publish(FIRST_UPDATE, seed=1)
+        began = time.monotonic()
+        for pod in _pods_from_deployment(kube_cluster):
+            kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(pod))
+        fl.start_cold_pod(FIRST_UPDATE)
         fl.wait_pods("ContainersReady", "True", PODS, POD_START_TIMEOUT)
         fl.timings["pods_ready_s"] = time.monotonic() - began
         yield fl

@@ -4,7 +4,8 @@ real vLLM CPU engines with their agents (issue 5, acceptance 3 and 4).
 The tests of this module share one fleet and run in file order, each starting from what the
 previous one left (every pod serving the version named in its docstring):
 
-1. ``v1 -> v2`` succeeds: every pod Ready again and serving the new weights.
+1. ``v1 -> v2`` succeeds: every pod Ready again and serving the new weights; a reference pod
+   that booted v2 cold serves exactly the same completions (then it is deleted).
 2. ``v2 -> v3`` with one pod's copy of v3 corrupt and ``onFailure: Rollback``: every touched pod
    returns to v2 and serves traffic again.
 3. ``v2 -> v4`` with one pod's copy of v4 corrupt and ``onFailure: Halt``: the rollout stops,
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import GATE, NAMESPACE, PODS, Fleet
+from tests.e2e.conftest import COLD, FIRST_UPDATE, GATE, NAMESPACE, PODS, Fleet
 
 pytestmark = [
     pytest.mark.cluster,
@@ -32,10 +33,10 @@ PROMPTS = ("Weights are reloaded in place", "The quick brown fox")
 SEEN: dict[str, dict[str, tuple[str, list[float]]]] = {}
 
 
-def _serve(fleet: Fleet) -> dict[str, tuple[str, list[float]]]:
-    """Each pod's completion of PROMPTS (joined), after checking all pods agree."""
+def _serve(fleet: Fleet, pods: tuple[str, ...] = PODS) -> dict[str, tuple[str, list[float]]]:
+    """Each pod's greedy completions of PROMPTS (texts joined, token logprobs)."""
     out: dict[str, tuple[str, list[float]]] = {}
-    for pod in fleet.pods:
+    for pod in pods:
         texts, logprobs = [], []
         for prompt in PROMPTS:
             text, lp = fleet.complete(pod, prompt)
@@ -65,7 +66,7 @@ def _labels(fleet: Fleet, name: str) -> dict[str, str]:
 def test_rollout_reaches_succeeded_and_serves_new_weights(fleet: Fleet) -> None:
     """v1 -> v2: Succeeded, every pod Ready, every pod serves the same, new completions."""
     SEEN["v1"] = {"all": _uniform(_serve(fleet))}
-    fleet.publish("v2", seed=1)
+    assert FIRST_UPDATE == "v2"  # published by the fixture (a checkpoint generated this session)
     began = time.monotonic()
     fleet.apply_weightupdate("to-v2", "v2")
     status = fleet.wait_phase("to-v2", "Succeeded", "Failed", timeout=240)
@@ -89,6 +90,23 @@ def test_rollout_reaches_succeeded_and_serves_new_weights(fleet: Fleet) -> None:
     assert fleet.metric("weightroll_replicas", state="updated", **_labels(fleet, "to-v2")) == len(
         PODS
     )
+
+
+def test_reloaded_weights_serve_like_a_cold_engine(fleet: Fleet) -> None:
+    """A pod that booted v2 cold (started with the fleet) serves exactly what the reloaded pods
+    serve; deleting it stops its engine."""
+    if "v2" not in SEEN:
+        pytest.skip("needs the fleet on v2 (test_rollout_reaches_succeeded_and_serves_new_weights)")
+    try:
+        fleet.wait_serving(COLD)
+        cold = _serve(fleet, (COLD,))[COLD]
+        assert _same(cold, SEEN["v2"]["all"]), (cold, SEEN["v2"]["all"])
+    finally:
+        fleet.kubectl("delete", "pod", COLD, "-n", NAMESPACE, "--wait=false")
+    deadline = time.monotonic() + 60
+    while COLD in fleet.sim.run(lambda: set(fleet.sim.simulator.pods)):
+        assert time.monotonic() < deadline, "the deleted pod is still simulated"
+        time.sleep(0.5)
 
 
 def test_corrupt_checkpoint_rolls_back_every_touched_pod(fleet: Fleet) -> None:

@@ -140,6 +140,8 @@ class _Pod:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     stopping: bool = False
+    #: Set while :meth:`PodSimulator.restart_pod` runs: the pod loop leaves containers alone.
+    restarting: bool = False
 
 
 class PodSimulator:
@@ -194,15 +196,19 @@ class PodSimulator:
     async def restart_pod(self, name: str) -> None:
         """Stop every container of ``name`` and start them again (restart counts go up)."""
         pod = self.pods[name]
-        await asyncio.gather(
-            *(c.process.stop() for c in pod.containers.values() if c.process is not None)
-        )
-        for c in pod.containers.values():
-            c.ready = False
-            c.restarts += 1
-            c.backoff = 0.0
-            c.next_start = 0.0
-            await self._start_container(pod, c)
+        pod.restarting = True
+        try:
+            await asyncio.gather(
+                *(c.process.stop() for c in pod.containers.values() if c.process is not None)
+            )
+            for c in pod.containers.values():
+                c.ready = False
+                c.restarts += 1
+                c.backoff = 0.0
+                c.next_start = 0.0
+                await self._start_container(pod, c)
+        finally:
+            pod.restarting = False
         pod.wake.set()
 
     def pod_ip(self, name: str) -> str:
@@ -404,6 +410,8 @@ class PodSimulator:
 
     async def _tend(self, pod: _Pod, http: aiohttp.ClientSession) -> None:
         """Restart exited containers (after their back-off) and probe readiness."""
+        if pod.restarting:
+            return
         for c in pod.containers.values():
             proc = c.process
             if proc is None or c.error:
@@ -454,7 +462,7 @@ class PodSimulator:
                 if proc is not None
                 else None
             )
-            if c.error or proc is None:
+            if c.error or proc is None or proc.process is None:
                 state = ContainerState(name, image, "waiting", False, c.restarts, reason="Error")
             elif proc.exit_code is not None:
                 state = ContainerState(
@@ -554,8 +562,8 @@ class PodSimulator:
             env=env,
             log=pod.dir / "logs" / f"{c.spec['name']}.log",
         )
+        c.process = proc  # before starting: a pod removed meanwhile stops it too
         await proc.start()
-        c.process = proc
 
 
 def _bindable(ip: str, port: int) -> bool:

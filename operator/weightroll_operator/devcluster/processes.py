@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ContainerProcess"]
@@ -44,7 +44,6 @@ class ContainerProcess:
     started_at: float = 0.0
     #: Exit status of the last run once it ended, else ``None``.
     exit_code: int | None = None
-    _waiter: asyncio.Task[int] | None = field(default=None, repr=False)
 
     @property
     def running(self) -> bool:
@@ -66,7 +65,6 @@ class ContainerProcess:
             )
         self.started_at = time.time()
         self.exit_code = None
-        self._waiter = asyncio.ensure_future(self.process.wait())
 
     def poll(self) -> int | None:
         """Return the exit status if the process ended (records it), else ``None``."""
