@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint unit engine venv clean
+.PHONY: demo demo-cluster test lint unit engine venv clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -10,6 +10,13 @@ venv:
 ## Run the embedded demo (real vLLM engines on CPU, verified in-place update).
 demo: venv
 	$(VENV)/bin/weightroll demo
+
+## Run the cluster demo: local kube-apiserver, the chart, the operator, three vLLM pods, a live
+## rollout (SCENARIO=fail: one corrupt checkpoint copy; ON_FAILURE=Rollback to roll back). docs/demo.md
+SCENARIO ?= ok
+ON_FAILURE ?= Halt
+demo-cluster: venv
+	$(VENV)/bin/weightroll demo --cluster --scenario $(SCENARIO) --on-failure $(ON_FAILURE)
 
 ## Run every test tier that can run on this machine, after the static checks.
 test: venv lint

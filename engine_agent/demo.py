@@ -95,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--workdir", type=Path, help="where to write the models (default: a temp dir)"
     )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run the cluster demo instead: the operator rolls an update through three vLLM "
+        "pods on a local kube-apiserver (`weightroll demo --cluster --help`, make demo-cluster)",
+    )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -32,9 +32,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": (
         "engine_agent.demo",
-        "run a verified in-place update on a real vLLM engine on this machine (make demo)",
+        "run a verified in-place update on a real vLLM engine on this machine (make demo); "
+        "--cluster: a rollout through three vLLM pods on a local cluster (make demo-cluster)",
     ),
 }
+#: ``weightroll demo --cluster`` (the operator side; ``engine_agent.demo`` never imports it).
+CLUSTER_DEMO = "weightroll_operator.demo_cluster"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(SUBCOMMANDS[command][0])
+    target = SUBCOMMANDS[command][0]
+    if command == "demo" and "--cluster" in rest:
+        target, rest = CLUSTER_DEMO, [a for a in rest if a != "--cluster"]
+    module = importlib.import_module(target)
     result: int = module.main(rest)
     return result
 

@@ -110,7 +110,7 @@ class Light:
             c["type"]: c["status"] for c in self.pod(name).get("status", {}).get("conditions", [])
         }
 
-    def wait(self, name: str, timeout: float = 60, **want: str) -> dict[str, str]:
+    def wait(self, name: str, timeout: float = 150, **want: str) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while True:
             got = self.conditions(name)
@@ -232,7 +232,7 @@ def test_restart_delete_and_scale(light: Light) -> None:
     ip = light.pod("p-0")["status"]["podIP"]
 
     light.sim.call(light.sim.simulator.restart_pod, "p-0")
-    light.wait("p-0", Ready="True", timeout=30)
+    light.wait("p-0", Ready="True")
     assert light.pod("p-0")["status"]["containerStatuses"][0]["restartCount"] == 1
 
     light.apply(_pod("p-1"))  # scaling: one more pod, its own address

@@ -7,7 +7,8 @@ with the weightroll worker extension, the real ``weightroll agent``), and its st
 the way kubelet writes it, readiness gates included. The e2e tests and the cluster demo use it.
 
 Modules: :mod:`.podspec` (pure: pod spec -> command lines, kubelet's status),
-:mod:`.processes` (process groups), :mod:`.kubelet` (the watch/probe/status loop).
+:mod:`.processes` (process groups), :mod:`.kubelet` (the watch/probe/status loop),
+:mod:`.apiserver` (start/stop the local kube-apiserver of ``scripts/kube-apiserver.sh``).
 
 This package imports neither torch nor vLLM nor the agent: it only starts them as subprocesses.
 """
