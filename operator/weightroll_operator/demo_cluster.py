@@ -690,6 +690,8 @@ class ClusterDemo:
                 verdict = f"drained, never served {NEW} (its update did not commit)"
             elif changed:
                 verdict = f"changed at its commit ({OLD} -> {at}), never before"
+            elif any(v == NEW for v, _ in self.seen[pod]):
+                verdict = f"served {NEW} from its commit, {at} again from its rollback"
             else:
                 verdict = f"unchanged: still serving {at}"
             self.out.line(f"{pod:<16} {len(answers)} answers; {verdict}")

@@ -300,13 +300,13 @@ def test_rollout_under_the_chart_serviceaccount_succeeds(light: Light) -> None:
     proc, log = _start_operator(light, "full")
     try:
         light.apply(_weightupdate(light.ns, "wu", "v2"))
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240
         while _phase(light, "wu") != "Succeeded":
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         for i in range(2):
-            light.wait(f"p-{i}", Ready="True", timeout=10)
+            light.wait(f"p-{i}", Ready="True", timeout=60)
         light.kubectl("delete", "wu", "wu", "--timeout=30s")
     finally:
         _stop(proc)
