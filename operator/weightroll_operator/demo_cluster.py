@@ -49,6 +49,12 @@ from weightroll_operator.devcluster.apiserver import (
     start_apiserver,
     stop_apiserver,
 )
+from weightroll_operator.devcluster.workload import (
+    SERVED_MODEL,
+    TOKEN_SECRET,
+    WORKLOAD,
+    workload_values,
+)
 from weightroll_operator.domain.model import (
     ANNOTATION_WEIGHT_STATE,
     CONDITION_WEIGHTS_READY,
@@ -59,14 +65,11 @@ __all__ = ["main"]
 
 NAMESPACE = "weightroll-system"
 RELEASE = "weightroll"
-WORKLOAD = "vllm-example"
-TOKEN_SECRET = "vllm-example-weightroll-token"
 TOKEN = "demo-token-not-secret"
 PODS = tuple(f"{WORKLOAD}-{i}" for i in range(3))
 OLD, NEW = "v1", "v2"
 UPDATE = "demo-to-v2"
 MANIFEST = "weightroll-manifest.json"
-SERVED_MODEL = "tiny"
 PROMPT = "Weights are reloaded in place"
 CHART = REPO / "charts" / "weightroll"
 CRD_FILE = CHART / "files" / "crds" / "weightupdates.weightroll.io.yaml"
@@ -77,33 +80,7 @@ ROLLOUT_TIMEOUT = 300
 TERMINAL = ("Succeeded", "Failed", "RolledBack")
 
 #: The chart's example workload, pointed at tiny CPU models under /models (as the e2e tier).
-VALUES: dict[str, Any] = {
-    "rbac": {"agentTokenSecretNames": [TOKEN_SECRET]},
-    "workloadExample": {
-        "enabled": True,
-        "name": WORKLOAD,
-        "replicas": len(PODS),
-        "vllm": {
-            "model": f"/models/{OLD}",
-            "extraArgs": [
-                f"--served-model-name={SERVED_MODEL}",
-                "--enforce-eager",
-                "--max-model-len=256",
-                "--max-num-seqs=4",
-                "--dtype=bfloat16",
-                "--seed=0",
-            ],
-        },
-        "agent": {
-            "extraArgs": [
-                f"--initial-source=file:///models/{OLD}",
-                f"--initial-version={OLD}",
-                "--watch-interval=1",
-            ]
-        },
-        "tokenSecret": {"token": TOKEN},
-    },
-}
+VALUES: dict[str, Any] = workload_values(OLD, TOKEN, replicas=len(PODS))
 
 #: Run by a child Python: the boot checkpoint, the new one, and their manifests.
 _GENERATE = """

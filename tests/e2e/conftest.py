@@ -36,6 +36,12 @@ from typing import Any
 
 import pytest
 import yaml
+from weightroll_operator.devcluster.workload import (
+    SERVED_MODEL,
+    TOKEN_SECRET,
+    WORKLOAD,
+    workload_values,
+)
 
 from tests.harness.apiserver import KubeCluster, kube_cluster, kubectl, service_account_token
 
@@ -45,8 +51,6 @@ logger = logging.getLogger("tests.e2e")
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "weightroll-system"
 RELEASE = "weightroll"
-WORKLOAD = "vllm-example"
-TOKEN_SECRET = "vllm-example-weightroll-token"
 SELECTOR = {"app.kubernetes.io/name": WORKLOAD}
 GATE = "weightroll.io/weights-ready"
 #: Name (and ``app.kubernetes.io/name``) of the reference pod: vLLM alone, cold on a checkpoint.
@@ -56,38 +60,11 @@ BOOT_VERSION = "v1"
 #: Version of the first WeightUpdate; its checkpoint is generated when the fleet starts.
 FIRST_UPDATE = "v2"
 MANIFEST = "weightroll-manifest.json"
-SERVED_MODEL = "tiny"
 #: Seconds allowed for three vLLM servers to start at once on 2 cores.
 POD_START_TIMEOUT = 420
 
 #: The chart's example workload, pointed at tiny CPU models under /models.
-WORKLOAD_VALUES: dict[str, Any] = {
-    "rbac": {"agentTokenSecretNames": [TOKEN_SECRET]},
-    "workloadExample": {
-        "enabled": True,
-        "name": WORKLOAD,
-        "replicas": len(PODS),
-        "vllm": {
-            "model": f"/models/{BOOT_VERSION}",
-            "extraArgs": [
-                f"--served-model-name={SERVED_MODEL}",
-                "--enforce-eager",
-                "--max-model-len=256",
-                "--max-num-seqs=4",
-                "--dtype=bfloat16",
-                "--seed=0",
-            ],
-        },
-        "agent": {
-            "extraArgs": [
-                f"--initial-source=file:///models/{BOOT_VERSION}",
-                f"--initial-version={BOOT_VERSION}",
-                "--watch-interval=1",
-            ]
-        },
-        "tokenSecret": {"token": "e2e-token-not-secret"},
-    },
-}
+WORKLOAD_VALUES = workload_values(BOOT_VERSION, "e2e-token-not-secret", replicas=len(PODS))
 
 
 def _free_port() -> int:
