@@ -49,6 +49,7 @@ from weightroll_operator.devcluster.apiserver import (
     start_apiserver,
     stop_apiserver,
 )
+from weightroll_operator.devcluster.operator_process import launch_operator, stop_process
 from weightroll_operator.devcluster.workload import (
     SERVED_MODEL,
     TOKEN_SECRET,
@@ -429,21 +430,8 @@ class ClusterDemo:
         port = _free_port()
         cfg = self.cluster.operator_kubeconfig
         log = self.work / "operator.log"
-        with log.open("wb") as handle:
-            self.operator = subprocess.Popen(
-                [
-                    str(Path(sys.executable).parent / "weightroll"),
-                    "operator",
-                    f"--kubeconfig={cfg}",
-                    "--interval=1",
-                    f"--metrics-port={port}",
-                    "--health-port=0",
-                ],
-                env={**os.environ, "KUBECONFIG": str(cfg), "WEIGHTROLL_METRICS_ADDR": "127.0.0.1"},
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the demo only; it stops the operator
-            )
+        # A new session: Ctrl-C reaches the demo only; it stops the operator.
+        self.operator = launch_operator(cfg, log, port, new_session=True)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + 60
         while True:
@@ -741,13 +729,8 @@ class ClusterDemo:
     def close(self) -> None:
         """Stop everything started, newest first; each step runs even if another fails."""
         self.out.step("Shutting down: operator, pods, kube-apiserver, etcd")
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.terminate()
-            try:
-                self.operator.wait(30)
-            except subprocess.TimeoutExpired:
-                self.operator.kill()
-                self.operator.wait(10)
+        if self.operator is not None:
+            stop_process(self.operator)
         if self.sim is not None:
             try:
                 self.sim.stop()

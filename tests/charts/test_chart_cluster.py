@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from weightroll_operator.devcluster.operator_process import write_token_kubeconfig
 
 from tests.charts.helpers import (
     CHART,
@@ -220,23 +221,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
     token = _operator_token(installed)
     kubeconfig = installed.run_dir or Path(tempfile.mkdtemp())
     op_cfg = Path(kubeconfig) / "kubeconfig-operator-test"
-    op_cfg.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "c",
-                        "cluster": {"server": installed.server, "insecure-skip-tls-verify": True},
-                    }
-                ],
-                "users": [{"name": "op", "user": {"token": token}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "op"}}],
-                "current-context": "c",
-            }
-        )
-    )
+    write_token_kubeconfig(installed.server, token, op_cfg)
     ns = f"rbac-{uuid.uuid4().hex[:6]}"
     objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},

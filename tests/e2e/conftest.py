@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +35,11 @@ from typing import Any
 
 import pytest
 import yaml
+from weightroll_operator.devcluster.operator_process import (
+    launch_operator,
+    stop_process,
+    write_token_kubeconfig,
+)
 from weightroll_operator.devcluster.workload import (
     SERVED_MODEL,
     TOKEN_SECRET,
@@ -289,24 +293,7 @@ def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
         or cluster.operator_user != f"system:serviceaccount:{NAMESPACE}:weightroll-operator"
     ):
         token = service_account_token(cluster, NAMESPACE, "weightroll-operator")
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "c",
-                        "cluster": {"server": cluster.server, "insecure-skip-tls-verify": True},
-                    }
-                ],
-                "users": [{"name": "op", "user": {"token": token}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "op"}}],
-                "current-context": "c",
-            }
-        )
-    )
-    return path
+    return write_token_kubeconfig(cluster.server, token, path)
 
 
 def _wait_rbac(cluster: KubeCluster) -> None:
@@ -356,20 +343,7 @@ def _start_operator(
 ) -> tuple[subprocess.Popen[bytes], Path]:
     cfg = _operator_kubeconfig(cluster, run / "kubeconfig-operator-e2e")
     log = run / "operator.log"
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "weightroll"),
-                "operator",
-                f"--kubeconfig={cfg}",
-                "--interval=1",
-                f"--metrics-port={port}",
-                "--health-port=0",
-            ],
-            env={**os.environ, "KUBECONFIG": str(cfg), "WEIGHTROLL_METRICS_ADDR": "127.0.0.1"},
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
+    proc = launch_operator(cfg, log, port)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -382,14 +356,7 @@ def _start_operator(
     return proc, log
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+_stop = stop_process
 
 
 @pytest.fixture(scope="module")

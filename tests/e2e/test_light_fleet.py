@@ -18,7 +18,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
+from weightroll_operator.devcluster.operator_process import launch_operator
 
 from tests.e2e.conftest import (
     GATE,
@@ -268,22 +268,7 @@ def _weightupdate(ns: str, name: str, version: str, app: str = APP) -> dict[str,
 def _start_operator(light: Light, tag: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     cfg = _operator_kubeconfig(light.cluster, light.run / f"kubeconfig-{tag}")
     log = light.run / f"operator-{tag}.log"
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "weightroll"),
-                "operator",
-                f"--kubeconfig={cfg}",
-                "--interval=1",
-                f"--metrics-port={_free_port()}",
-                "--health-port=0",
-                *extra,
-            ],
-            env={**os.environ, "KUBECONFIG": str(cfg), "WEIGHTROLL_METRICS_ADDR": "127.0.0.1"},
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
-    return proc, log
+    return launch_operator(cfg, log, _free_port(), *extra), log
 
 
 def _phase(light: Light, name: str) -> str | None:
