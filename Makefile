@@ -2,21 +2,23 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-cluster test lint unit engine venv clean
+.PHONY: demo demo-engine test lint unit engine venv clean
 
 venv:
 	@bash scripts/bootstrap.sh
 
-## Run the embedded demo (real vLLM engines on CPU, verified in-place update).
-demo: venv
-	$(VENV)/bin/weightroll demo
-
-## Run the cluster demo: local kube-apiserver, the chart, the operator, three vLLM pods, a live
-## rollout (SCENARIO=fail: one corrupt checkpoint copy; ON_FAILURE=Rollback to roll back). docs/demo.md
+## The demo (docs/demo.md): a local kube-apiserver (built once and cached; go and etcd installed
+## first when run as root), the chart, the operator and three real vLLM CPU pods; a WeightUpdate
+## rolls v1 -> v2 live. SCENARIO=fail: one pod's checkpoint copy is corrupt; ON_FAILURE=Rollback.
 SCENARIO ?= ok
 ON_FAILURE ?= Halt
-demo-cluster: venv
-	$(VENV)/bin/weightroll demo --cluster --scenario $(SCENARIO) --on-failure $(ON_FAILURE)
+demo:
+	@bash scripts/demo-prereqs.sh
+	$(VENV)/bin/weightroll demo --scenario $(SCENARIO) --on-failure $(ON_FAILURE)
+
+## The single-engine demo (no cluster): a verified update on one vLLM engine and the failure modes.
+demo-engine: venv
+	$(VENV)/bin/weightroll demo --engine
 
 ## Run every test tier that can run on this machine, after the static checks.
 test: venv lint

@@ -62,7 +62,12 @@ class MemKube:
         self.writes: Counter[str] = Counter()
 
     async def patch_pod_condition(
-        self, namespace: str, name: str, condition: Mapping[str, Any]
+        self,
+        namespace: str,
+        name: str,
+        condition: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
     ) -> None:
         self.writes["pod-status"] += 1
         status = self._fresh(name)["status"]

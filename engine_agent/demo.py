@@ -83,8 +83,10 @@ class _Replica:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="weightroll demo",
-        description="Roll a verified in-place weight update through a real vLLM engine on CPU.",
+        prog="weightroll demo --engine",
+        description="Roll a verified in-place weight update through a real vLLM engine on CPU, "
+        "then show a half-sent update refused (make demo-engine). Without --engine, `weightroll "
+        "demo` runs the cluster demo (`weightroll demo --help`).",
     )
     parser.add_argument(
         "--scenario",
@@ -94,12 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--workdir", type=Path, help="where to write the models (default: a temp dir)"
-    )
-    parser.add_argument(
-        "--cluster",
-        action="store_true",
-        help="run the cluster demo instead: the operator rolls an update through three vLLM "
-        "pods on a local kube-apiserver (`weightroll demo --cluster --help`, make demo-cluster)",
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
 
@@ -112,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import vllm  # noqa: F401
     except ImportError:
         print(
-            "weightroll demo: vLLM is not installed; run `make demo` (it installs it)",
+            "weightroll demo --engine: vLLM is not installed; "
+            "run `make demo-engine` (it installs it)",
             file=sys.stderr,
         )
         return 2

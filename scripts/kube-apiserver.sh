@@ -125,13 +125,29 @@ cmd_build() {
     -O zz_generated.openapi -h vendor/k8s.io/code-generator/hack/boilerplate.go.txt \
     -r "$W/violations.report"
 
-  log "building kube-apiserver (several minutes)"
-  local ldf="-s -w" v
+  local ldf="-s -w" v total
   for v in k8s.io/kubernetes/vendor/k8s.io/component-base/version \
     k8s.io/kubernetes/vendor/k8s.io/client-go/pkg/version; do
     ldf="$ldf -X $v.gitVersion=$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=20 -X $v.gitTreeState=clean"
   done
-  go build -ldflags "$ldf" -o "$BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver
+  total=$(go list -deps k8s.io/kubernetes/cmd/kube-apiserver 2>/dev/null | wc -l) || total=0
+  log "building kube-apiserver: $total packages (several minutes; progress every 10 %)"
+  # `go build -v` names each package as it is compiled: count them for a progress line, and pass
+  # every other line (compiler errors) through unchanged.
+  go build -v -ldflags "$ldf" -o "$BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver 2>&1 |
+    awk -v total="$total" -v t0="$(date +%s)" '
+      /^[A-Za-z0-9._~\/-]+$/ {
+        n++
+        if (total > 0 && n * 10 >= (step + 1) * total && step < 9) {
+          step = int(n * 10 / total)
+          printf "kube-apiserver.sh: compiled %d/%d packages (%d %%), %d s\n", n, total, \
+            100 * n / total, systime() - t0 > "/dev/stderr"
+          fflush("/dev/stderr")
+        }
+        next
+      }
+      { print > "/dev/stderr" }'
+  log "linking done"
   mv "$BIN.tmp" "$BIN"
   echo "$RECIPE" >"$BIN.recipe"
   cd "$CACHE"

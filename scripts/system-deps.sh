@@ -8,6 +8,8 @@
 #   etcd                         <- apt `etcd-server etcd-client`
 #   deb-src entries              <- so `apt-get source kubernetes` can fetch the apiserver source
 #   openssl                      <- service-account signing key of the test apiserver
+#   kubectl                      <- apt `kubernetes-client` (1.20, matching the apiserver) when no
+#                                   kubectl is on PATH (the demo and the cluster tests call it)
 #
 # Needs root (or passwordless sudo). Without either it prints what is missing and exits 0, so
 # tests that need the tools skip with a reason instead of CI failing here.
@@ -38,6 +40,8 @@ command -v etcd >/dev/null 2>&1 || need_pkgs+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need_pkgs+=(etcd-client)
 command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)
 command -v make >/dev/null 2>&1 || need_pkgs+=(make)
+command -v kubectl >/dev/null 2>&1 || need_pkgs+=(kubernetes-client)
+command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
 
 # deb-src: derive a deb-src sources file from the deb822 one (tooling.md §1 step 1).
 src_added=0

@@ -38,7 +38,7 @@ from weightroll_operator.domain.model import (
 from weightroll_operator.errors import KubeNotFound, WeightrollError
 from weightroll_operator.ports import AgentPort, AgentTarget, KubePort
 
-__all__ = ["ActionResult", "ApplyContext", "SKIPPED", "apply", "target_of"]
+__all__ = ["ActionResult", "ApplyContext", "SKIPPED", "apply", "target_of", "write_gate"]
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,34 @@ def target_of(pod: PodView, token: str | None) -> AgentTarget:
     return AgentTarget(pod=pod.name, base_url=f"http://{host}:{pod.port}", token=token)
 
 
-def _condition(status: bool, reason: str, message: str, now: datetime) -> dict[str, Any]:
-    return {
+async def write_gate(
+    kube: KubePort,
+    namespace: str,
+    pod: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    *,
+    resource_version: str | None = None,
+) -> None:
+    """Write the pod condition ``weightroll.io/weights-ready`` (the one way the gate is written).
+
+    Args:
+        resource_version: when given, the write succeeds only if the pod is still at this
+            version (else :class:`~weightroll_operator.errors.KubeConflict`).
+
+    Raises:
+        KubeError: the API server refused the write (``KubeNotFound``: the pod is gone).
+    """
+    condition = {
         "type": CONDITION_WEIGHTS_READY,
         "status": "True" if status else "False",
         "reason": reason,
         "message": message,
         "lastTransitionTime": timestamp(now),
     }
+    await kube.patch_pod_condition(namespace, pod, condition, resource_version=resource_version)
 
 
 async def _run_one(action: PodAction, ctx: ApplyContext) -> None:
@@ -105,18 +125,14 @@ async def _run_one(action: PodAction, ctx: ApplyContext) -> None:
             labels=labels,
         )
     elif isinstance(action, GateOff):
-        await ctx.kube.patch_pod_condition(
-            ns, name, _condition(False, action.reason, action.message, ctx.now)
-        )
+        await write_gate(ctx.kube, ns, name, False, action.reason, action.message, ctx.now)
     elif isinstance(action, StartUpdate):
         await ctx.agents.start_update(target_of(pod, ctx.token), action.request)
     elif isinstance(action, AbortUpdate):
         await ctx.agents.abort_update(target_of(pod, ctx.token), action.update_id)
     elif isinstance(action, GateOn):
         message = f"Weights {action.version} committed on every rank"
-        await ctx.kube.patch_pod_condition(
-            ns, name, _condition(True, action.reason, message, ctx.now)
-        )
+        await write_gate(ctx.kube, ns, name, True, action.reason, message, ctx.now)
     elif isinstance(action, Settle):
         annotations: dict[str, str | None] = {ANNOTATION_WEIGHT_STATE: action.state.to_json()}
         if action.release:

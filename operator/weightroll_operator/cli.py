@@ -2,7 +2,8 @@
 
 Each subcommand imports its implementation lazily, so ``weightroll operator`` never imports the
 sidecar and ``weightroll agent`` never imports kopf. Subcommand modules expose
-``main(argv: list[str]) -> int`` and own their ``--help``.
+``main(argv: list[str]) -> int`` and own their ``--help``; the day-2 verbs ``pause``, ``resume``
+and ``promote`` share one module, whose ``main`` gets the verb as its first argument.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+#: ``weightroll pause|resume|promote``: one module; its ``main`` gets the verb first.
+CONTROL = "weightroll_operator.control"
 #: subcommand -> (module exposing ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": (
@@ -30,14 +33,26 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "weightroll_operator.status_view",
         "show a WeightUpdate NAME: phase, pods, conditions, events",
     ),
+    "pause": (
+        CONTROL,
+        "pause a WeightUpdate NAME: units in flight finish, no new unit starts (spec.paused)",
+    ),
+    "resume": (
+        CONTROL,
+        "resume a paused WeightUpdate NAME: new units start again",
+    ),
+    "promote": (
+        CONTROL,
+        "promote a WeightUpdate NAME held after its canary (spec.strategy.pauseAfterCanary)",
+    ),
     "demo": (
-        "engine_agent.demo",
-        "run a verified in-place update on a real vLLM engine on this machine (make demo); "
-        "--cluster: a rollout through three vLLM pods on a local cluster (make demo-cluster)",
+        "weightroll_operator.demo_cluster",
+        "roll a verified update through three vLLM pods on a local cluster (make demo); "
+        "--engine: the failure modes on one vLLM engine, no cluster (make demo-engine)",
     ),
 }
-#: ``weightroll demo --cluster`` (the operator side; ``engine_agent.demo`` never imports it).
-CLUSTER_DEMO = "weightroll_operator.demo_cluster"
+#: ``weightroll demo --engine``: the single-engine demo (the agent side; it imports vLLM).
+ENGINE_DEMO = "engine_agent.demo"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,8 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     target = SUBCOMMANDS[command][0]
-    if command == "demo" and "--cluster" in rest:
-        target, rest = CLUSTER_DEMO, [a for a in rest if a != "--cluster"]
+    if command == "demo":
+        if "--engine" in rest:
+            target = ENGINE_DEMO
+        # `--cluster` is the default (kept so earlier command lines still work).
+        rest = [a for a in rest if a not in ("--engine", "--cluster")]
+    if target == CONTROL:
+        rest = [command, *rest]
     module = importlib.import_module(target)
     result: int = module.main(rest)
     return result

@@ -2,7 +2,10 @@
 
 Bodies only call the reconciler and map errors: ``InvalidSpec`` -> ``PermanentError`` (the
 status already says why; a spec change re-runs it), Kubernetes/agent errors -> ``TemporaryError``.
-Pods and WeightUpdates are observed through ``@kopf.index``; no handler is attached to Pods.
+Pods and WeightUpdates are observed through ``@kopf.index``. The one handler on Pods is an
+``on.event`` for admission (``domain/admission.py``): event handlers keep no progress and add no
+finalizer, unlike kopf's change handlers, timers and daemons, so the operator writes nothing on
+a pod but its own gate and annotations.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import kopf
 
 from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
+from weightroll_operator.domain.admission import awaits_admission
 from weightroll_operator.domain.fleet import trim_pod, trim_weightupdate
 from weightroll_operator.errors import InvalidSpec, WeightrollError
 from weightroll_operator.reconcile import Reconciler
@@ -105,6 +109,18 @@ def register(
     async def release_on_delete(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
         pods = _of(kw["pods_by_namespace"], namespace)
         await rt.reconciler.finalize(body, pods)
+        if rt.config.admit_unmanaged_pods:
+            peers = _of(kw["updates_by_namespace"], namespace)
+            await rt.reconciler.admit_all(pods, peers, gone=body.metadata.name)
+
+    def unadmitted(body: kopf.Body, **kw: Any) -> bool:
+        enabled, gone = rt.config.admit_unmanaged_pods, kw.get("type") == "DELETED"
+        return enabled and not gone and awaits_admission(body)
+
+    # A failed write is not retried here: the pod stays NotReady and its next event decides again.
+    @kopf.on.event("pods", id="admit", registry=registry, when=unadmitted)
+    async def admit_pod(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
+        await rt.reconciler.admit(body, _of(kw["updates_by_namespace"], namespace))
 
     @kopf.on.probe(id="lastPassAgeSeconds", registry=registry)
     def liveness(**_: Any) -> float:

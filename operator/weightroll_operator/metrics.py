@@ -1,7 +1,9 @@
 """Prometheus metrics of the operator (names from docs/contracts.md, ``weightroll_`` prefix).
 
 Every metric has the labels ``namespace`` and ``name`` (the WeightUpdate) plus the ones listed in
-the contract. :class:`Metrics` owns its registry so tests and the benchmark can make their own.
+the contract, except ``weightroll_pods_admitted_total``: admission concerns pods no WeightUpdate
+selects, so it has ``namespace`` only. :class:`Metrics` owns its registry so tests and the
+benchmark can make their own.
 """
 
 from __future__ import annotations
@@ -87,6 +89,52 @@ class Metrics:
             registry=r,
         )
 
+        self.pods_admitted = Counter(
+            "weightroll_pods_admitted",
+            "Pods no WeightUpdate selects whose gate was set True on their boot weights",
+            ["namespace"],
+            registry=r,
+        )
+
+    def forget(self, namespace: str, name: str) -> int:
+        """Remove every series of one WeightUpdate (it was deleted); return how many.
+
+        A deleted WeightUpdate's last phase gauge would otherwise stay exported until the
+        operator restarts, and alerts such as a Failed phase would keep firing for an object
+        that no longer exists.
+        """
+        removed = 0
+        for metric in self._per_weightupdate():
+            names = metric._labelnames  # no public accessor
+            keys = {
+                tuple(sample.labels[n] for n in names)
+                for family in metric.collect()
+                for sample in family.samples
+                if sample.labels.get("namespace") == namespace and sample.labels.get("name") == name
+            }
+            for key in keys:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*key)
+                    removed += 1
+        self._drained.pop((namespace, name), None)
+        self._unreachable.pop((namespace, name), None)
+        return removed
+
+    def _per_weightupdate(self) -> tuple[Counter | Gauge | Histogram, ...]:
+        return (
+            self.updates_total,
+            self.update_phase,
+            self.replicas,
+            self.progress_deadline,
+            self.last_progress,
+            self.rollout_duration,
+            self.unit_duration,
+            self.verification_failures,
+            self.last_success,
+            self.drained_since,
+            self.agent_unreachable,
+        )
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
@@ -127,6 +175,10 @@ class Metrics:
             import time
 
             self.last_success.labels(namespace, name).set(time.time())
+
+    def observe_admitted(self, namespace: str) -> None:
+        """Count one pod admitted (``domain/admission.py``)."""
+        self.pods_admitted.labels(namespace).inc()
 
     def observe_units(
         self,

@@ -32,7 +32,12 @@ class KubePort(Protocol):
     """The Kubernetes calls of one reconcile pass."""
 
     async def patch_pod_condition(
-        self, namespace: str, name: str, condition: Mapping[str, Any]
+        self,
+        namespace: str,
+        name: str,
+        condition: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
     ) -> None: ...
 
     async def patch_pod_metadata(

@@ -9,6 +9,9 @@ update got.
 
 Passes of one WeightUpdate are serialised by a per-object lock: kopf runs timers concurrently
 with change handlers.
+
+Pods no WeightUpdate selects are handled apart, one pod event at a time: :meth:`Reconciler.admit`
+sets their gate True once their containers are ready (``domain/admission.py`` has the rule).
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from weightroll_operator.api.v1alpha1 import (
     WeightUpdateStatus,
     parse_spec,
 )
-from weightroll_operator.apply import SKIPPED, ActionResult, ApplyContext, apply, target_of
+from weightroll_operator.apply import (
+    SKIPPED,
+    ActionResult,
+    ApplyContext,
+    apply,
+    target_of,
+    write_gate,
+)
+from weightroll_operator.domain import admission
 from weightroll_operator.domain.actions import AbortUpdate, Action, Emit, Settle
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.fleet import pod_view, select_pods
@@ -57,7 +68,13 @@ from weightroll_operator.domain.plan import (
     queries,
 )
 from weightroll_operator.domain.status import build_status, invalid_status, status_patch
-from weightroll_operator.errors import AgentError, InvalidSpec, KubeError
+from weightroll_operator.errors import (
+    AgentError,
+    InvalidSpec,
+    KubeConflict,
+    KubeError,
+    KubeNotFound,
+)
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.ports import AgentPort, KubePort
 
@@ -270,7 +287,78 @@ class Reconciler:
             )
             await apply(actions, ctx)
             self._locks.pop(owner, None)
+            if self.metrics is not None:
+                self.metrics.forget(namespace, name)
             return released
+
+    async def admit(self, pod: Mapping[str, Any], peers: Iterable[Mapping[str, Any]]) -> bool:
+        """Set the gate of ``pod`` True on its boot weights if no WeightUpdate governs it.
+
+        ``peers`` are the WeightUpdates of the pod's namespace; the rule is
+        :func:`~weightroll_operator.domain.admission.decide`. The write is conditional on the
+        pod's ``resourceVersion`` (when it has one), so a WeightUpdate that claimed or drained the
+        pod since this event was observed always wins.
+
+        Never raises for the API: a vanished pod (404) is not an error; a conflict (409) means the
+        pod changed, and that change's watch event decides again; any other error is logged and
+        the pod stays NotReady (fail closed) until its next watch event retries.
+
+        Returns:
+            Whether the gate was written.
+        """
+        decision = admission.decide(pod, peers)
+        meta = pod.get("metadata") or {}
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        if not decision.admit:
+            log.debug("Not admitting Pod %s/%s: %s", namespace, name, decision.message)
+            return False
+        try:
+            await write_gate(
+                self.kube,
+                namespace,
+                name,
+                True,
+                admission.AdmissionReason.ADMITTED,
+                "Serving its boot weights: no WeightUpdate selects it",
+                self.clock(),
+                resource_version=meta.get("resourceVersion"),
+            )
+        except KubeNotFound:
+            log.info("Skipped admission of Pod %s/%s: the pod is gone", namespace, name)
+            return False
+        except KubeConflict:
+            log.info("Deferred admission of Pod %s/%s: the pod changed", namespace, name)
+            return False
+        except KubeError as e:
+            log.warning("Failed to admit Pod %s/%s, it stays NotReady: %s", namespace, name, e)
+            return False
+        log.info(
+            "Admitted Pod %s/%s serving its boot weights: no WeightUpdate selects it",
+            namespace,
+            name,
+        )
+        if self.metrics is not None:
+            self.metrics.observe_admitted(namespace)
+        return True
+
+    async def admit_all(
+        self,
+        pods: Iterable[Mapping[str, Any]],
+        peers: Iterable[Mapping[str, Any]],
+        *,
+        gone: str | None = None,
+    ) -> int:
+        """:meth:`admit` every pod of ``pods`` that awaits admission; return how many were.
+
+        For the moment the WeightUpdate named ``gone`` is deleted (it is left out of ``peers``):
+        the pods it selected but never touched get no watch event of their own.
+        """
+        peers = [p for p in peers if (p.get("metadata") or {}).get("name") != gone]
+        count = 0
+        for pod in pods:
+            if admission.awaits_admission(pod):
+                count += await self.admit(pod, peers)
+        return count
 
     # ------------------------------------------------------------------------------------------
 

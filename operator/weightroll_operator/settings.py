@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -43,17 +44,45 @@ class OperatorConfig:
     posting_level: str = "WARNING"
     #: Seconds kopf's watch requests last before being re-opened (kopf#810).
     watch_server_timeout: int = 300
+    #: Set the readiness gate True on pods no WeightUpdate selects once their containers are
+    #: ready, so they serve their boot weights (``domain/admission.py``). Off: such pods stay
+    #: NotReady until a WeightUpdate verifies them.
+    admit_unmanaged_pods: bool = True
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> OperatorConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
+        """The defaults, then ``WEIGHTROLL_<FIELD>`` variables, then non-``None`` ``overrides``.
+
+        Raises:
+            ValueError: a variable does not parse as its field's type (the message names it).
+        """
         env = os.environ if environ is None else environ
+        defaults = cls()
         values: dict[str, Any] = {}
         for f in fields(cls):
-            raw = env.get(f"WEIGHTROLL_{f.name.upper()}")
+            var = f"WEIGHTROLL_{f.name.upper()}"
+            raw = env.get(var)
             if raw is not None:
-                values[f.name] = type(getattr(cls(), f.name))(raw)
+                values[f.name] = _parse(var, raw, type(getattr(defaults, f.name)))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _parse(var: str, raw: str, kind: type) -> Any:
+    """One variable as ``kind``; booleans by word, since ``bool("false")`` is True."""
+    if kind is bool:
+        word = raw.strip().lower()
+        if word in _TRUE | _FALSE:
+            return word in _TRUE
+        raise ValueError(f"{var}={raw!r}: expected one of true/false, 1/0, yes/no, on/off")
+    try:
+        return kind(raw)
+    except ValueError as e:
+        raise ValueError(f"{var}={raw!r}: not a valid {kind.__name__}") from e
 
 
 def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

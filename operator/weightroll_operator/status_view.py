@@ -6,6 +6,9 @@ and a succeeded update).
 
 Errors are one line on stderr that says how to fix them: exit 2 when no kubeconfig can be
 loaded, 1 when the API server cannot be reached or answers with an error (e.g. an unknown name).
+The target arguments, the kubeconfig loading and those error lines are shared with the
+``weightroll pause|resume|promote`` verbs (``control.py``), so every command names a cluster and
+explains a failure the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from weightroll_operator.errors import KubeError, KubeNotFound, KubeUnavailable
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 
-__all__ = ["main", "render"]
+__all__ = ["add_target_arguments", "kube_error_line", "load_config", "main", "render"]
 
 _DESCRIPTION = (
     "Show one WeightUpdate: phase, version, replica counts, conditions, the per-pod table "
@@ -30,6 +33,7 @@ _EPILOG = (
     "~/.kube/config (as kubectl). Exit status: 0 shown, 1 the API server could not be reached "
     "or answered with an error (e.g. no such WeightUpdate), 2 bad usage or no kubeconfig."
 )
+_FORBIDDEN = "; your user may not get weightupdates.weightroll.io or list events in this namespace"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
@@ -108,10 +112,7 @@ async def _fetch(api: KubeApi, namespace: str, name: str) -> tuple[Any, list[Any
         await api.close()
 
 
-_HINTS = {
-    401: "; the kubeconfig's credentials were refused: refresh them (kubectl get wu works?)",
-    403: "; your user may not get weightupdates.weightroll.io or list events in this namespace",
-}
+_UNAUTHORIZED = "; the kubeconfig's credentials were refused: refresh them (kubectl get wu works?)"
 
 
 def _not_found(error: KubeNotFound, namespace: str, name: str) -> str:
@@ -127,21 +128,72 @@ def _not_found(error: KubeNotFound, namespace: str, name: str) -> str:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightroll status", description=_DESCRIPTION, epilog=_EPILOG)
-    p.add_argument("name", metavar="NAME", help="name of the WeightUpdate (kubectl get wu)")
-    p.add_argument(
+def kube_error_line(
+    error: KubeError, server: str, namespace: str, name: str, *, forbidden: str
+) -> str:
+    """The one line (without the ``weightroll VERB:`` prefix) that explains a failed API call.
+
+    Args:
+        error: what the client raised.
+        server: the API server's URL, named when it cannot be reached.
+        namespace: namespace of the WeightUpdate.
+        name: name of the WeightUpdate.
+        forbidden: the hint appended to a 403, naming what the caller's user must be allowed.
+
+    Returns:
+        The cause and its fix: not found (or no CRD), unreachable, 401, 403, or the API's message.
+    """
+    if isinstance(error, KubeNotFound):
+        return _not_found(error, namespace, name)
+    if isinstance(error, KubeUnavailable):
+        return (
+            f"cannot reach the API server {server} ({error}); check "
+            "--kubeconfig/--context and that the cluster is up"
+        )
+    hint = {401: _UNAUTHORIZED, 403: forbidden}.get(error.status, "")
+    return f"{error}{hint}"
+
+
+def load_config(prog: str, kubeconfig: str | None, context: str | None) -> KubeConfig | None:
+    """The cluster to talk to, or ``None`` after printing one line on stderr saying why not.
+
+    Args:
+        prog: the command, e.g. ``weightroll status``, that prefixes the error line.
+        kubeconfig: ``--kubeconfig``; ``None`` for in-cluster, then ``$KUBECONFIG``.
+        context: ``--context``; ``None`` for the current context.
+    """
+    try:
+        return KubeConfig.load(kubeconfig, context)
+    except Exception as e:  # kubernetes' ConfigException, OSError, ...: all mean "no cluster"
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(
+            f"{prog}: cannot load a kubeconfig ({detail}); pass --kubeconfig FILE "
+            "or set KUBECONFIG to a file with a reachable cluster",
+            file=sys.stderr,
+        )
+        return None
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """``NAME``, ``-n/--namespace``, ``--kubeconfig`` and ``--context``: which WeightUpdate."""
+    parser.add_argument("name", metavar="NAME", help="name of the WeightUpdate (kubectl get wu)")
+    parser.add_argument(
         "-n",
         "--namespace",
         default="default",
         help="namespace of the WeightUpdate (default: default)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--kubeconfig",
         metavar="FILE",
         help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)",
     )
-    p.add_argument("--context", help="kubeconfig context (default: the current context)")
+    parser.add_argument("--context", help="kubeconfig context (default: the current context)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightroll status", description=_DESCRIPTION, epilog=_EPILOG)
+    add_target_arguments(p)
     p.add_argument(
         "--events", type=int, default=10, metavar="N", help="how many recent Events to show (10)"
     )
@@ -151,30 +203,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the view of one WeightUpdate; see the module docstring for exit statuses."""
     args = _parser().parse_args(list(argv or []))
-    try:
-        config = KubeConfig.load(args.kubeconfig, args.context)
-    except Exception as e:  # kubernetes' ConfigException, OSError, ...: all mean "no cluster"
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(
-            f"weightroll status: cannot load a kubeconfig ({detail}); pass --kubeconfig FILE "
-            "or set KUBECONFIG to a file with a reachable cluster",
-            file=sys.stderr,
-        )
+    config = load_config("weightroll status", args.kubeconfig, args.context)
+    if config is None:
         return 2
     try:
         body, events = asyncio.run(_fetch(KubeApi(config), args.namespace, args.name))
-    except KubeNotFound as e:
-        print(f"weightroll status: {_not_found(e, args.namespace, args.name)}", file=sys.stderr)
-        return 1
-    except KubeUnavailable as e:
-        print(
-            f"weightroll status: cannot reach the API server {config.server} ({e}); check "
-            "--kubeconfig/--context and that the cluster is up",
-            file=sys.stderr,
-        )
-        return 1
     except KubeError as e:
-        print(f"weightroll status: {e}{_HINTS.get(e.status, '')}", file=sys.stderr)
+        line = kube_error_line(e, config.server, args.namespace, args.name, forbidden=_FORBIDDEN)
+        print(f"weightroll status: {line}", file=sys.stderr)
         return 1
     print(render(body, events, last=args.events))
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from weightroll_operator.settings import OperatorConfig
 
 from tests.charts.helpers import (
     ALERTS,
@@ -76,6 +77,10 @@ def test_at_least_two_ci_scenarios() -> None:
         ),
         ({"prometheusRule": {"disabled": {"WeightTypo": True}}}, "'WeightTypo' not allowed"),
         ({"installCRDs": "true"}, "at '/installCRDs': got string, want boolean"),
+        (
+            {"operator": {"admitUnmanagedPods": "false"}},
+            "at '/operator/admitUnmanagedPods': got string, want boolean",
+        ),
         ({"workloadExample": {"vllm": {"port": 8470}}}, "at '/workloadExample/vllm/port'"),
         ({"rbac": {"agentTokenSecretNames": [""]}}, "at '/rbac/agentTokenSecretNames/0'"),
     ],
@@ -211,6 +216,15 @@ def test_image_digest_args_and_probe_switch() -> None:
     assert ctr["image"] == f"ghcr.io/weightroll/weightroll-operator@{digest}"
     assert ctr["args"] == ["--verbose", "--namespace=ml", "--namespace=ml-canary", "--interval=2"]
     assert "livenessProbe" not in ctr and "readinessProbe" in ctr
+
+
+@pytest.mark.parametrize("admit", [True, False])
+def test_admission_switch_reaches_the_operator_config(admit: bool) -> None:
+    deploy = find(objects(render({"operator": {"admitUnmanagedPods": admit}})), "Deployment")
+    ctr = deploy["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in ctr["env"] if e["name"].startswith("WEIGHTROLL_")}
+    assert env["WEIGHTROLL_ADMIT_UNMANAGED_PODS"] == str(admit).lower()
+    assert OperatorConfig.from_env(env).admit_unmanaged_pods is admit
 
 
 def test_metrics_service_and_servicemonitor() -> None:

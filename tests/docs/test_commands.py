@@ -47,11 +47,15 @@ _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 _PLACEHOLDER = re.compile(r"<([A-Za-z][\w-]*)>")
 _SEPARATORS = {"|", "||", "&&", ";", "&", "(", ")"}
 #: Modules whose ``main`` parses a subcommand's arguments (``demo`` builds its parser inline).
+#: A module serving several subcommands (its ``VERBS``) builds the parser of one: ``_parser(sub)``.
 _PARSERS = {
     "operator": "weightroll_operator.main",
     "agent": "engine_agent.sidecar.main",
     "manifest": "engine_agent.manifest",
     "status": "weightroll_operator.status_view",
+    "pause": "weightroll_operator.control",
+    "resume": "weightroll_operator.control",
+    "promote": "weightroll_operator.control",
 }
 _OWN_PACKAGES = ("weightroll_operator", "engine_agent", "tests", "bench")
 
@@ -156,7 +160,8 @@ def check_weightroll(argv: list[str]) -> list[str]:
             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text):
                 problems.append(f"weightroll {sub}: no option {flag}")
     if sub in _PARSERS and not problems:
-        parser = importlib.import_module(_PARSERS[sub])._parser()
+        module = importlib.import_module(_PARSERS[sub])
+        parser = module._parser(sub) if sub in getattr(module, "VERBS", ()) else module._parser()
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -251,6 +256,8 @@ def test_relative_links_resolve(path: Path) -> None:
         ("kubectl apply -f examples/99-nope/weightupdate.yaml", "examples/99-nope"),
         ("python -m weightroll_operator.nope", "no such module"),
         ("FOO=1 weightroll manifest", "weightroll manifest: "),
+        ("weightroll pause llama --force", "weightroll pause: no option --force"),
+        ("weightroll promote", "weightroll promote: "),
     ],
 )
 def test_checker_catches(command: str, expected: str) -> None:
@@ -262,6 +269,7 @@ def test_checker_accepts() -> None:
     ok = [
         "make demo && make test",
         "weightroll status llama-v2 -n ml",
+        "weightroll promote llama-v2 -n ml --force",
         "weightroll manifest /models/v2 --version v2 --out=/tmp/m.json",
         "kubectl apply -n ml -f examples/01-basic/weightupdate.yaml | cat",
         "python -m weightroll_operator.api.crdgen --check",

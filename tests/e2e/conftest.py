@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -36,14 +35,19 @@ from typing import Any
 import pytest
 import yaml
 from weightroll_operator.devcluster.operator_process import (
-    launch_operator,
+    log_tail,
+    start_operator,
     stop_process,
+    wait_authorized,
     write_token_kubeconfig,
 )
 from weightroll_operator.devcluster.workload import (
     SERVED_MODEL,
     TOKEN_SECRET,
     WORKLOAD,
+    corrupt_tensor_file,
+    engine_env,
+    pods_from_deployment,
     workload_values,
 )
 
@@ -69,13 +73,6 @@ POD_START_TIMEOUT = 420
 
 #: The chart's example workload, pointed at tiny CPU models under /models.
 WORKLOAD_VALUES = workload_values(BOOT_VERSION, "e2e-token-not-secret", replicas=len(PODS))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> dict[str, Any]:
@@ -229,14 +226,8 @@ class Fleet:
 
     def corrupt(self, pod: str, version: str) -> Path:
         """Flip one byte of tensor data in ``pod``'s own copy of ``/models/<version>``."""
-        copy = self.sim.run(lambda: self.sim.simulator.volume_path(pod, "models")) / version
-        target = sorted(copy.glob("*.safetensors"))[0]
-        data = bytearray(target.read_bytes())
-        header = int.from_bytes(data[:8], "little")
-        data[8 + header + 16] ^= 0xFF
-        target.unlink()  # the copy is a hard link to the volume: replace, never write in place
-        target.write_bytes(bytes(data))
-        return target
+        copy = self.sim.run(lambda: self.sim.simulator.volume_path(pod, "models"))
+        return corrupt_tensor_file(copy / version)
 
     # ----------------------------------------------------------------- serving and metrics
 
@@ -282,8 +273,7 @@ class Fleet:
         return None
 
     def logs(self) -> str:
-        text = self.operator_log.read_text(errors="replace") if self.operator_log.exists() else ""
-        return "operator log tail:\n" + "\n".join(text.splitlines()[-40:])
+        return log_tail(self.operator_log, 40)
 
 
 def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
@@ -294,69 +284,6 @@ def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
     ):
         token = service_account_token(cluster, NAMESPACE, "weightroll-operator")
     return write_token_kubeconfig(cluster.server, token, path)
-
-
-def _wait_rbac(cluster: KubeCluster) -> None:
-    """The authorizer learns new bindings from its informers a moment after the install."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        out = kubectl(
-            cluster,
-            "auth",
-            "can-i",
-            "patch",
-            "pods",
-            "--subresource=status",
-            "-n",
-            NAMESPACE,
-            f"--as=system:serviceaccount:{NAMESPACE}:weightroll-operator",
-            check=False,
-        ).stdout.strip()
-        if out == "yes":
-            return
-        time.sleep(0.5)
-
-
-def _pods_from_deployment(cluster: KubeCluster) -> list[dict[str, Any]]:
-    """Play the ReplicaSet controller: one pod per replica from the chart's Deployment template."""
-    deploy = json.loads(
-        kubectl(cluster, "get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json").stdout
-    )
-    template = deploy["spec"]["template"]
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": NAMESPACE,
-                "labels": template["metadata"]["labels"],
-            },
-            "spec": template["spec"],
-        }
-        for name in PODS
-    ]
-
-
-def _start_operator(
-    cluster: KubeCluster, run: Path, port: int
-) -> tuple[subprocess.Popen[bytes], Path]:
-    cfg = _operator_kubeconfig(cluster, run / "kubeconfig-operator-e2e")
-    log = run / "operator.log"
-    proc = launch_operator(cfg, log, port)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).close()
-            break
-        except (urllib.error.URLError, OSError):
-            if proc.poll() is not None:
-                raise AssertionError(f"operator exited: {log.read_text()[-3000:]}") from None
-            time.sleep(0.5)
-    return proc, log
-
-
-_stop = stop_process
 
 
 @pytest.fixture(scope="module")
@@ -381,19 +308,6 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
     write_manifest(build_manifest(boot), boot / MANIFEST)
 
     config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        # Three servers share two cores: let the OS place their threads (the default binds every
-        # server's OpenMP threads to core 0).
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        # The boot version the extension reports (an image would set it in its env).
-        "WEIGHTROLL_BOOT_VERSION": BOOT_VERSION,
-    }
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     sim = SimulatorThread(
         PodSimulator(
             KubeConfig.load(str(kube_cluster.kubeconfig)),
@@ -402,7 +316,7 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
                 root=run / "pods",
                 label_selector=f"app.kubernetes.io/name in ({WORKLOAD},{COLD})",
                 volumes={"vllm-models": pv},
-                env=env,
+                env=engine_env(BOOT_VERSION),
             ),
         )
     )
@@ -431,23 +345,27 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             ),
         )
         sim.start()
-        _wait_rbac(kube_cluster)
-        port = _free_port()
-        operator, log = _start_operator(kube_cluster, run, port)
+        wait_authorized(kube_cluster.kubeconfig, NAMESPACE, "weightroll-operator")
+        running = start_operator(
+            _operator_kubeconfig(kube_cluster, run / "kubeconfig-operator-e2e"),
+            run / "operator.log",
+        )
+        operator = running.process
         fl = Fleet(
             cluster=kube_cluster,
             sim=sim,
             pv=pv,
-            metrics_url=f"http://127.0.0.1:{port}/metrics",
-            operator_log=log,
+            metrics_url=running.metrics_url,
+            operator_log=running.log,
             operator=operator,
         )
         # The first update's checkpoint, generated now, and a reference pod booting it cold:
         # it starts together with the fleet (one vLLM start later costs more on 2 cores).
         fl.publish(FIRST_UPDATE, seed=1)
         began = time.monotonic()
-        for pod in _pods_from_deployment(kube_cluster):
-            kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(pod))
+        deploy = json.loads(fl.kubectl("get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json"))
+        for pod in pods_from_deployment(deploy, PODS, NAMESPACE):
+            fl.apply(pod)
         fl.start_cold_pod(FIRST_UPDATE)
         fl.wait_pods("ContainersReady", "True", PODS, POD_START_TIMEOUT)
         fl.timings["pods_ready_s"] = time.monotonic() - began
@@ -467,7 +385,7 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             )
         finally:
             if operator is not None:
-                _stop(operator)
+                stop_process(operator)
             sim.stop()
             for name in kubectl(
                 kube_cluster, "get", "wu", "-n", NAMESPACE, "-o", "name", check=False

@@ -1,4 +1,4 @@
-"""The cluster demo end to end (issue 6, acceptance 1 and 2): ``weightroll demo --cluster``.
+"""The cluster demo end to end (issue 6, acceptance 1 and 2): ``weightroll demo`` (``make demo``).
 
 Runs the command itself, non-TTY (one line per change), for both scenarios, and reads its output:
 every pod moves to v2, outputs change only at each pod's commit, everything started is stopped;
@@ -56,8 +56,7 @@ def _demo(tmp_path: Path, *args: str) -> str:
     work = tmp_path / "demo"
     began = time.monotonic()
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "weightroll"), "demo", "--cluster", "--workdir",
-         str(work), *args],
+        [str(Path(sys.executable).parent / "weightroll"), "demo", "--workdir", str(work), *args],
         capture_output=True,
         text=True,
         timeout=540,
@@ -82,6 +81,8 @@ def test_demo_rolls_every_pod_and_outputs_change_at_commit(tmp_path: Path) -> No
         assert re.search(rf"{pod}\s+ready\s+v2\b", out), pod
         assert re.search(rf"{pod}\s+\d+ answers; changed at its commit \(v1 -> v2\)", out), pod
     assert "outputs changed only at commit: yes" in out
+    assert re.search(r"Ready: admitted by the operator, serving v1", out), "admitted at boot"
+    assert "pods out of traffic at once: at most 1 (maxUnavailable 1)" in out
     assert "Phase:" in out or "Succeeded" in out.split("Final status")[-1]
 
 
@@ -91,4 +92,23 @@ def test_demo_fail_scenario_keeps_the_pod_drained_and_halts(tmp_path: Path) -> N
     assert "WeightUpdate demo-to-v2 is Failed" in out
     assert re.search(rf"{bad}\s+FAILED, stays drained", out)
     assert re.search(rf"{bad} stays drained: weightroll.io/weights-ready=False, Ready=False", out)
+    assert "pods out of traffic at once: at most 1 (maxUnavailable 1)" in out
     assert "outputs changed only at commit: yes" in out
+
+
+def test_demo_prereqs_return_at_once_when_everything_is_there() -> None:
+    """`make demo`'s first step on a prepared machine: nothing to install, nothing to build."""
+    _skip_without_tools()
+    repo = Path(__file__).resolve().parents[2]
+    if Path(sys.prefix).resolve() != (repo / ".venv").resolve():
+        pytest.skip("runs scripts/bootstrap.sh, which manages the repository's .venv only")
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "demo-prereqs.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Building kube-apiserver" not in proc.stdout, proc.stdout
+    assert "Installing" not in proc.stdout, proc.stdout

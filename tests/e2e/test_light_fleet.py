@@ -27,17 +27,14 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_operator.devcluster.operator_process import launch_operator
-
-from tests.e2e.conftest import (
-    GATE,
-    NAMESPACE,
-    RELEASE,
-    _free_port,
-    _operator_kubeconfig,
-    _stop,
-    _wait_rbac,
+from weightroll_operator.devcluster.apiserver import free_ports
+from weightroll_operator.devcluster.operator_process import (
+    launch_operator,
+    stop_process,
+    wait_authorized,
 )
+
+from tests.e2e.conftest import GATE, NAMESPACE, RELEASE, _operator_kubeconfig
 from tests.harness.apiserver import KubeCluster, kubectl
 
 pytestmark = [
@@ -144,7 +141,7 @@ def chart(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
             namespace=NAMESPACE,
             create_namespace=True,
         )
-        _wait_rbac(kube_cluster)
+        wait_authorized(kube_cluster.kubeconfig, NAMESPACE, "weightroll-operator")
         yield kube_cluster
     finally:
         config.uninstall(RELEASE, ignore_not_found=True)
@@ -268,7 +265,7 @@ def _weightupdate(ns: str, name: str, version: str, app: str = APP) -> dict[str,
 def _start_operator(light: Light, tag: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     cfg = _operator_kubeconfig(light.cluster, light.run / f"kubeconfig-{tag}")
     log = light.run / f"operator-{tag}.log"
-    return launch_operator(cfg, log, _free_port(), *extra), log
+    return launch_operator(cfg, log, free_ports(1)[0], *extra), log
 
 
 def _phase(light: Light, name: str) -> str | None:
@@ -294,7 +291,7 @@ def test_rollout_under_the_chart_serviceaccount_succeeds(light: Light) -> None:
             light.wait(f"p-{i}", Ready="True", timeout=60)
         light.kubectl("delete", "wu", "wu", "--timeout=30s")
     finally:
-        _stop(proc)
+        stop_process(proc)
     text = log.read_text()
     assert " 403" not in text and "Forbidden" not in text and "forbidden" not in text, text[-3000:]
 
@@ -365,7 +362,7 @@ def test_every_clusterrole_rule_is_needed(light: Light) -> None:
                         break
                     time.sleep(0.5)
             finally:
-                _stop(proc)
+                stop_process(proc)
                 _set_rules(light.cluster, rules)
                 light.kubectl(
                     "patch",

@@ -1,4 +1,4 @@
-"""The README's main command: ``weightroll demo`` runs to the end on a real engine."""
+"""The single-engine demo, ``weightroll demo --engine`` (``make demo-engine``), runs to the end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from pathlib import Path
 def test_demo_runs_both_scenarios_and_exits_cleanly(tmp_path: Path) -> None:
     env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run = subprocess.run(
-        [sys.executable, "-m", "weightroll_operator.cli", "demo", "--workdir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "weightroll_operator.cli",
+            "demo",
+            "--engine",
+            "--workdir",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -8,7 +8,12 @@ adds just enough to test the drain contract faithfully:
 * after each such patch the pod's ``Ready`` condition is recomputed like kubelet does: containers
   ready **and** every ``spec.readinessGates`` condition True;
 * every ``pods/status`` write is logged with a snapshot of the pod's fake agent at that instant,
-  so a test can prove that no pod was ever marked ready while its agent was unverified.
+  so a test can prove that no pod was ever marked ready while its agent was unverified;
+* a ``pods/status`` patch that names a ``metadata.resourceVersion`` other than the pod's is refused
+  with 409, and each accepted one bumps the pod's ``resourceVersion`` (only for pods created with
+  one: kmock itself keeps none). This is the API server's optimistic concurrency for patches,
+  which admission relies on; it also covers kmock replaying every object as ``ADDED`` when a
+  watch starts, right after kopf's listing (a real watch resumes from the list's version).
 
 Everything else is kmock's (see operator.md §4 for what it does not emulate).
 """
@@ -18,13 +23,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import kmock
+import yaml
 from weightroll_operator.api import v1alpha1 as api
 from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
 
-__all__ = ["FleetEmulator", "StatusWrite", "fleet_emulator", "make_pod", "make_weightupdate"]
+__all__ = [
+    "FleetEmulator",
+    "StatusWrite",
+    "fleet_emulator",
+    "make_pod",
+    "make_weightupdate",
+    "write_kubeconfig",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,14 @@ class StatusWrite:
             if cond.get("type") == CONDITION_WEIGHTS_READY:
                 return str(cond.get("status"))
         return None
+
+
+class StaleResourceVersion(kmock.KubernetesError):  # type: ignore[misc]
+    """409, as the API server answers a patch whose ``resourceVersion`` precondition failed."""
+
+    status = 409
+    reason = "Conflict"
+    message = "the object has been modified; please apply your changes to the latest version"
 
 
 class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
@@ -63,11 +85,16 @@ class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             return await super()._handle(request)
         key = (kmock.resource("", "v1", "pods"), request.namespace, request.name)
         before = self._current(key)
+        version = ((before or {}).get("metadata") or {}).get("resourceVersion")
+        wanted = ((request.data or {}).get("metadata") or {}).get("resourceVersion")
+        if before is not None and wanted is not None and wanted != version:
+            raise StaleResourceVersion()
         response = await super()._handle(request)  # kmock replaces the conditions list...
         if before is not None:  # ...so merge by type and play kubelet on the stored object
             merged = self._merged(before, request)
             obj = self.objects[key]
-            obj.patch({"status": {"conditions": merged}})
+            bump = {"resourceVersion": str(int(version) + 1)} if version else {}
+            obj.patch({"status": {"conditions": merged}, "metadata": bump})
             await self._buses[res].put({"type": "MODIFIED", "object": obj.raw})
         return response
 
@@ -200,3 +227,21 @@ def make_weightupdate(
         },
         "spec": body,
     }
+
+
+def write_kubeconfig(directory: Path, url: str) -> Path:
+    """A kubeconfig for the emulator at ``url`` (token ``t``), as the CLI commands load it."""
+    path = directory / "kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+                "users": [{"name": "me", "user": {"token": "t"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "me"}}],
+                "current-context": "kmock",
+            }
+        )
+    )
+    return path

@@ -23,6 +23,7 @@ __all__ = [
     "SCRIPT",
     "KubeCluster",
     "apiserver_binary",
+    "free_ports",
     "start_apiserver",
     "stop_apiserver",
 ]
@@ -70,7 +71,8 @@ def apiserver_binary() -> Path | None:
     return Path(path) if proc.returncode == 0 and path else None
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (held together while picked)."""
     socks = []
     try:
         for _ in range(count):
@@ -98,7 +100,7 @@ def start_apiserver(run_dir: Path) -> KubeCluster:
     Raises:
         RuntimeError: when the apiserver does not become ready (the message carries its log tail).
     """
-    etcd, peer, metrics, api = _free_ports(4)
+    etcd, peer, metrics, api = free_ports(4)
     env = dict(
         os.environ,
         WEIGHTROLL_KUBE_RUN=str(run_dir),

@@ -10,11 +10,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-__all__ = ["launch_operator", "stop_process", "write_token_kubeconfig"]
+from weightroll_operator.devcluster.apiserver import free_ports
+
+__all__ = [
+    "RunningOperator",
+    "launch_operator",
+    "log_tail",
+    "start_operator",
+    "stop_process",
+    "wait_authorized",
+    "write_token_kubeconfig",
+]
 
 
 def write_token_kubeconfig(server: str, token: str, path: Path) -> Path:
@@ -78,3 +92,77 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def log_tail(log: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of the operator's log, headed for an error message."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "operator log tail:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass(frozen=True, slots=True)
+class RunningOperator:
+    """A started ``weightroll operator`` whose metrics endpoint answered."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    metrics_url: str
+
+
+def start_operator(
+    kubeconfig: Path, log: Path, *, new_session: bool = False, timeout: float = 60
+) -> RunningOperator:
+    """Launch the operator on a free metrics port and wait until ``/metrics`` answers.
+
+    Raises:
+        RuntimeError: the operator exited or did not answer within ``timeout`` seconds (the
+            message carries its log tail); the process is stopped first.
+    """
+    (port,) = free_ports(1)
+    proc = launch_operator(kubeconfig, log, port, new_session=new_session)
+    url = f"http://127.0.0.1:{port}/metrics"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return RunningOperator(proc, log, url)
+        except (urllib.error.URLError, OSError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_process(proc)
+                raise RuntimeError(f"the operator did not start: {log_tail(log)}") from None
+            time.sleep(0.5)
+
+
+def wait_authorized(
+    kubeconfig: Path, namespace: str, service_account: str, timeout: float = 30
+) -> bool:
+    """Wait until ``service_account`` may patch pods/status in ``namespace`` (the chart's RBAC).
+
+    The apiserver's authorizer learns new bindings from its informers a moment after a chart
+    install; an operator started before that fails its first writes. Returns whether it did.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            [
+                "kubectl",
+                f"--kubeconfig={kubeconfig}",
+                "auth",
+                "can-i",
+                "patch",
+                "pods",
+                "--subresource=status",
+                "-n",
+                namespace,
+                f"--as=system:serviceaccount:{namespace}:{service_account}",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        ).stdout.strip()
+        if out == "yes":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)

@@ -8,9 +8,22 @@ the boot source and version.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["SERVED_MODEL", "TOKEN_SECRET", "WORKLOAD", "workload_values"]
+from weightroll_operator.devcluster.apiserver import REPO
+
+__all__ = [
+    "SERVED_MODEL",
+    "TOKEN_SECRET",
+    "WORKLOAD",
+    "corrupt_tensor_file",
+    "engine_env",
+    "pods_from_deployment",
+    "workload_values",
+]
 
 #: Name of the chart's example workload (its Deployment and pod name prefix).
 WORKLOAD = "vllm-example"
@@ -49,3 +62,57 @@ def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[st
             "tokenSecret": {"token": token},
         },
     }
+
+
+def engine_env(boot_version: str) -> dict[str, str]:
+    """The environment of the simulated pods' processes: vLLM CPU on a shared 2-core machine."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        # Several servers share two cores: let the OS place their threads (the default binds
+        # every server's OpenMP threads to core 0).
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # The boot version the extension reports (an image would set it in its env).
+        "WEIGHTROLL_BOOT_VERSION": boot_version,
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def pods_from_deployment(
+    deployment: Mapping[str, Any], names: Sequence[str], namespace: str
+) -> list[dict[str, Any]]:
+    """Play the ReplicaSet controller (the test apiserver has none): one pod per name from the
+    Deployment's template."""
+    template = deployment["spec"]["template"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": template["metadata"]["labels"],
+            },
+            "spec": template["spec"],
+        }
+        for name in names
+    ]
+
+
+def corrupt_tensor_file(checkpoint: Path) -> Path:
+    """Flip one byte of tensor data in the first ``*.safetensors`` file of ``checkpoint``.
+
+    The file is replaced, never written in place: a pod's copy of the checkpoint volume is a
+    hard link to the shared one, which must stay intact for the other pods.
+    """
+    target = sorted(checkpoint.glob("*.safetensors"))[0]
+    data = bytearray(target.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header + 16] ^= 0xFF
+    target.unlink()
+    target.write_bytes(bytes(data))
+    return target

@@ -36,6 +36,7 @@ from engine_agent.protocol import SourceSpec as WireSourceSpec
 from engine_agent.protocol import UpdateMode, UpdatePhase, UpdateRequest
 from weightroll_operator.api.v1alpha1 import (
     OnFailure,
+    Phase,
     SourceMode,
     WeightUpdateSpec,
     WeightUpdateStatus,
@@ -94,6 +95,10 @@ class Persisted:
     last_progress_time: str | None = None
     aborted_at: str | None = None
     abort_reason: str | None = None
+    #: The previous pass held the rollout (phase ``Paused``: ``spec.paused`` or the canary
+    #: hold). The pass that finds the hold released restarts the progress clock, so time spent
+    #: on hold never counts against ``progressDeadlineSeconds``.
+    held: bool = False
 
     @classmethod
     def from_status(cls, status: WeightUpdateStatus | None, version: str) -> Persisted:
@@ -107,6 +112,7 @@ class Persisted:
             last_progress_time=status.last_progress_time,
             aborted_at=status.aborted_at,
             abort_reason=status.abort_reason,
+            held=status.phase is Phase.PAUSED,
         )
 
 
@@ -591,7 +597,12 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             f"{spec.strategy.max_failed_replicas}",
             warning=True,
         )
-    last = parse_time(persisted.last_progress_time) or parse_time(persisted.start_time)
+    hold_released = persisted.held and paused_reason is None
+    last = (
+        now
+        if hold_released
+        else parse_time(persisted.last_progress_time) or parse_time(persisted.start_time)
+    )
     work_left = bool(still_flying or pending_units)
     if (
         aborted_at is None
@@ -738,7 +749,9 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         target_version=version,
         start_time=persisted.start_time or (timestamp(now) if claimed_units else None),
         completion_time=persisted.completion_time or (timestamp(now) if all_done else None),
-        last_progress_time=timestamp(now) if b.progressed else persisted.last_progress_time,
+        last_progress_time=timestamp(now)
+        if b.progressed or hold_released
+        else persisted.last_progress_time,
         aborted_at=aborted_at,
         abort_reason=abort_reason,
     )

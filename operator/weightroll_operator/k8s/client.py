@@ -7,7 +7,8 @@ they merge by ``type`` and only ``weightroll.io/weights-ready`` is ever written.
 
 Invariants:
     * The operator never writes the pod ``Ready`` condition (:meth:`patch_pod_condition` refuses).
-    * Every write is a patch, never a PUT with a stale resourceVersion (kruise#2276).
+    * Every write is a patch, never a PUT with a stale resourceVersion (kruise#2276); only the
+      admission of a new pod makes its gate patch conditional on the resourceVersion it read.
     * ``writes`` counts every write by kind, for the benchmark and the tests.
 """
 
@@ -170,15 +171,27 @@ class KubeApi:
         return list((data or {}).get("items") or [])
 
     async def patch_pod_condition(
-        self, namespace: str, name: str, condition: Mapping[str, Any]
+        self,
+        namespace: str,
+        name: str,
+        condition: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
     ) -> None:
-        """Strategic-merge one condition into ``pods/status`` (merges by ``type``)."""
+        """Strategic-merge one condition into ``pods/status`` (merges by ``type``).
+
+        ``resource_version`` makes the patch conditional: the API server answers 409
+        (``KubeConflict``) when the pod changed since that version was read.
+        """
         if condition.get("type") != CONDITION_WEIGHTS_READY:
             raise ValueError(f"the operator writes only {CONDITION_WEIGHTS_READY}")
+        body: dict[str, Any] = {"status": {"conditions": [dict(condition)]}}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         await self._call(
             "PATCH",
             f"/api/v1/namespaces/{namespace}/pods/{name}/status",
-            body={"status": {"conditions": [dict(condition)]}},
+            body=body,
             content_type=SMP,
             kind="pod-status",
         )
@@ -219,6 +232,39 @@ class KubeApi:
     async def list_weightupdates(self, namespace: str) -> list[Any]:
         data = await self._call("GET", self._wu_path(namespace))
         return list((data or {}).get("items") or [])
+
+    async def patch_weightupdate_spec(
+        self,
+        namespace: str,
+        name: str,
+        spec: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> Any:
+        """JSON-merge-patch ``spec`` fields of a WeightUpdate (the CLI's day-2 verbs).
+
+        The operator itself never writes a spec: this is the user's intent (``spec.paused``,
+        ``spec.strategy.pauseAfterCanary``), sent on the user's behalf by ``weightroll``.
+
+        Args:
+            namespace: namespace of the WeightUpdate.
+            name: its name.
+            spec: the fields to merge into ``spec`` (nested objects merge, ``None`` deletes).
+            resource_version: when given, the patch applies only to that version of the
+                object (the API server answers 409, ``KubeConflict``, if it changed since).
+
+        Returns:
+            The WeightUpdate as stored after the patch.
+
+        Raises:
+            KubeError: by status code (``KubeNotFound`` for an unknown name).
+        """
+        body: dict[str, Any] = {"spec": dict(spec)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self._call(
+            "PATCH", self._wu_path(namespace, name), body=body, content_type=MERGE, kind="wu-spec"
+        )
 
     async def patch_weightupdate_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
+import kopf
 from weightroll_operator.agent_client import AgentClient
 from weightroll_operator.api import v1alpha1 as api
 from weightroll_operator.domain.model import (
@@ -17,9 +19,11 @@ from weightroll_operator.domain.model import (
     CONDITION_WEIGHTS_READY,
     WeightState,
 )
+from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.reconcile import PassResult, Reconciler
+from weightroll_operator.settings import OperatorConfig
 
 from tests.harness.fake_agent import FakeAgent, FakeFleetAgents
 from tests.harness.kube_fleet import FleetEmulator, make_pod, make_weightupdate
@@ -79,6 +83,9 @@ class Harness:
             },
         )
         return created
+
+    async def create_pod(self, body: dict[str, Any]) -> None:
+        await self._post(f"/api/v1/namespaces/{NS}/pods", body)
 
     async def create_wu(self, name: str, version: str, **kw: Any) -> None:
         kw.setdefault("agent", {"tokenSecretRef": {"name": "agent-token"}})
@@ -182,3 +189,29 @@ class Harness:
 
     def condition(self, status: dict[str, Any], ctype: str) -> dict[str, Any]:
         return next(c for c in status.get("conditions", []) if c["type"] == ctype)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(h: Harness, **config: Any) -> AsyncIterator[None]:
+    """The whole operator (kopf handlers, indices, timer) on ``h``'s reconciler, against kmock.
+
+    Read what a test needs while it runs: kmock stalls on reads after kopf's watch streams are
+    cut at shutdown.
+    """
+    registry = kopf.OperatorRegistry()
+    register(registry, Runtime(reconciler=h.rec, config=OperatorConfig(interval=0.1, **config)))
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=h.url, insecure=True)
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
+    )
+    try:
+        yield
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=10)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
-import kopf
 import pytest
-from weightroll_operator.handlers import Runtime, register
-from weightroll_operator.settings import OperatorConfig
 
-from tests.contract.rollout.harness import NS, Harness
+from tests.contract.rollout.harness import NS, Harness, running_operator
 
 pytestmark = pytest.mark.asyncio
 
@@ -28,31 +24,12 @@ async def test_operator_rolls_out_8_pods(h: Harness) -> None:
     await h.add_pods(8)
     await h.create_wu("wu", "v2", strategy={"maxUnavailable": 3})
 
-    registry = kopf.OperatorRegistry()
-    config = OperatorConfig(interval=0.1, posting_level="WARNING")
-    rt = Runtime(reconciler=h.rec, config=config)
-    register(registry, rt)
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=h.url, insecure=True)
-
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
-    )
-    try:
+    async with running_operator(h):
         await _wait(h.phase_is("wu", "Succeeded"), timeout=30)
-        # read everything while the operator runs: kmock stalls on reads after kopf's watch
-        # streams are cut at shutdown
         status = await h.status("wu")
         gates = [await h.gate(f"pod-{i}") for i in range(8)]
         annotations = (await h.wu("wu"))["metadata"].get("annotations", {})
         events = {e["reason"] for e in await h.kube.list_events(NS, "wu")}
-    finally:
-        stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=10)
 
     assert status["replicas"]["verified"] == 8
     assert gates == ["True"] * 8

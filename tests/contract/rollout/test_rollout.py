@@ -7,6 +7,7 @@ Each test asserts the WeightUpdate status, the pods' conditions and, from the lo
 from __future__ import annotations
 
 import pytest
+from prometheus_client import generate_latest
 from weightroll_operator.domain.model import LABEL_WEIGHT_VERSION, UnitState
 from weightroll_operator.errors import InvalidSpec
 
@@ -309,8 +310,11 @@ async def test_deletion_aborts_in_flight_and_releases(h: Harness) -> None:
         return h.agents["pod-0"].active is not None
 
     await h.run_until(["wu"], loading)
+    assert 'name="wu"' in generate_latest(h.metrics.registry).decode()
     released = await h.rec.finalize(await h.wu("wu"), await h.pods())
     assert released >= 1
+    # no series of the deleted WeightUpdate stays exported (its alerts would keep firing)
+    assert 'name="wu"' not in generate_latest(h.metrics.registry).decode()
     assert h.agents["pod-0"].updates["wu-v2"].phase.value == "Aborted"
     assert await h.owner_of("pod-0") is None
     assert await h.gate("pod-0") == "False"  # stays drained

@@ -48,12 +48,32 @@ EXPECTED_OPTIONS = {
     ],
     "manifest": ["DIR", "--out", "--version", "--base-version"],
     "status": ["NAME", "--namespace", "--kubeconfig", "--context", "--events"],
+    "pause": ["NAME", "--namespace", "--kubeconfig", "--context", "spec.paused"],
+    "resume": ["NAME", "--namespace", "--kubeconfig", "--context", "spec.paused"],
+    "promote": [
+        "NAME",
+        "--namespace",
+        "--kubeconfig",
+        "--context",
+        "--force",
+        "spec.strategy.pauseAfterCanary",
+        "CanaryComplete",
+    ],
     "demo": ["--scenario", "--workdir"],
 }
 
 
 def test_subcommands_are_the_documented_ones() -> None:
-    assert list(cli.SUBCOMMANDS) == ["operator", "agent", "manifest", "status", "demo"]
+    assert list(cli.SUBCOMMANDS) == [
+        "operator",
+        "agent",
+        "manifest",
+        "status",
+        "pause",
+        "resume",
+        "promote",
+        "demo",
+    ]
 
 
 def test_top_level_help_lists_every_subcommand() -> None:
@@ -90,16 +110,17 @@ def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize(
-    "module",
+    ("module", "args"),
     [
-        "weightroll_operator.main",
-        "engine_agent.sidecar.main",
-        "engine_agent.manifest",
-        "weightroll_operator.status_view",
+        ("weightroll_operator.main", ()),
+        ("engine_agent.sidecar.main", ()),
+        ("engine_agent.manifest", ()),
+        ("weightroll_operator.status_view", ()),
+        *(("weightroll_operator.control", (verb,)) for verb in ("pause", "resume", "promote")),
     ],
 )
-def test_every_option_has_a_help_text(module: str) -> None:
-    parser = importlib.import_module(module)._parser()
+def test_every_option_has_a_help_text(module: str, args: tuple[str, ...]) -> None:
+    parser = importlib.import_module(module)._parser(*args)
     missing = [a.dest for a in parser._actions if not a.help]
     assert missing == [], f"{module}: options without help: {missing}"
 
@@ -107,7 +128,7 @@ def test_every_option_has_a_help_text(module: str) -> None:
 def test_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["stauts"]) == 2
     err = capsys.readouterr().err.splitlines()
-    choices = "operator, agent, manifest, status, demo"
+    choices = "operator, agent, manifest, status, pause, resume, promote, demo"
     assert err[-1] == f"weightroll: unknown command 'stauts'; choose one of {choices}"
 
 
@@ -145,6 +166,15 @@ def test_agent_refuses_a_remote_vllm_url(
     err = capsys.readouterr().err
     assert err.startswith("weightroll agent: ") and err.count("\n") == 1
     assert "loopback" in err
+
+
+@pytest.mark.parametrize("verb", ["pause", "resume", "promote"])
+def test_control_verbs_reach_their_module(
+    verb: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([verb, "llama-v2", "--kubeconfig", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"weightroll {verb}: cannot load a kubeconfig")
 
 
 def test_status_missing_kubeconfig_is_one_line(

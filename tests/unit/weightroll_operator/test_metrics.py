@@ -26,11 +26,13 @@ def test_metric_names_match_the_contract() -> None:
     m.observe_transition("ns", "wu", Phase.PROGRESSING, Phase.SUCCEEDED, 12.0)
     m.observe_units("ns", "wu", {"p0": "failed"}, {"p0": 3.0}, {"p0": "UpdateFailed: digest"})
     m.observe_pods("ns", "wu", {"p0": 1.0}, {"p0": True})
+    m.observe_admitted("ns")
     exposed = generate_latest(m.registry).decode()
     names = {f.name + "_total" if f.type == "counter" else f.name for f in m.registry.collect()}
     assert names == _contract_names()
     assert 'weightroll_updates_total{name="wu",namespace="ns",outcome="succeeded"} 1.0' in exposed
     assert 'weightroll_update_phase{name="wu",namespace="ns",phase="Progressing"} 1.0' in exposed
+    assert 'weightroll_pods_admitted_total{namespace="ns"} 1.0' in exposed
     assert (
         'weightroll_verification_failures_total{name="wu",namespace="ns",reason="UpdateFailed"}'
         in exposed
@@ -43,3 +45,33 @@ def test_per_pod_series_are_removed_when_no_longer_reported() -> None:
     m.observe_pods("ns", "wu", {"p1": 2.0}, {})
     exposed = generate_latest(m.registry).decode()
     assert 'pod="p1"' in exposed and 'pod="p0"' not in exposed
+
+
+def _fill(m: Metrics, name: str) -> None:
+    m.observe_status("ns", name, Phase.FAILED, ReplicaCounts(total=3, failed=1), 600, 1.0)
+    m.observe_transition("ns", name, Phase.PROGRESSING, Phase.FAILED, 12.0)
+    m.observe_units("ns", name, {"p0": "failed"}, {"p0": 3.0}, {"p0": "UpdateFailed: digest"})
+    m.observe_pods("ns", name, {"p0": 1.0}, {"p0": True})
+
+
+def test_forget_removes_every_series_of_a_deleted_weightupdate_and_only_those() -> None:
+    m = Metrics()
+    _fill(m, "gone")
+    _fill(m, "kept")
+    m.observe_admitted("ns")
+    assert m.forget("ns", "gone") > 0
+    exposed = generate_latest(m.registry).decode()
+    assert 'name="gone"' not in exposed
+    assert 'weightroll_update_phase{name="kept",namespace="ns",phase="Failed"} 1.0' in exposed
+    assert 'weightroll_pods_admitted_total{namespace="ns"} 1.0' in exposed
+    assert m.forget("ns", "gone") == 0  # idempotent
+    m.observe_pods("ns", "gone", {}, {})  # a late pass starts from scratch, nothing stale
+    assert 'name="gone"' not in generate_latest(m.registry).decode()
+
+
+def test_forget_knows_every_metric_labelled_by_weightupdate() -> None:
+    m = Metrics()
+    labelled = {
+        c._name for c in m.registry._collector_to_names if "name" in getattr(c, "_labelnames", ())
+    }
+    assert labelled == {c._name for c in m._per_weightupdate()}

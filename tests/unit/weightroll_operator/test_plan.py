@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from weightroll_operator.api.v1alpha1 import Phase, WeightUpdateStatus
 from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import UnitState
@@ -477,3 +478,33 @@ def test_verified_pod_whose_containers_restarted_is_asked_again_and_re_updated()
     assert "p0" in queries((restarted,), ME, "v2")
     p = run(spec(), [restarted], {"p0": agent("boot", ready=False)}, DONE)
     assert claimed(p) == ["p0"]
+
+
+@pytest.mark.parametrize(
+    ("held", "halted"),
+    [
+        (True, False),  # the hold just ended (resume / promote): the clock restarts now
+        (False, True),  # no hold: 2 h without progress is past the 60 s deadline
+    ],
+)
+def test_time_on_hold_does_not_count_against_the_progress_deadline(
+    held: bool, halted: bool
+) -> None:
+    long_ago = "2026-01-01T08:00:00Z"  # hours before NOW
+    persisted = Persisted(target_version="v2", last_progress_time=long_ago, held=held)
+    pods = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1")]
+    s = spec(progressDeadlineSeconds=60, canary=1)  # promoted: pauseAfterCanary now false
+    p = run(s, pods, FRESH, persisted)
+    assert (p.persisted.abort_reason == Reason.PROGRESS_DEADLINE_EXCEEDED) is halted
+    if not halted:
+        assert claimed(p) == ["p1"]
+        assert p.persisted.last_progress_time != long_ago
+
+
+def test_persisted_remembers_a_hold_from_the_status_phase() -> None:
+    status = WeightUpdateStatus(target_version="v2", phase=Phase.PAUSED)
+    assert Persisted.from_status(status, "v2").held
+    assert not Persisted.from_status(
+        status.model_copy(update={"phase": Phase.PROGRESSING}), "v2"
+    ).held
+    assert not Persisted.from_status(status, "v3").held  # a new version starts from scratch

@@ -17,11 +17,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from weightroll_operator.api import v1alpha1 as api
 from weightroll_operator.status_view import main, render
 
-from tests.harness.kube_fleet import fleet_emulator
+from tests.harness.kube_fleet import fleet_emulator, write_kubeconfig
 
 NS = "ml"
 
@@ -307,23 +306,6 @@ def test_render_keeps_only_the_last_events() -> None:
 # ---- the command against kmock ------------------------------------------------------------
 
 
-def _kubeconfig(tmp_path: Path, url: str) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-                "users": [{"name": "me", "user": {"token": "t"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "me"}}],
-                "current-context": "kmock",
-            }
-        )
-    )
-    return path
-
-
 async def _create(http: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> None:
     async with http.post(path, json=body) as resp:
         assert resp.status < 400, await resp.text()
@@ -348,7 +330,7 @@ async def test_command_against_kmock(
             }
             obj = {**event, "involvedObject": involved, "metadata": {"name": f"e{i}"}}
             await _create(http, f"/api/v1/namespaces/{NS}/events", obj)
-        config = _kubeconfig(tmp_path, url)
+        config = write_kubeconfig(tmp_path, url)
         argv = [name, "-n", NS, "--kubeconfig", str(config)]
         rc = await asyncio.to_thread(main, argv)
         out = capsys.readouterr()
@@ -377,7 +359,7 @@ def test_missing_kubeconfig_is_one_line_with_the_fix(
 def test_unreachable_api_server_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _kubeconfig(tmp_path, "http://127.0.0.1:9")  # discard port: connection refused
+    config = write_kubeconfig(tmp_path, "http://127.0.0.1:9")  # discard port: connection refused
     assert main(["llama-v2", "--kubeconfig", str(config)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
