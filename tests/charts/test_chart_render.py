@@ -431,3 +431,14 @@ def test_crd_schema_is_structural() -> None:
             "not structural (use x-kubernetes-int-or-string with plain minimum/pattern instead of "
             f"typed anyOf branches): {problems}"
         )
+
+
+def test_artifacthub_changes_annotation_is_a_valid_change_list() -> None:
+    """Artifact Hub parses ``artifacthub.io/changes`` as YAML: a list of {kind, description}."""
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    changes = yaml.safe_load(meta["annotations"]["artifacthub.io/changes"])
+    kinds = {"added", "changed", "deprecated", "removed", "fixed", "security"}
+    assert isinstance(changes, list) and changes
+    for change in changes:
+        assert set(change) == {"kind", "description"} and change["kind"] in kinds, change
+        assert isinstance(change["description"], str) and change["description"], change
