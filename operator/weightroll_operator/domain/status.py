@@ -13,6 +13,7 @@ from typing import Any
 from weightroll_operator.api.v1alpha1 import (
     Condition,
     ConditionType,
+    OnFailure,
     Phase,
     PodResult,
     ReplicaCounts,
@@ -54,12 +55,18 @@ _STATE_OF = {
 
 
 def compute_counts(plan: Plan, spec: WeightUpdateSpec) -> ReplicaCounts:
-    """Pods by state. ``stale``: not at the version and not being worked on right now."""
+    """Pods by state. ``stale``: not at the version and not being worked on right now.
+
+    After a halt with ``onFailure: Rollback`` the rollout's aim is the previous version again:
+    pods it never touched already serve it, so they are not stale (the fleet is uniform, and
+    ``WeightFleetStale`` must not fire next to ``WeightUpdateFailed`` for the same rollback).
+    """
     classes = list(plan.classes.values())
-    held = plan.persisted.aborted_at is not None or plan.paused_reason is not None
-    held = held or bool(plan.blocked_by)
+    aborted = plan.persisted.aborted_at is not None
+    rolling_back = aborted and spec.strategy.on_failure is OnFailure.ROLLBACK
+    held = aborted or plan.paused_reason is not None or bool(plan.blocked_by)
     stale_classes = {PodClass.FOREIGN, PodClass.UNKNOWN, PodClass.BLOCKED}
-    if held:
+    if held and not rolling_back:
         stale_classes.add(PodClass.PENDING)
     verified = sum(
         1

@@ -335,6 +335,21 @@ def test_new_pods_are_stale_while_paused() -> None:
     assert compute_counts(p, s).stale == 1
 
 
+@pytest.mark.parametrize(("on_failure", "stale"), [("Halt", 1), ("Rollback", 0)])
+def test_untouched_pods_after_a_halt_are_stale_unless_rolled_back(
+    on_failure: str, stale: int
+) -> None:
+    """After a rollback every pod serves the previous version again: nothing is stale."""
+    from weightroll_operator.domain.status import compute_counts
+
+    aborted = Persisted(target_version="v2", aborted_at="x", abort_reason="FailureBudgetExceeded")
+    pods = [pod("p0", gate=False, ready=False, st=state(UnitState.FAILED)), pod("p1")]
+    s = spec(onFailure=on_failure)
+    p = run(s, pods, FRESH, aborted)
+    assert "p1" not in claimed(p)  # a halt starts nothing new (a rollback drains p0 only)
+    assert compute_counts(p, s).stale == stale
+
+
 def test_pods_driven_by_another_update_block_the_rollout() -> None:
     pods = [pod("p0", st=state(by=OTHER, version="v3")), pod("p1")]
     p = run(spec(maxUnavailable=2), pods, FRESH)
