@@ -217,7 +217,8 @@ class RankReport(WireModel):
     #: Storage and kernel identity unchanged since begin.
     identity_ok: bool = True
     identity_problems: list[str] = Field(default_factory=list)
-    #: SHA-256 over the sorted required shard keys: equal on ranks that agree on the plan.
+    #: SHA-256 over the sorted required shard keys: equal on ranks that agree on the plan
+    #: (compared only among ranks of one pipeline stage and expert-parallel rank).
     coverage_hash: str = ""
     #: SHA-256 over the live bytes of the touched modules after commit.
     digest: str = ""

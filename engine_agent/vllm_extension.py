@@ -46,7 +46,13 @@ def check_vllm_version(version: str) -> None:
         )
 
 
-def _rank_id() -> RankId:
+def _rank_id(expert_parallel: bool = False) -> RankId:
+    """This worker's position; ``ep`` is set only when expert parallelism is enabled.
+
+    vLLM builds an EP group even without ``enable_expert_parallel`` (it then spans the TP
+    ranks, which all hold every expert); reporting its rank there would make TP ranks look like
+    ranks that may legitimately own different shards, so the agent would stop comparing them.
+    """
     from vllm.distributed import parallel_state as ps
 
     def rank_of(getter: str) -> int:
@@ -57,15 +63,16 @@ def _rank_id() -> RankId:
 
     return RankId(
         dp=rank_of("get_data_parallel_rank") if hasattr(ps, "get_data_parallel_rank") else 0,
-        pp=_pp_rank(ps),
+        pp=_group_rank(ps, "get_pp_group"),
         tp=rank_of("get_tensor_model_parallel_rank"),
+        ep=_group_rank(ps, "get_ep_group") if expert_parallel else 0,
     )
 
 
-def _pp_rank(ps: Any) -> int:
+def _group_rank(ps: Any, getter: str) -> int:
     try:
-        return int(ps.get_pp_group().rank_in_group)
-    except Exception:
+        return int(getattr(ps, getter)().rank_in_group)
+    except Exception:  # group not initialised (single process)
         return 0
 
 
@@ -86,7 +93,7 @@ class WeightRollExtension:
                 model=model,
                 device=next(model.parameters()).device,
                 act_dtype=worker.vllm_config.model_config.dtype,
-                rank=_rank_id(),
+                rank=_rank_id(bool(worker.vllm_config.parallel_config.enable_expert_parallel)),
                 boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
             )
             self._weightroll_rank_engine = engine

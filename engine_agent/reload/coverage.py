@@ -9,7 +9,9 @@ A :class:`ShardKey` is ``(module, param, shard)`` where ``shard`` is the loader'
 ``"*"`` for an unsharded parameter, ``"q"|"k"|"v"`` for QKV, ``"0"|"1"`` for merged column
 linears, ``"e<expert>:w1|w2|w3"`` for fused MoE experts (only experts this rank owns). TP
 slicing is rank-local (each rank's ledger describes its own slice), so the same key set on
-every TP rank means the ranks agree on the plan.
+every TP rank means the ranks agree on the plan. Pipeline stages (their own layers only) and
+expert-parallel ranks (their own experts only) legitimately expect different key sets; the
+sidecar compares hashes only among ranks of one ``(pp, ep)`` group.
 """
 
 from __future__ import annotations

@@ -12,15 +12,30 @@ Rules, in the order they are checked:
        result or a repeated rank key is a failure even if every present rank said ``ok``.
     3. Every rank reports ``ok`` (its error is quoted).
     4. Every rank talks about the same update id (and, at commit, the target version).
-    5. At commit: every rank is ``clean``, has no missing or duplicate shard, identity unchanged,
-       a non-empty digest, the same non-empty coverage-set hash, and ranks that differ only in
-       ``dp`` (replicas of the same shard) report the same digest.
+    5. At commit: every rank is ``clean``, has no missing or duplicate shard against its own
+       required set, identity unchanged, a non-empty digest, and a coverage-set hash of a
+       non-empty set of received shards; ranks that must hold the same shard keys report the
+       same coverage hash; and ranks that differ only in ``dp`` (replicas of the same shard)
+       report the same digest.
+
+Which ranks must hold the same shard keys (rule 5): those in the same pipeline stage (``pp``)
+with the same expert-parallel rank (``ep``), i.e. ranks that differ only in ``tp`` and/or ``dp``.
+A TP rank holds its own slice of every module, but the shard *keys* (``qkv_proj.weight[q]``) are
+the same on every TP rank. Ranks of different pipeline stages own different layers, and with
+expert parallelism each ``ep`` rank owns different experts (``w13_weight[e2:w1]``), so their key
+sets, and hashes, differ legitimately and are not compared. What the cross-rank equality
+guards against — a rank that planned the wrong or an empty set — is kept per group, plus two
+per-rank guards that need no peer: the set must be non-empty (a rank that received nothing, or
+whose hash is that of the empty set, fails ``coverage_empty``), and it must be complete against
+the rank's own required set (``coverage_incomplete`` / ``duplicate_shard``). A rank whose
+``ep`` is wrongly reported as 0 lands in one group with its TP peers and fails closed.
 
 The module is pure: no I/O, no clock; table-driven tests cover every rule.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -42,6 +57,9 @@ __all__ = [
 
 #: How many ranks a problem message names before it says "and N more".
 MAX_NAMED: Final = 8
+
+#: ``coverage_hash`` of the empty shard set (SHA-256 of no bytes; see reload/coverage.py).
+EMPTY_COVERAGE_HASH: Final = hashlib.sha256(b"").hexdigest()
 
 _SEVERITY: Final[dict[EngineState, int]] = {
     EngineState.CLEAN: 0,
@@ -292,20 +310,7 @@ def check_commit(
     no_digest = ranks_where(lambda report: not report.digest)
     if no_digest:
         problems.append(Problem("digest_missing", f"ranks sent no digest: {_names(no_digest)}"))
-    hashes = {report.coverage_hash for report in reports}
-    if "" in hashes:
-        problems.append(
-            Problem(
-                "coverage_hash_missing",
-                "ranks sent no coverage hash: "
-                + _names(ranks_where(lambda report: not report.coverage_hash)),
-            )
-        )
-    if len(hashes - {""}) > 1:
-        by_hash = sorted(f"{report.rank.key}={report.coverage_hash[:12]}" for report in reports)
-        problems.append(
-            Problem("coverage_hash_mismatch", f"ranks disagree on the plan: {_names(by_hash)}")
-        )
+    problems += _check_coverage(reports)
     replicas: dict[tuple[int, int, int], set[str]] = {}
     for report in reports:
         key = (report.rank.pp, report.rank.tp, report.rank.ep)
@@ -321,6 +326,44 @@ def check_commit(
             )
         )
     return RankRound(round_.call, reports, tuple(problems))
+
+
+def _check_coverage(reports: Sequence[RankReport]) -> list[Problem]:
+    """Rule 5, coverage part: non-empty on every rank, equal within each ``(pp, ep)`` group."""
+    problems: list[Problem] = []
+    no_hash = sorted(report.rank.key for report in reports if not report.coverage_hash)
+    if no_hash:
+        problems.append(
+            Problem("coverage_hash_missing", f"ranks sent no coverage hash: {_names(no_hash)}")
+        )
+    empty = sorted(
+        report.rank.key
+        for report in reports
+        if report.coverage_hash
+        and (report.received == 0 or report.coverage_hash == EMPTY_COVERAGE_HASH)
+    )
+    if empty:
+        problems.append(
+            Problem("coverage_empty", f"ranks received no shard in this update: {_names(empty)}")
+        )
+    groups: dict[tuple[int, int], list[RankReport]] = {}
+    for report in reports:
+        if report.coverage_hash:
+            groups.setdefault((report.rank.pp, report.rank.ep), []).append(report)
+    split: list[str] = []
+    for group in sorted(groups):
+        members = groups[group]
+        if len({member.coverage_hash for member in members}) > 1:
+            split.extend(sorted(f"{m.rank.key}={m.coverage_hash[:12]}" for m in members))
+    if split:
+        problems.append(
+            Problem(
+                "coverage_hash_mismatch",
+                "ranks of the same pipeline stage and expert rank disagree on the plan: "
+                + _names(split),
+            )
+        )
+    return problems
 
 
 def collect_states(results: Sequence[Any], world_size: int) -> StateRound:

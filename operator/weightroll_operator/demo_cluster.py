@@ -627,7 +627,7 @@ class ClusterDemo:
                 rows = {}
                 for name in PODS:
                     stage, version = self._stage(name, pods[name])
-                    rows[name] = f"{stage:<18} {version}"
+                    rows[name] = f"{stage:<22} {version}"
                 self.most_out = max(
                     self.most_out, sum(1 for n in PODS if not self._serving(pods[n]))
                 )

@@ -7,14 +7,13 @@ exactly one rank fail its load, which no outside input can do to a real engine.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness.engines import Engine, start_engine
+from tests.harness.engines import TWO_RANK_BINDING, Engine, environ, start_engine
 
 pytestmark = pytest.mark.tp2
 
@@ -24,27 +23,18 @@ def tp2(
     checkpoints: Callable[[str, int], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
     failpoints = tmp_path_factory.mktemp("tp2") / "failpoints"
-    saved = {
-        k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "WEIGHTROLL_FAILPOINTS_FILE")
-    }
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    os.environ["WEIGHTROLL_FAILPOINTS_FILE"] = str(failpoints)
-    engine = start_engine(checkpoints("llama", 0), tensor_parallel_size=2)
-    try:
-        yield {
-            "engine": engine,
-            "a": checkpoints("llama", 0),
-            "b": checkpoints("llama", 1),
-            "failpoints": failpoints,
-            "boot": engine.outputs(),
-        }
-    finally:
-        engine.close()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environ({**TWO_RANK_BINDING, "WEIGHTROLL_FAILPOINTS_FILE": str(failpoints)}):
+        engine = start_engine(checkpoints("llama", 0), tensor_parallel_size=2)
+        try:
+            yield {
+                "engine": engine,
+                "a": checkpoints("llama", 0),
+                "b": checkpoints("llama", 1),
+                "failpoints": failpoints,
+                "boot": engine.outputs(),
+            }
+        finally:
+            engine.close()
 
 
 def test_each_rank_reports_its_own_coverage_and_one_failing_rank_poisons(

@@ -11,9 +11,11 @@ that matters for sampling.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,24 +101,47 @@ class Engine:
         gc.collect()
 
 
+#: Two ranks on two cores: one OpenMP thread per rank, each on its own core.
+TWO_RANK_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for a module-scoped engine fixture, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def start_engine(model_dir: Path, **kwargs: Any) -> Engine:
-    """Start an engine on ``model_dir`` (bf16, eager, tiny KV cache) with the probe extension."""
+    """Start an engine on ``model_dir`` (bf16, eager, tiny KV cache) with the probe extension.
+
+    ``kwargs`` are passed to ``LLM`` and override those defaults (e.g. ``enforce_eager=False``
+    for pipeline parallelism, see tests/engine/test_pp2.py).
+    """
     from vllm import LLM
 
     assert (
         os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         or kwargs.get("tensor_parallel_size", 1) > 1
+        or kwargs.get("pipeline_parallel_size", 1) > 1
     ), "engine tests run vLLM in-process; see tests/engine/conftest.py"
-    llm = LLM(
-        model=str(model_dir),
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        dtype="bfloat16",
-        seed=0,
-        worker_extension_cls=EXTENSION,
-        **kwargs,
-    )
+    options: dict[str, Any] = {
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "max_num_seqs": 4,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "worker_extension_cls": EXTENSION,
+    }
+    llm = LLM(model=str(model_dir), **(options | kwargs))
     return Engine(llm, Path(model_dir))
 
 

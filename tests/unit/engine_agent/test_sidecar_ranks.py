@@ -8,6 +8,7 @@ import pytest
 
 from engine_agent.protocol import EngineState
 from engine_agent.sidecar.ranks import (
+    EMPTY_COVERAGE_HASH,
     check_commit,
     check_session,
     collect_reports,
@@ -16,10 +17,10 @@ from engine_agent.sidecar.ranks import (
 )
 
 
-def report(tp: int = 0, dp: int = 0, **fields: Any) -> dict[str, Any]:
+def report(tp: int = 0, dp: int = 0, pp: int = 0, ep: int = 0, **fields: Any) -> dict[str, Any]:
     """A finish report of a rank that committed ``v2`` in update ``u-1``."""
     base: dict[str, Any] = {
-        "rank": {"dp": dp, "pp": 0, "tp": tp, "ep": 0},
+        "rank": {"dp": dp, "pp": pp, "tp": tp, "ep": ep},
         "call": "finish",
         "ok": True,
         "state": "clean",
@@ -65,6 +66,7 @@ def codes(results: list[Any], world: int = 2) -> list[str]:
         ([report(0), report(1, state="poisoned")], 2, ["not_committed"]),
         ([report(0), report(1, coverageHash="other")], 2, ["coverage_hash_mismatch"]),
         ([report(0), report(1, coverageHash="")], 2, ["coverage_hash_missing"]),
+        ([report(0), report(1, received=0)], 2, ["coverage_empty"]),
         ([report(0), report(1, digest="")], 2, ["digest_missing"]),
         (
             [report(0), report(1, missing=["layers.0.qkv:k"], missingCount=3)],
@@ -82,6 +84,119 @@ def codes(results: list[Any], world: int = 2) -> list[str]:
 )
 def test_commit_rules(results: list[Any], world: int, expected: list[str]) -> None:
     assert codes(results, world) == expected
+
+
+# Rule 5 coverage grouping: ranks are compared only within one (pp, ep) group, i.e. with the
+# ranks that differ from them only in tp/dp and so must hold the same shard keys.
+@pytest.mark.parametrize(
+    ("results", "expected"),
+    [
+        pytest.param(
+            [report(0), report(1, coverageHash="other")],
+            ["coverage_hash_mismatch"],
+            id="tp2-mismatch-fails",
+        ),
+        pytest.param(
+            [report(0, pp=0, coverageHash="stage0"), report(0, pp=1, coverageHash="stage1")],
+            [],
+            id="pp2-stages-differ-passes",
+        ),
+        pytest.param(
+            [
+                report(0, pp=0, coverageHash="stage0"),
+                report(1, pp=0, coverageHash="stage0"),
+                report(0, pp=1, coverageHash="stage1"),
+                report(1, pp=1, coverageHash="stage1"),
+            ],
+            [],
+            id="pp2-tp2-equal-within-stage-passes",
+        ),
+        pytest.param(
+            [
+                report(0, pp=0, coverageHash="stage0"),
+                report(1, pp=0, coverageHash="stage0"),
+                report(0, pp=1, coverageHash="stage1"),
+                report(1, pp=1, coverageHash="other"),
+            ],
+            ["coverage_hash_mismatch"],
+            id="pp2-tp2-same-stage-disagrees-fails",
+        ),
+        pytest.param(
+            [report(0, ep=0, coverageHash="e0-e1"), report(1, ep=1, coverageHash="e2-e3")],
+            [],
+            id="ep2-different-experts-passes",
+        ),
+        pytest.param(
+            [
+                report(0, dp=0, ep=0, coverageHash="e0-e1"),
+                report(0, dp=1, ep=1, coverageHash="e2-e3", digest="digest-ep1"),
+            ],
+            [],
+            id="ep-across-dp-different-experts-and-bytes-passes",
+        ),
+        pytest.param(
+            [report(0, ep=0, coverageHash="e0-e1"), report(1, ep=0, coverageHash="e2-e3")],
+            ["coverage_hash_mismatch"],
+            id="experts-differ-without-ep-rank-fails",
+        ),
+        pytest.param(
+            [report(0, pp=0), report(0, pp=1, coverageHash="")],
+            ["coverage_hash_missing"],
+            id="pp-stage-without-hash-fails",
+        ),
+        pytest.param(
+            [report(0, pp=0), report(0, pp=1, coverageHash=EMPTY_COVERAGE_HASH)],
+            ["coverage_empty"],
+            id="pp-stage-with-empty-set-fails",
+        ),
+        pytest.param(
+            [report(0, ep=0), report(1, ep=1, received=0)],
+            ["coverage_empty"],
+            id="ep-rank-received-nothing-fails",
+        ),
+        pytest.param(
+            [
+                report(0, coverageHash=EMPTY_COVERAGE_HASH),
+                report(1, coverageHash=EMPTY_COVERAGE_HASH),
+            ],
+            ["coverage_empty"],
+            id="tp-ranks-agreeing-on-empty-set-fail",
+        ),
+        pytest.param(
+            [report(0, pp=0), report(0, pp=1, missing=["lm_head.weight"], missingCount=1)],
+            ["coverage_incomplete"],
+            id="pp-stage-incomplete-fails",
+        ),
+        pytest.param(
+            [report(0, ep=0), report(1, ep=1, duplicates=["x.w2_weight[e2:w2]"])],
+            ["duplicate_shard"],
+            id="ep-rank-duplicate-fails",
+        ),
+    ],
+)
+def test_coverage_is_compared_within_pp_ep_groups(results: list[Any], expected: list[str]) -> None:
+    assert codes(results, len(results)) == expected
+
+
+def test_coverage_mismatch_names_only_the_disagreeing_group() -> None:
+    round_ = check_commit(
+        collect_reports(
+            "weightroll_finish",
+            [
+                report(0, pp=0, coverageHash="aaa"),
+                report(1, pp=0, coverageHash="aaa"),
+                report(0, pp=1, coverageHash="bbb"),
+                report(1, pp=1, coverageHash="zzz"),
+            ],
+            4,
+        ),
+        "u-1",
+        "v2",
+    )
+    assert [str(p) for p in round_.problems] == [
+        "coverage_hash_mismatch: ranks of the same pipeline stage and expert rank disagree on "
+        "the plan: dp0:pp1:tp0:ep0=bbb, dp0:pp1:tp1:ep0=zzz"
+    ]
 
 
 def test_problem_messages_name_ranks_and_values() -> None:
