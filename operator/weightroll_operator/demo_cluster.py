@@ -47,6 +47,7 @@ from weightroll_operator.devcluster.apiserver import (
     SCRIPT,
     KubeCluster,
     apiserver_binary,
+    run_kubectl,
     start_apiserver,
     stop_apiserver,
 )
@@ -158,14 +159,7 @@ class ClusterDemo:
 
     def kubectl(self, *args: str, input_: str | None = None, check: bool = True) -> str:
         assert self.cluster is not None
-        proc = subprocess.run(
-            ["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", *args],
-            input=input_,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        proc = run_kubectl(self.cluster.kubeconfig, *args, input_=input_)
         if check and proc.returncode != 0:
             raise DemoError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
         return proc.stdout

@@ -37,6 +37,7 @@ from weightroll_operator.devcluster.apiserver import (
     SCRIPT,
     KubeCluster,
     apiserver_binary,
+    run_kubectl,
     start_apiserver,
     stop_apiserver,
 )
@@ -69,18 +70,9 @@ def kubectl(
     Raises:
         AssertionError: with kubectl's stderr when ``check`` and it exits non-zero.
     """
-    exe = shutil.which("kubectl")
-    if exe is None:
+    if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
-    cfg = kubeconfig or cluster.kubeconfig
-    proc = subprocess.run(
-        [exe, f"--kubeconfig={cfg}", *args],
-        input=input_,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    proc = run_kubectl(kubeconfig or cluster.kubeconfig, *args, input_=input_)
     if check and proc.returncode != 0:
         raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc

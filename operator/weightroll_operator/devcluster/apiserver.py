@@ -24,6 +24,7 @@ __all__ = [
     "KubeCluster",
     "apiserver_binary",
     "free_ports",
+    "run_kubectl",
     "start_apiserver",
     "stop_apiserver",
 ]
@@ -69,6 +70,20 @@ def apiserver_binary() -> Path | None:
     )
     path = proc.stdout.strip()
     return Path(path) if proc.returncode == 0 and path else None
+
+
+def run_kubectl(
+    kubeconfig: Path, *args: str, input_: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``kubectl --kubeconfig=KUBECONFIG ARGS``; the caller checks ``returncode``."""
+    return subprocess.run(
+        ["kubectl", f"--kubeconfig={kubeconfig}", *args],
+        input=input_,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
 
 
 def free_ports(count: int) -> list[int]:

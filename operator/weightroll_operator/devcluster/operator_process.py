@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from weightroll_operator.devcluster.apiserver import free_ports
+from weightroll_operator.devcluster.apiserver import free_ports, run_kubectl
 
 __all__ = [
     "RunningOperator",
@@ -143,22 +143,16 @@ def wait_authorized(
     """
     deadline = time.monotonic() + timeout
     while True:
-        out = subprocess.run(
-            [
-                "kubectl",
-                f"--kubeconfig={kubeconfig}",
-                "auth",
-                "can-i",
-                "patch",
-                "pods",
-                "--subresource=status",
-                "-n",
-                namespace,
-                f"--as=system:serviceaccount:{namespace}:{service_account}",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
+        out = run_kubectl(
+            kubeconfig,
+            "auth",
+            "can-i",
+            "patch",
+            "pods",
+            "--subresource=status",
+            "-n",
+            namespace,
+            f"--as=system:serviceaccount:{namespace}:{service_account}",
             timeout=30,
         ).stdout.strip()
         if out == "yes":
