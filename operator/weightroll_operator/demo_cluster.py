@@ -62,6 +62,7 @@ from weightroll_operator.devcluster.workload import (
     TOKEN_SECRET,
     WORKLOAD,
     corrupt_tensor_file,
+    default_service_account,
     engine_env,
     pods_from_deployment,
     workload_values,
@@ -304,14 +305,7 @@ class ClusterDemo:
         finally:
             config.close()
         # The built-in apiserver has no controller-manager: create the default ServiceAccount.
-        self.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "ServiceAccount",
-                "metadata": {"name": "default", "namespace": NAMESPACE},
-                "automountServiceAccountToken": False,
-            }
-        )
+        self.apply(default_service_account(NAMESPACE))
 
     def start_simulator(self) -> None:
         from weightroll_operator.devcluster import PodSimulator, SimulatorConfig, SimulatorThread

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 from weightroll_operator.devcluster.operator_process import write_token_kubeconfig
+from weightroll_operator.devcluster.workload import default_service_account
 
 from tests.charts.helpers import (
     CHART,
@@ -225,12 +226,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
     ns = f"rbac-{uuid.uuid4().hex[:6]}"
     objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": "default", "namespace": ns},
-            "automountServiceAccountToken": False,
-        },
+        default_service_account(ns),
         {
             "apiVersion": "v1",
             "kind": "Secret",

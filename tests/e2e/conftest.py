@@ -46,6 +46,7 @@ from weightroll_operator.devcluster.workload import (
     TOKEN_SECRET,
     WORKLOAD,
     corrupt_tensor_file,
+    default_service_account,
     engine_env,
     pods_from_deployment,
     workload_values,
@@ -335,14 +336,7 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             "apply",
             "-f",
             "-",
-            input_=yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "ServiceAccount",
-                    "metadata": {"name": "default", "namespace": NAMESPACE},
-                    "automountServiceAccountToken": False,
-                }
-            ),
+            input_=yaml.safe_dump(default_service_account(NAMESPACE)),
         )
         sim.start()
         wait_authorized(kube_cluster.kubeconfig, NAMESPACE, "weightroll-operator")

@@ -33,6 +33,7 @@ from weightroll_operator.devcluster.operator_process import (
     stop_process,
     wait_authorized,
 )
+from weightroll_operator.devcluster.workload import default_service_account
 
 from tests.e2e.conftest import GATE, NAMESPACE, RELEASE, _operator_kubeconfig
 from tests.harness.apiserver import KubeCluster, kubectl
@@ -157,12 +158,7 @@ def light(chart: KubeCluster, tmp_path: Path) -> Iterator[Light]:
     ns = f"light-{uuid.uuid4().hex[:6]}"
     for obj in (
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": "default", "namespace": ns},
-            "automountServiceAccountToken": False,
-        },
+        default_service_account(ns),
         {
             "apiVersion": "v1",
             "kind": "Secret",

@@ -20,6 +20,7 @@ __all__ = [
     "TOKEN_SECRET",
     "WORKLOAD",
     "corrupt_tensor_file",
+    "default_service_account",
     "engine_env",
     "pods_from_deployment",
     "workload_values",
@@ -116,3 +117,14 @@ def corrupt_tensor_file(checkpoint: Path) -> Path:
     target.unlink()
     target.write_bytes(bytes(data))
     return target
+
+
+def default_service_account(namespace: str) -> dict[str, Any]:
+    """The ``default`` ServiceAccount of ``namespace``: the test apiserver runs no
+    controller-manager to create it, and pods that name no ServiceAccount need it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": namespace},
+        "automountServiceAccountToken": False,
+    }
