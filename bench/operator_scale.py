@@ -118,6 +118,8 @@ class MemAgents:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.version: dict[str, str] = {}
+        #: pod -> id of the update that committed what it serves (the live state reports it)
+        self.committed: dict[str, str] = {}
         self.updates: dict[str, tuple[UpdateRequest, float]] = {}
         self.calls: Counter[str] = Counter()
 
@@ -129,6 +131,7 @@ class MemAgents:
         done = time.monotonic() >= done_at
         if done:
             self.version[pod] = req.version
+            self.committed[pod] = req.id
         return UpdateStatus(
             id=req.id,
             version=req.version,
@@ -146,6 +149,7 @@ class MemAgents:
             ready=True,
             paused=False,
             source=SourceSpec(uri=f"/weights/{version}"),
+            committed_update_id=self.committed.get(target.pod),
         )
 
     async def get_update(self, target: AgentTarget, update_id: str) -> UpdateStatus | None:

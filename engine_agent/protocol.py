@@ -346,7 +346,14 @@ class UpdateStatus(WireModel):
 
 
 class AgentState(WireModel):
-    """Body of ``GET /v1/state``."""
+    """Body of ``GET /v1/state``: what the ranks serve *now*, not what the agent last recorded.
+
+    ``version`` is the live version every rank reports (``weightroll_state``), ``""`` when the
+    ranks cannot be asked or disagree. ``committed_version`` and ``committed_update_id`` are the
+    agent's record of its last commit; ``committed_update_id`` is reported only while the ranks
+    still serve that commit (clean, at ``committed_version``), so a vLLM restarted under the agent
+    (boot weights again) reports ``None`` and a caller never takes an old verdict for a live one.
+    """
 
     version: str
     engine_state: EngineState
@@ -357,3 +364,8 @@ class AgentState(WireModel):
     #: Where the weights now served came from, so a rollback target is known.
     source: SourceSpec | None = None
     message: str = ""
+    #: The version the agent last committed (its record; ``version`` is what the ranks serve).
+    committed_version: str | None = None
+    #: The update id that committed what the ranks serve now; ``None`` when they do not serve it
+    #: (restarted, poisoned, in an update) or nothing was committed since the agent started.
+    committed_update_id: str | None = None

@@ -315,20 +315,36 @@ class Agent:
         paused = bool(observation and observation.paused)
         if self.store.active is not None:
             paused = self.store.active.phase is not UpdatePhase.PENDING
-        version = memory.expected_version
-        if version is None and self._last_ranks:
-            version = self._last_ranks[0].version
+        # What the ranks serve now (one version on every rank), never the agent's record alone:
+        # a vLLM restarted under a committed agent serves its boot weights again.
+        live = {r.version for r in self._last_ranks}
+        reachable = observation is None or observation.reachable or self._updating()
+        version = next(iter(live)) if len(live) == 1 and reachable else ""
+        serves_commit = (
+            not self._updating()
+            and version != ""
+            and version == memory.expected_version
+            and self._last_state is EngineState.CLEAN
+        )
         message = "; ".join(reasons) if not ready else self._message
         return AgentState(
-            version=version or "",
+            version=version,
             # Unknown (vLLM never reached) is reported as poisoned: not safe to serve.
             engine_state=self._last_state or EngineState.POISONED,
             ready=ready,
             paused=paused,
             active_update_id=self.store.active_id,
             ranks=list(self._last_ranks),
-            source=memory.source,
+            # where the weights the ranks serve came from (unknown after a restart under us
+            # unless they are the boot weights)
+            source=memory.source
+            if version == memory.expected_version
+            else self.config.initial_source
+            if version and version == self.config.initial_version
+            else None,
             message=message,
+            committed_version=memory.expected_version,
+            committed_update_id=memory.committed_update_id if serves_commit else None,
         )
 
     # ------------------------------------------------------------------ observation & guard
@@ -660,6 +676,7 @@ class Agent:
             memory = self.store.memory
             memory.expected_version = request.version
             memory.source = request.source
+            memory.committed_update_id = request.id
             memory.hold = memory.hold_code = None
             self.store.save()
             await self.client.resume()

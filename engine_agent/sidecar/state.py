@@ -106,6 +106,8 @@ class AgentMemory:
     hold: str | None = None
     #: Problem code of the hold (metric label).
     hold_code: str | None = None
+    #: Id of the update that committed ``expected_version`` (``None``: boot weights).
+    committed_update_id: str | None = None
 
 
 class Store:
@@ -139,6 +141,7 @@ class Store:
             "source": None if self.memory.source is None else self.memory.source.to_wire(),
             "hold": self.memory.hold,
             "holdCode": self.memory.hold_code,
+            "committedUpdateId": self.memory.committed_update_id,
         }
         path = self.state_dir / STATE_FILE
         tmp = path.with_name(f".{STATE_FILE}.tmp")
@@ -163,6 +166,7 @@ class Store:
                 source=None if source is None else SourceSpec.model_validate(source),
                 hold=document.get("hold"),
                 hold_code=document.get("holdCode"),
+                committed_update_id=document.get("committedUpdateId"),
             )
             active_id = document.get("activeId")
         except FileNotFoundError:

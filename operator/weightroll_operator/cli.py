@@ -2,8 +2,9 @@
 
 Each subcommand imports its implementation lazily, so ``weightroll operator`` never imports the
 sidecar and ``weightroll agent`` never imports kopf. Subcommand modules expose
-``main(argv: list[str]) -> int`` and own their ``--help``; the day-2 verbs ``pause``, ``resume``
-and ``promote`` share one module, whose ``main`` gets the verb as its first argument.
+``main(argv: list[str]) -> int`` and own their ``--help``; the day-2 verbs ``pause``,
+``resume``, ``promote``, ``abort`` and ``retry`` share one module, whose ``main`` gets the verb
+as its first argument.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-#: ``weightroll pause|resume|promote``: one module; its ``main`` gets the verb first.
+#: ``weightroll pause|resume|promote|abort|retry``: one module; its ``main`` gets the verb first.
 CONTROL = "weightroll_operator.control"
 #: subcommand -> (module exposing ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -44,6 +45,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "promote": (
         CONTROL,
         "promote a WeightUpdate NAME held after its canary (spec.strategy.pauseAfterCanary)",
+    ),
+    "abort": (
+        CONTROL,
+        "halt a WeightUpdate NAME: nothing new starts; onFailure Rollback rolls back",
+    ),
+    "retry": (
+        CONTROL,
+        "resume a WeightUpdate NAME after any halt: failed pods are tried again",
     ),
     "demo": (
         "weightroll_operator.demo_cluster",

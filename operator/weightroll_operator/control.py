@@ -1,7 +1,9 @@
-"""``weightroll pause|resume|promote NAME``: steer a rollout through the intents of its spec.
+"""``weightroll pause|resume|promote|abort|retry NAME``: steer a rollout through its intents.
 
-Each verb is one JSON merge patch of a spec field the operator already honours
-(``domain/plan.py``), so a verb is exactly the ``kubectl patch`` it replaces:
+Each verb is one JSON merge patch of a field the operator already honours (``domain/plan.py``),
+so a verb is exactly the ``kubectl patch`` it replaces — of the spec for ``pause``, ``resume``
+and ``promote``, of the status subresource (the persisted halt intents) for ``abort`` and
+``retry``:
 
 * ``pause``: ``spec.paused: true``. Units in flight finish (drain, reload, verify, traffic back);
   no new unit starts; the phase becomes ``Paused`` once none is in flight. A rollback
@@ -13,6 +15,14 @@ Each verb is one JSON merge patch of a spec field the operator already honours
   unless the status shows the hold (condition ``Paused``, reason ``CanaryComplete``) for the
   spec's current generation; ``--force`` skips the check. The patch is conditional on the
   ``resourceVersion`` read, so a WeightUpdate that changed in between is not promoted blindly.
+* ``abort``: ``status.abortedAt: <now>``, ``status.abortReason: AbortedByUser``. Like any halt:
+  units in flight finish, nothing new starts, phase ``Failed`` — or, with ``onFailure:
+  Rollback``, the touched pods roll back.
+* ``retry``: ``status.abortedAt``/``abortReason`` cleared and ``status.retriedAt: <now>``. Resumes
+  after every kind of halt (``FailureBudgetExceeded``, ``ProgressDeadlineExceeded``,
+  ``CanaryFailed``, ``AbortedByUser``, a finished rollback): pods whose attempt failed (or was
+  rolled back) before ``retriedAt`` are tried again by fresh attempts, and the progress clock
+  restarts.
 
 Invariants: :func:`decide` is pure and alone decides the patch and the line printed; a verb
 whose intent already holds sends nothing and exits 0 (idempotent). Time on hold does not count
@@ -20,8 +30,7 @@ against ``progressDeadlineSeconds``: the operator restarts the progress clock on
 finds a hold released (``domain/plan.py``, ``Persisted.held``).
 
 Limitations: the check reads the status the operator last wrote; it can be up to one pass old.
-There is no ``abort``/``retry`` verb: a halt is the operator's decision (``status.abortedAt``),
-cleared by a status patch or a new ``spec.version``, not a spec intent.
+``abort`` and ``retry`` need ``patch`` on ``weightupdates/status``.
 """
 
 from __future__ import annotations
@@ -31,11 +40,12 @@ import asyncio
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from weightroll_operator.api.v1alpha1 import ConditionType, Phase
-from weightroll_operator.domain.conditions import Reason
+from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.errors import KubeConflict, KubeError
 from weightroll_operator.k8s.client import KubeApi
 from weightroll_operator.status_view import add_target_arguments, kube_error_line, load_config
@@ -47,6 +57,8 @@ class Verb(StrEnum):
     PAUSE = "pause"
     RESUME = "resume"
     PROMOTE = "promote"
+    ABORT = "abort"
+    RETRY = "retry"
 
 
 #: The subcommands this module serves (``weightroll VERB``), in help order.
@@ -72,6 +84,19 @@ _DESCRIPTION = {
         "for the current generation); --force skips that check. The patch applies only "
         "to the version of the object that was checked. Promoting a promoted one changes nothing."
     ),
+    Verb.ABORT: (
+        "Halt a WeightUpdate: merge-patch status.abortedAt=now, status.abortReason="
+        "AbortedByUser (status subresource). Units in flight finish, no new unit starts, the "
+        "phase becomes Failed; with onFailure: Rollback the touched pods roll back. Aborting a "
+        "halted one changes nothing; `weightroll retry` resumes it."
+    ),
+    Verb.RETRY: (
+        "Resume a halted WeightUpdate: merge-patch status.abortedAt=null, abortReason=null, "
+        "retriedAt=now (status subresource). Works after every kind of halt "
+        "(FailureBudgetExceeded, ProgressDeadlineExceeded, CanaryFailed, AbortedByUser, a "
+        "rollback): the pods whose attempt failed or was rolled back are updated again by fresh "
+        "attempts and the progress clock restarts. Nothing to retry changes nothing."
+    ),
 }
 _FORCE_HELP = {
     Verb.PROMOTE: (
@@ -96,12 +121,14 @@ class Outcome:
     line: str
     #: Fields to merge into ``spec``; ``None`` when nothing is sent (done already, or refused).
     patch: Mapping[str, Any] | None = None
+    #: Fields to merge into ``status`` (``abort``, ``retry``), through the status subresource.
+    status_patch: Mapping[str, Any] | None = None
     #: Makes the patch conditional on the version that was checked (``promote`` only).
     resource_version: str | None = None
     refused: bool = False
 
     def __post_init__(self) -> None:
-        if self.refused and self.patch is not None:
+        if self.refused and (self.patch is not None or self.status_patch is not None):
             raise ValueError("a refused verb sends no patch")
 
 
@@ -202,13 +229,53 @@ def _promote(body: Mapping[str, Any], label: str, phase: str, force: bool) -> Ou
     )
 
 
-def decide(verb: Verb, body: Mapping[str, Any], *, force: bool = False) -> Outcome:
+def _abort(body: Mapping[str, Any], label: str, phase: str, now: datetime) -> Outcome:
+    status, spec = body.get("status") or {}, body.get("spec") or {}
+    if status.get("abortedAt"):
+        why = status.get("abortReason") or "halted"
+        return Outcome(
+            f"weightupdate {label} already halted ({why} at {status['abortedAt']}; phase "
+            f"{phase}); nothing changed"
+        )
+    rollback = (spec.get("strategy") or {}).get("onFailure") == "Rollback"
+    effect = (
+        "the touched pods roll back (onFailure: Rollback)"
+        if rollback
+        else "units in flight finish, no new unit starts"
+    )
+    return Outcome(
+        f"weightupdate {label} aborted (phase {phase}; {effect})",
+        status_patch={"abortedAt": timestamp(now), "abortReason": Reason.ABORTED_BY_USER},
+    )
+
+
+def _retry(body: Mapping[str, Any], label: str, phase: str, now: datetime) -> Outcome:
+    status = body.get("status") or {}
+    failed = int((status.get("replicas") or {}).get("failed") or 0)
+    halted = bool(status.get("abortedAt"))
+    if not halted and not failed and phase != Phase.ROLLED_BACK:
+        return Outcome(
+            f"weightupdate {label} is not halted and has no failed pods (phase {phase}); "
+            "nothing changed"
+        )
+    what = f"cleared {status.get('abortReason') or 'the halt'}" if halted else "not halted"
+    return Outcome(
+        f"weightupdate {label} retried ({what}; {failed} failed pods are tried again; "
+        f"phase {phase})",
+        status_patch={"abortedAt": None, "abortReason": None, "retriedAt": timestamp(now)},
+    )
+
+
+def decide(
+    verb: Verb, body: Mapping[str, Any], *, force: bool = False, now: datetime | None = None
+) -> Outcome:
     """What ``verb`` sends for the WeightUpdate ``body`` (as read) and the line it prints.
 
     Args:
         verb: the subcommand.
         body: the WeightUpdate object, status included, as the API server returned it.
         force: ``--force`` (``promote``): lift the hold even when the status does not show it.
+        now: the time written by ``abort`` and ``retry`` (default: the current time).
 
     Returns:
         The outcome: a patch and the line saying what changed, no patch and a line saying
@@ -222,6 +289,10 @@ def decide(verb: Verb, body: Mapping[str, Any], *, force: bool = False) -> Outco
         return _pause(body, label, phase)
     if verb is Verb.RESUME:
         return _resume(body, label, phase, target)
+    if verb is Verb.ABORT:
+        return _abort(body, label, phase, now or datetime.now(UTC))
+    if verb is Verb.RETRY:
+        return _retry(body, label, phase, now or datetime.now(UTC))
     return _promote(body, label, phase, force)
 
 
@@ -233,6 +304,8 @@ async def _steer(api: KubeApi, verb: Verb, namespace: str, name: str, *, force: 
             await api.patch_weightupdate_spec(
                 namespace, name, outcome.patch, resource_version=outcome.resource_version
             )
+        if outcome.status_patch is not None:
+            await api.patch_weightupdate_status(namespace, name, outcome.status_patch)
         return outcome
     finally:
         await api.close()

@@ -21,7 +21,7 @@ from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from weightroll_operator.domain.admission import awaits_admission
 from weightroll_operator.domain.fleet import trim_pod, trim_weightupdate
 from weightroll_operator.errors import InvalidSpec, WeightrollError
-from weightroll_operator.reconcile import Reconciler
+from weightroll_operator.reconcile import Reconciler, backoff_delay
 from weightroll_operator.settings import OperatorConfig, configure_kopf
 
 __all__ = ["Runtime", "register"]
@@ -72,6 +72,10 @@ def register(
     def updates_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, Any]:
         return {namespace or "": trim_weightupdate(body)}
 
+    def retry_in(kw: Mapping[str, Any]) -> float:
+        # API and agent errors back off exponentially with jitter (kopf counts the retries).
+        return backoff_delay(int(kw.get("retry") or 0) + 1, rt.config.interval, 300.0)
+
     async def run(body: kopf.Body, namespace: str | None, indices: Mapping[str, Any]) -> None:
         pods, peers = indices["pods_by_namespace"], indices["updates_by_namespace"]
         try:
@@ -79,7 +83,7 @@ def register(
         except InvalidSpec as e:
             raise kopf.PermanentError(str(e)) from e
         except WeightrollError as e:
-            raise kopf.TemporaryError(str(e), delay=rt.config.interval) from e
+            raise kopf.TemporaryError(str(e), delay=retry_in(indices)) from e
         finally:
             rt.last_pass = time.monotonic()
 
@@ -108,7 +112,10 @@ def register(
     @kopf.on.delete(GROUP, VERSION, PLURAL, id="release", registry=registry)
     async def release_on_delete(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
         pods = _of(kw["pods_by_namespace"], namespace)
-        await rt.reconciler.finalize(body, pods)
+        try:  # the finalizer stays until every owned pod is released
+            await rt.reconciler.finalize(body, pods)
+        except WeightrollError as e:
+            raise kopf.TemporaryError(str(e), delay=retry_in(kw)) from e
         if rt.config.admit_unmanaged_pods:
             peers = _of(kw["updates_by_namespace"], namespace)
             await rt.reconciler.admit_all(pods, peers, gone=body.metadata.name)

@@ -9,7 +9,7 @@ benchmark can make their own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -96,13 +96,18 @@ class Metrics:
             registry=r,
         )
 
-    def forget(self, namespace: str, name: str) -> int:
+    def forget(
+        self, namespace: str, name: str, keep_drained: Mapping[str, float] | None = None
+    ) -> int:
         """Remove every series of one WeightUpdate (it was deleted); return how many.
 
         A deleted WeightUpdate's last phase gauge would otherwise stay exported until the
         operator restarts, and alerts such as a Failed phase would keep firing for an object
-        that no longer exists.
+        that no longer exists. Pods it left drained (``keep_drained``: pod -> drained since)
+        keep their ``drained_since`` series, so ``WeightReplicaLeftDrained`` keeps firing while
+        the capacity is lost; :meth:`restored` removes them once the pod serves again.
         """
+        keep = dict(keep_drained or {})
         removed = 0
         for metric in self._per_weightupdate():
             names = metric._labelnames  # no public accessor
@@ -113,12 +118,28 @@ class Metrics:
                 if sample.labels.get("namespace") == namespace and sample.labels.get("name") == name
             }
             for key in keys:
+                if metric is self.drained_since and key[-1] in keep:
+                    continue
                 with contextlib.suppress(KeyError):
                     metric.remove(*key)
                     removed += 1
+        for pod, since in keep.items():
+            self.drained_since.labels(namespace, name, pod).set(since)
         self._drained.pop((namespace, name), None)
+        if keep:
+            self._drained[(namespace, name)] = set(keep)
         self._unreachable.pop((namespace, name), None)
         return removed
+
+    def restored(self, namespace: str, name: str, pods: Iterable[str]) -> None:
+        """Remove the drained series of ``pods`` left drained by the deleted ``name``."""
+        seen = self._drained.get((namespace, name), set())
+        for pod in pods:
+            with contextlib.suppress(KeyError):
+                self.drained_since.remove(namespace, name, pod)
+            seen.discard(pod)
+        if not seen:
+            self._drained.pop((namespace, name), None)
 
     def _per_weightupdate(self) -> tuple[Counter | Gauge | Histogram, ...]:
         return (

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
 
+from engine_agent.protocol import EngineState, UpdatePhase
 from weightroll_operator.api.v1alpha1 import (
     Phase,
     WeightUpdateSpec,
@@ -41,10 +43,11 @@ from weightroll_operator.apply import (
     write_gate,
 )
 from weightroll_operator.domain import admission
-from weightroll_operator.domain.actions import AbortUpdate, Action, Emit, Settle
-from weightroll_operator.domain.conditions import Reason
+from weightroll_operator.domain.actions import Action, Claim, Emit, GateOff, GateOn, Settle
+from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import pod_view, select_pods
 from weightroll_operator.domain.model import (
+    CONDITION_WEIGHTS_READY,
     AgentView,
     OwnerKey,
     PodView,
@@ -67,6 +70,7 @@ from weightroll_operator.domain.plan import (
     plan,
     queries,
 )
+from weightroll_operator.domain.release import release
 from weightroll_operator.domain.status import build_status, invalid_status, status_patch
 from weightroll_operator.errors import (
     AgentError,
@@ -74,11 +78,12 @@ from weightroll_operator.errors import (
     KubeConflict,
     KubeError,
     KubeNotFound,
+    WeightrollError,
 )
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.ports import AgentPort, KubePort
 
-__all__ = ["PassResult", "Reconciler", "utcnow"]
+__all__ = ["PassResult", "Reconciler", "ReleaseIncomplete", "backoff_delay", "utcnow"]
 
 log = logging.getLogger(__name__)
 _STATUS_KEYS = {f.alias or n for n, f in WeightUpdateStatus.model_fields.items()}
@@ -86,6 +91,26 @@ _STATUS_KEYS = {f.alias or n for n, f in WeightUpdateStatus.model_fields.items()
 
 def utcnow() -> datetime:
     return datetime.now(tz=UTC)
+
+
+def backoff_delay(
+    failures: int, base: float, cap: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Exponential backoff with jitter: ``base * 2**(failures-1)``, capped, times 0.5-1.5.
+
+    The jitter spreads retries of many pods (or WeightUpdates) failing together.
+    """
+    exp = base * (2 ** max(0, min(failures - 1, 30)))
+    return float(min(cap, exp) * (0.5 + rand()))
+
+
+class ReleaseIncomplete(WeightrollError):
+    """Deletion could not release every pod yet; the finalizer stays and deletion retries."""
+
+
+#: Seconds a pod view that predates our own write to the pod is treated as stale (a no-op write
+#: leaves the resourceVersion unchanged, so the view is trusted again after this).
+_STALE_FOR = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +148,30 @@ class Reconciler:
     token_ttl: float = 60.0
     poll_interval: float = 2.0
     idle_interval: float = 30.0
+    #: Backoff of an agent that did not answer: first retry after about this many seconds.
+    agent_backoff: float = 1.0
+    agent_backoff_cap: float = 60.0
+    rand: Callable[[], float] = random.random
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
     _views: dict[int, tuple[Mapping[str, Any], str | None, int, PodView]] = field(
         default_factory=dict
     )
+    #: (namespace, pod) -> (resourceVersion of the view our last write was planned from, when).
+    _written: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    #: (namespace, pod, incarnation) -> (consecutive agent failures, monotonic retry time, view).
+    _agent_failures: dict[tuple[str, str, str], tuple[int, float, AgentView]] = field(
+        default_factory=dict
+    )
+    #: namespace -> pod -> deleted WeightUpdate that left it drained (its series is kept).
+    _left_drained: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: When this operator process started: downtime before it never counts against deadlines.
+    started: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
 
     def _view(self, pod: Mapping[str, Any], group_by: str | None, port: int) -> PodView:
         """:func:`pod_view`, reused while the *same* pod object is passed again.
@@ -145,6 +188,43 @@ class Reconciler:
         result = pod_view(pod, group_by=group_by, default_port=port)
         self._views[id(pod)] = (pod, group_by, port, result)
         return result
+
+    def _mark_stale(self, views: tuple[PodView, ...]) -> tuple[PodView, ...]:
+        """Flag views that predate our own last write to the pod (issue 11, finding C).
+
+        The pod index lags our writes; a view still at the resourceVersion a write was planned
+        from would show a pod we drained as Ready, or a pod whose gate we restored as not yet
+        touched. Such a pod's unit gets no step and counts as unavailable until a newer view
+        arrives (or ``_STALE_FOR`` passes: a write that changed nothing keeps the version).
+        """
+        if not self._written:
+            return views
+        now = time.monotonic()
+        out = []
+        for view in views:
+            key = (view.namespace, view.name)
+            mark = self._written.get(key)
+            if mark is not None:
+                if view.resource_version == mark[0] and now - mark[1] < _STALE_FOR:
+                    view = replace(view, stale=True)
+                else:
+                    del self._written[key]
+            out.append(view)
+        return tuple(out)
+
+    def _remember_writes(self, results: Iterable[ActionResult]) -> None:
+        now = time.monotonic()
+        for result in results:
+            action = result.action
+            if (
+                result.ok
+                and isinstance(action, Claim | GateOff | GateOn | Settle)
+                and action.pod.resource_version
+            ):
+                key = (action.pod.namespace, action.pod.name)
+                self._written.setdefault(key, (action.pod.resource_version, now))
+        if len(self._written) > 200_000:
+            self._written.clear()
 
     # ------------------------------------------------------------------------------------------
 
@@ -193,13 +273,24 @@ class Reconciler:
             await self._write_status(namespace, name, raw_status, status)
             raise InvalidSpec(str(e)) from e
 
-        views = select_pods(pods, spec, namespace, self._view)
+        pods = list(pods)
+        self._sweep_left_drained(namespace, pods)
+        views = self._mark_stale(select_pods(pods, spec, namespace, self._view))
         token = await self._token(namespace, spec)
-        asked = queries(views, owner, spec.version)
-        agents = await self._observe(views, asked, token)
         persisted = Persisted.from_status(old_status, spec.version)
+        persisted = replace(persisted, clock_floor=timestamp(self.started or now))
+        asked = queries(views, owner, spec.version, persisted.retried_at)
+        agents = await self._observe(views, asked, token)
         holding = blocking_peers(owner, persisted.start_time, views, peers)
-        fleet = Fleet(name=name, owner=owner, pods=views, agents=agents, peers=holding)
+        fleet = Fleet(
+            name=name,
+            owner=owner,
+            pods=views,
+            agents=agents,
+            peers=holding,
+            uid=str(meta.get("uid") or ""),
+            generation=int(meta.get("generation") or 0),
+        )
         the_plan = plan(spec, fleet, persisted, now)
         ctx = ApplyContext(
             kube=self.kube,
@@ -213,6 +304,7 @@ class Reconciler:
             concurrency=self.concurrency,
         )
         results = await apply(the_plan.actions, ctx)
+        self._remember_writes(results)
         notes = {
             r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
             for r in results
@@ -234,47 +326,32 @@ class Reconciler:
         )
 
     async def finalize(self, body: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> int:
-        """Stop a deleted WeightUpdate cleanly; return how many pods were released.
+        """Release every pod a deleted WeightUpdate owns; return how many were released.
 
-        In-flight units are aborted and stay drained (their agents are asked to abort); every
-        pod the WeightUpdate owns is released, so nothing is left half-owned.
+        The decision per pod is :func:`~weightroll_operator.domain.release.release`: running
+        updates are aborted, committed ones settled, pods whose agent is ready go back into
+        traffic, the others stay drained (their drained series stays exported). Up to two rounds
+        run here (abort, then observe the verdict).
+
+        Raises:
+            ReleaseIncomplete: some pods could not be released yet (agent unreachable or still
+                winding down, a write failed); the caller keeps the finalizer and retries.
         """
         meta = body.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
         owner = owner_key(namespace, name)
         async with self._locks.setdefault(owner, asyncio.Lock()):
-            spec_port = 8470
             try:
                 spec: WeightUpdateSpec | None = parse_spec(body.get("spec"))
             except ValueError:
                 spec = None
-            if spec is not None:
-                spec_port = spec.agent.port
-            now = self.clock()
-            actions: list[Action] = []
-            for raw in pods:
-                pmeta = raw.get("metadata") or {}
-                if pmeta.get("namespace") != namespace:
-                    continue
-                view = pod_view(raw, group_by=None, default_port=spec_port)
-                if view.owner != owner:
-                    continue
-                st = view.state or _orphan_state(owner, spec)
-                if st.state.in_flight:
-                    actions.append(AbortUpdate(view, st.update_id))
-                    st = st.evolve(
-                        state=UnitState.FAILED, reason="Aborted: the WeightUpdate was deleted"
-                    )
-                actions.append(Settle(view, st, release=True))
-            released = sum(1 for a in actions if isinstance(a, Settle))
-            if released:
-                actions.append(Emit(Reason.UNIT_ABORTED, f"Released {released} pods on deletion"))
+            port = spec.agent.port if spec is not None else 8470
             token = None
             if spec is not None:
                 try:
                     token = await self._token(namespace, spec)
-                except KubeError:
-                    token = None
+                except KubeError as e:
+                    raise ReleaseIncomplete(f"cannot read the agent token: {e}") from e
             ctx = ApplyContext(
                 kube=self.kube,
                 agents=self.agents,
@@ -283,13 +360,101 @@ class Reconciler:
                 name=name,
                 uid=meta.get("uid"),
                 token=token,
-                now=now,
+                now=self.clock(),
             )
-            await apply(actions, ctx)
+            views = [
+                pod_view(raw, group_by=None, default_port=port)
+                for raw in pods
+                if (raw.get("metadata") or {}).get("namespace") == namespace
+            ]
+            remaining = [v for v in views if v.owner == owner]
+            released = 0
+            left: dict[str, float] = {}
+            failed: dict[str, str] = {}
+            outcome = None
+            for _round in range(2):
+                agents = await self._observe_for_release(remaining, token)
+                outcome = release(
+                    remaining,
+                    agents,
+                    owner,
+                    traffic_label=spec.strategy.traffic_label if spec is not None else None,
+                    fallback=_orphan_state(owner, spec),
+                )
+                results = await apply(outcome.actions, ctx)
+                failed = {
+                    r.action.pod.name: str(r.error)
+                    for r in results
+                    if r.error is not None and not isinstance(r.action, Emit)
+                }
+                done = [n for n in outcome.released if n not in failed]
+                released += len(done)
+                left.update({n: t for n, t in outcome.drained_since.items() if n in done})
+                remaining = [v for v in remaining if v.name in outcome.pending or v.name in failed]
+                if not remaining or not any(
+                    n in outcome.pending for n in (v.name for v in remaining)
+                ):
+                    break
+            self._track_left_drained(namespace, name, left)
+            if remaining:
+                why = {**(outcome.pending if outcome else {}), **failed}
+                raise ReleaseIncomplete(
+                    "; ".join(f"{n}: {w}" for n, w in sorted(why.items())[:10])
+                    or "release incomplete"
+                )
             self._locks.pop(owner, None)
             if self.metrics is not None:
-                self.metrics.forget(namespace, name)
+                self.metrics.forget(namespace, name, keep_drained=left)
             return released
+
+    async def _observe_for_release(
+        self, views: Iterable[PodView], token: str | None
+    ) -> dict[str, AgentView]:
+        asked = {
+            v.name: Query(
+                state=True,
+                update_id=v.state.update_id
+                if v.state is not None and v.state.state.in_flight
+                else None,
+            )
+            for v in views
+        }
+        by_name = {v.name: v for v in views}
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(name: str, query: Query) -> tuple[str, AgentView]:
+            async with sem:
+                return name, await self._ask(by_name[name], query, token, full=True)
+
+        return dict(await asyncio.gather(*(one(n, q) for n, q in asked.items())))
+
+    def _track_left_drained(self, namespace: str, name: str, pods: Mapping[str, float]) -> None:
+        if pods:
+            self._left_drained.setdefault(namespace, {}).update(dict.fromkeys(pods, name))
+
+    def _sweep_left_drained(self, namespace: str, pods: Iterable[Mapping[str, Any]]) -> None:
+        """Drop the drained series of pods a deleted WeightUpdate left drained, once they are
+        back in traffic (gate True) or gone."""
+        left = self._left_drained.get(namespace)
+        if not left:
+            return
+        serving: set[str] = set()
+        present: set[str] = set()
+        for raw in pods:
+            pname = str((raw.get("metadata") or {}).get("name"))
+            if pname not in left:
+                continue
+            present.add(pname)
+            for c in (raw.get("status") or {}).get("conditions") or []:
+                if c.get("type") == CONDITION_WEIGHTS_READY and c.get("status") == "True":
+                    serving.add(pname)
+        done = [p for p in left if p in serving or p not in present]
+        for pname in done:
+            gone_name = left.pop(pname)
+            if self.metrics is not None:
+                self.metrics.restored(namespace, gone_name, [pname])
+        if not left:
+            self._left_drained.pop(namespace, None)
 
     async def admit(self, pod: Mapping[str, Any], peers: Iterable[Mapping[str, Any]]) -> bool:
         """Set the gate of ``pod`` True on its boot weights if no WeightUpdate governs it.
@@ -384,6 +549,10 @@ class Reconciler:
         todo: list[tuple[PodView, Query]] = []
         for name, query in asked.items():
             pod = by_name[name]
+            failing = self._agent_failures.get(_agent_key(pod))
+            if failing is not None and failing[1] > now:
+                seen[name] = failing[2]  # backing off: the last failure stands until then
+                continue
             cached = self._states.get(_state_key(pod)) if query.update_id is None else None
             if cached is not None and cached[1] > now:
                 seen[name] = cached[0]
@@ -392,12 +561,35 @@ class Reconciler:
 
         async def one(pod: PodView, query: Query) -> tuple[str, AgentView]:
             async with sem:
-                return pod.name, await self._ask(pod, query, token)
+                view = await self._ask(pod, query, token)
+            self._note_agent(pod, view)
+            return pod.name, view
 
         seen.update(await asyncio.gather(*(one(p, q) for p, q in todo)))
         return seen
 
-    async def _ask(self, pod: PodView, query: Query, token: str | None) -> AgentView:
+    def _note_agent(self, pod: PodView, view: AgentView) -> None:
+        """Back off exponentially (with jitter) from an agent that did not answer."""
+        key = _agent_key(pod)
+        if view.reachable or pod.ip is None:
+            self._agent_failures.pop(key, None)
+            return
+        count = self._agent_failures.get(key, (0, 0.0, view))[0] + 1
+        delay = backoff_delay(count, self.agent_backoff, self.agent_backoff_cap, self.rand)
+        error = f"{view.error} (failed {count}x; next try in {delay:.1f}s)"
+        if len(self._agent_failures) > 100_000:
+            self._agent_failures.clear()
+        self._agent_failures[key] = (
+            count,
+            time.monotonic() + delay,
+            replace(view, error=error),
+        )
+
+    async def _ask(
+        self, pod: PodView, query: Query, token: str | None, *, full: bool = False
+    ) -> AgentView:
+        """One agent observation; with an update id, also the live state once it committed
+        (``full``: always), since only the live state can vouch for an attempt."""
         if pod.ip is None:
             return AgentView(reachable=False, error="pod has no IP yet")
         target = target_of(pod, token)
@@ -408,7 +600,7 @@ class Reconciler:
                 return AgentView(reachable=False, error=str(e))
             if update is None:
                 # Unknown id: not started yet, or the agent restarted and lost its records;
-                # its state says whether it already serves the version (then no second load).
+                # its state says whether it already serves this attempt (then no second load).
                 return await self._ask(pod, Query(state=True), token)
             view = UpdateView(
                 id=update.id,
@@ -417,8 +609,12 @@ class Reconciler:
                 committed=bool(update.verdict and update.verdict.committed),
                 reasons=tuple(update.verdict.reasons if update.verdict else ())
                 or ((update.message,) if update.message else ()),
+                started_at=update.started_at,
             )
-            return AgentView(reachable=True, version=update.version, update=view)
+            if update.phase is not UpdatePhase.COMMITTED and not full:
+                return AgentView(reachable=True, version=update.version, update=view)
+            live = await self._ask(pod, Query(state=True), token)
+            return replace(live, update=view)
         key = _state_key(pod)
         try:
             state = await self.agents.state(target)
@@ -431,6 +627,8 @@ class Reconciler:
             ready=state.ready,
             source=None if src is None else SourceRef(uri=src.uri, manifest=src.manifest),
             active_update_id=state.active_update_id,
+            clean=state.engine_state is EngineState.CLEAN,
+            committed_update_id=state.committed_update_id,
         )
         if len(self._states) > 100_000:
             self._states.clear()
@@ -509,6 +707,10 @@ class Reconciler:
                 if started is not None:
                     drained[pod.name] = started.timestamp()
         m.observe_pods(namespace, name, drained, {n: not a.reachable for n, a in agents.items()})
+
+
+def _agent_key(pod: PodView) -> tuple[str, str, str]:
+    return (pod.namespace, pod.name, pod.incarnation)
 
 
 def _state_key(pod: PodView) -> tuple[str, ...]:

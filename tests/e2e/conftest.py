@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -84,6 +85,52 @@ def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60
         return out
 
 
+class ReadySampler:
+    """Samples the pods' real ``Ready`` conditions (as kubelet wrote them) in a thread.
+
+    The independent check of the availability budget: never more than ``maxUnavailable`` pods
+    out of traffic at once, judged from the API server, not from the operator's bookkeeping.
+    """
+
+    def __init__(self, fleet: Fleet, pods: tuple[str, ...], period: float = 0.2) -> None:
+        self.fleet, self.pods, self.period = fleet, pods, period
+        self.most_out = 0
+        #: The sample with the most pods out: pod -> Ready.
+        self.worst: dict[str, str | None] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ready-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                items = json.loads(
+                    self.fleet.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json")
+                )["items"]
+            except (ValueError, KeyError, subprocess.SubprocessError):
+                continue
+            ready: dict[str, str | None] = {p: None for p in self.pods}
+            for item in items:
+                name = item["metadata"]["name"]
+                if name in ready:
+                    for cond in (item.get("status") or {}).get("conditions") or []:
+                        if cond.get("type") == "Ready":
+                            ready[name] = cond.get("status")
+            out = sum(1 for v in ready.values() if v != "True")
+            self.samples += 1
+            if out > self.most_out:
+                self.most_out, self.worst = out, ready
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> ReadySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
 @dataclass
 class Fleet:
     """The installed chart, three simulated vLLM pods and the running operator."""
@@ -125,6 +172,10 @@ class Fleet:
                     f"pods not {ctype}={want} after {timeout}s: {got}\n{self.logs()}"
                 )
             time.sleep(1)
+
+    def sample_ready(self, pods: tuple[str, ...] = PODS) -> ReadySampler:
+        """``with fleet.sample_ready() as s:`` ... ``s.most_out``: see :class:`ReadySampler`."""
+        return ReadySampler(self, pods)
 
     def apply(self, obj: dict[str, Any]) -> None:
         self.kubectl("apply", "-f", "-", input_=yaml.safe_dump(obj))

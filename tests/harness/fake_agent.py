@@ -14,6 +14,20 @@ state.
 
 Every update execution is recorded in ``executions`` so a test can assert that no version was
 loaded twice.
+
+What it reports follows the real agent (``engine_agent/sidecar/agent.py``), which the contract
+tests in ``tests/contract/agent`` and the real-vLLM tests in ``tests/server`` pin down:
+
+* ``/v1/state`` ``version`` is what the ranks serve *now*; ``committedVersion`` and
+  ``committedUpdateId`` are the last commit, the id only while the ranks still serve it;
+* an accepted update holds the replica (not ready) until a commit clears the hold; a failed or
+  aborted one keeps it held (poisoned once it wrote);
+* :meth:`FakeAgent.restart_engine` is vLLM restarted under the agent: the ranks serve the boot
+  weights again, clean, and the agent holds the replica (``engine_restarted``, paused, not
+  ready) until a full update commits;
+* :meth:`FakeAgent.booting` is a pod whose vLLM has not come up: the version is unknown
+  (``""``), the engine reported poisoned, and ``POST /v1/updates`` answers 409;
+* aborting a committed update answers 409 (``roll back instead``), an unknown id 404.
 """
 
 from __future__ import annotations
@@ -21,8 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import re
 import socket
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aiohttp import web
@@ -41,6 +57,13 @@ from engine_agent.protocol import (
 __all__ = ["FakeAgent", "FakeFleetAgents", "Script", "free_port"]
 
 Script = Literal["succeed", "fail", "hang", "reject"]
+
+
+_ATTEMPT = re.compile(r"-[0-9a-f]{8}(?=-g\d+-a\d+)|-g\d+(?=-a\d+)")
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def free_port() -> int:
@@ -63,6 +86,15 @@ class FakeAgent:
     #: Seconds each of the three update phases takes.
     step: float = 0.02
     scripts: dict[str, Script] = field(default_factory=dict)
+    #: The agent's record of its last commit (``None``: boot weights, ``version``).
+    committed_version: str | None = None
+    committed_id: str | None = None
+    #: Why the replica is held (not ready, paused); only a committed update clears it.
+    hold: str | None = None
+    #: vLLM has not come up yet: nothing is known about the ranks.
+    starting: bool = False
+    boot_version: str | None = None
+    boot_source: str | None = None
     #: Update ids in the order they were executed (a repeated POST of a known id is not one).
     executions: list[str] = field(default_factory=list)
     updates: dict[str, UpdateStatus] = field(default_factory=dict)
@@ -78,9 +110,38 @@ class FakeAgent:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def __post_init__(self) -> None:
+        self.boot_version = self.boot_version or self.version
+        self.boot_source = self.boot_source or self.source
+        if self.committed_version is None:
+            self.committed_version = self.version
+
     @property
     def ready(self) -> bool:
-        return self.engine is EngineState.CLEAN and not self.paused and self.active is None
+        return (
+            not self.starting
+            and self.engine is EngineState.CLEAN
+            and not self.paused
+            and self.active is None
+            and self.hold is None
+        )
+
+    def restart_engine(self) -> None:
+        """vLLM restarted under the agent: boot weights again; the agent's guard holds it."""
+        self.version, self.source = str(self.boot_version), str(self.boot_source)
+        self.engine = EngineState.CLEAN
+        self.hold = (
+            f"engine_restarted: ranks serve version {self.version} but the agent committed "
+            f"{self.committed_version}; vLLM was restarted or changed underneath the agent"
+        )
+        self.paused = True
+
+    def booting(self) -> None:
+        """vLLM is not up yet (a joining pod): version unknown, updates refused with 409."""
+        self.starting = True
+
+    def booted(self) -> None:
+        self.starting = False
 
     async def appear(self) -> None:
         app = web.Application()
@@ -133,13 +194,32 @@ class FakeAgent:
     async def _state(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._error(401, "unauthorized", "missing or wrong bearer token")
+        if self.starting:
+            state = AgentState(
+                version="",
+                engine_state=EngineState.POISONED,
+                ready=False,
+                paused=False,
+                message="waiting for vLLM",
+                committed_version=self.committed_version,
+            )
+            return web.json_response(state.to_wire())
+        serves_commit = (
+            self.active is None
+            and self.version == self.committed_version
+            and self.engine is EngineState.CLEAN
+        )
+        source = self.source if self.engine is EngineState.CLEAN else None
         state = AgentState(
             version=self.version,
             engine_state=self.engine,
             ready=self.ready,
             paused=self.paused,
             active_update_id=self.active,
-            source=SourceSpec(uri=self.source),
+            source=None if source is None else SourceSpec(uri=source),
+            message=f"held: {self.hold}" if self.hold else "",
+            committed_version=self.committed_version,
+            committed_update_id=self.committed_id if serves_commit else None,
         )
         return web.json_response(state.to_wire())
 
@@ -156,11 +236,18 @@ class FakeAgent:
             return self._error(422, "invalid", "source.uri: no such directory", "source.uri")
         if self.active is not None:
             return self._error(409, "conflict", f"update {self.active} is active")
+        if self.starting:
+            return self._error(409, "conflict", "the agent has not yet recovered the engine state")
         self.active = req.id
         self.paused = True
+        self.hold = f"update_incomplete: update {req.id} started and has not committed"
         self.executions.append(req.id)
         self.updates[req.id] = UpdateStatus(
-            id=req.id, version=req.version, mode=req.mode, phase=UpdatePhase.DRAINING
+            id=req.id,
+            version=req.version,
+            mode=req.mode,
+            phase=UpdatePhase.DRAINING,
+            started_at=_stamp(),
         )
         self._tasks[req.id] = asyncio.create_task(self._run(req))
         return web.json_response(self.updates[req.id].to_wire(), status=202)
@@ -179,6 +266,8 @@ class FakeAgent:
         uid = request.match_info["id"]
         if uid not in self.updates:
             return self._error(404, "not_found", f"no update {uid}")
+        if self.updates[uid].phase is UpdatePhase.COMMITTED:
+            return self._error(409, "conflict", f"update {uid!r} already committed; roll back")
         task = self._tasks.get(uid)
         if task is not None and not task.done():
             task.cancel()
@@ -199,9 +288,12 @@ class FakeAgent:
         if committed:
             self.paused = False
             self.engine = EngineState.CLEAN
+            self.hold = None
+            self.committed_version, self.committed_id = self.updates[uid].version, uid
         else:
-            # fail closed: stay paused, not ready
+            # fail closed: stay paused, held, not ready
             self.engine = EngineState.POISONED
+            self.hold = f"{phase.value.lower()}: update {uid} did not commit"
 
     async def _run(self, req: UpdateRequest) -> None:
         script = self.scripts.get(req.version, "succeed")
@@ -221,9 +313,24 @@ class FakeAgent:
         self.source = req.source.uri
         self._finish(uid, UpdatePhase.COMMITTED, [])
 
+    @property
+    def runs(self) -> list[str]:
+        """``executions`` without the WeightUpdate uid and generation: ``wu-v2-a1`` (first
+        attempt at v2), ``wu-v1-a2-rb`` (second attempt, a rollback to v1)."""
+        return [_ATTEMPT.sub("", uid) for uid in self.executions]
+
+    def update_of(self, run: str) -> UpdateStatus:
+        """The record of the update whose :attr:`runs` entry is ``run``."""
+        return next(u for i, u in self.updates.items() if _ATTEMPT.sub("", i) == run)
+
     def snapshot(self) -> dict[str, Any]:
         """What the agent would say right now (used by the pod-status write log)."""
-        return {"version": self.version, "ready": self.ready, "engine": self.engine.value}
+        return {
+            "version": self.version,
+            "ready": self.ready,
+            "engine": self.engine.value,
+            "committed_id": self.committed_id,
+        }
 
 
 @dataclass

@@ -21,6 +21,7 @@ Everything else is kmock's (see operator.md §4 for what it does not emulate).
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,28 @@ class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             obj.patch({"status": {"conditions": merged}, "metadata": bump})
             await self._buses[res].put({"type": "MODIFIED", "object": obj.raw})
         return response
+
+    async def kubelet_update(self, name: str, *, ready: bool, restarted: bool = False) -> None:
+        """Play kubelet for one pod: its containers became (not) ready; ``restarted`` bumps
+        the restart count (a container restarted: vLLM booted again). Not a logged write."""
+        if ready:
+            self.containers_not_ready.discard(name)
+        else:
+            self.containers_not_ready.add(name)
+        res = kmock.resource("", "v1", "pods")
+        obj = self.objects[(res, "default", name)]
+        raw = dict(obj.raw)
+        conds = {c["type"]: dict(c) for c in (raw.get("status") or {}).get("conditions") or []}
+        gates = [g["conditionType"] for g in (raw.get("spec") or {}).get("readinessGates") or []]
+        all_ready = ready and all(conds.get(g, {}).get("status") == "True" for g in gates)
+        conds["Ready"] = {"type": "Ready", "status": "True" if all_ready else "False"}
+        statuses = [dict(c) for c in (raw.get("status") or {}).get("containerStatuses") or []]
+        for c in statuses:
+            c["ready"] = ready
+            if restarted:
+                c["restartCount"] = int(c.get("restartCount", 0)) + 1
+        obj.patch({"status": {"conditions": list(conds.values()), "containerStatuses": statuses}})
+        await self._buses[res].put({"type": "MODIFIED", "object": obj.raw})
 
     def _current(self, key: Any) -> dict[str, Any] | None:
         try:
@@ -177,7 +200,7 @@ def make_pod(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "uid": f"uid-{name}",
+            "uid": str(uuid.uuid4()),
             "labels": labels or {"app": "llm"},
             "annotations": {},
         },
@@ -221,7 +244,7 @@ def make_weightupdate(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "uid": f"uid-{name}",
+            "uid": str(uuid.uuid4()),
             "generation": 1,
             "resourceVersion": "1",
         },

@@ -385,6 +385,9 @@ class WeightUpdateStatus(Model):
     #: Persisted intent: the rollout was halted (failure budget or deadline) and why.
     aborted_at: str | None = None
     abort_reason: str | None = None
+    #: Persisted intent (``weightroll retry``): failures of attempts started before it are
+    #: tried again.
+    retried_at: str | None = None
     message: str = ""
 
 

@@ -7,7 +7,8 @@ and, for each pod, does what kubelet would:
 2. materialises its volumes under ``<root>/<pod>/volumes/<volume>`` — ``secret`` (read from the
    API), ``emptyDir``, ``persistentVolumeClaim`` (see *Volumes* below);
 3. starts every container as a process (:mod:`.podspec` turns the spec into a command line);
-4. probes readiness (``httpGet`` readiness probes; a container without one is ready while it
+4. probes readiness (``httpGet`` readiness probes with their ``timeoutSeconds``,
+   ``failureThreshold`` and ``successThreshold``; a container without one is ready while it
    runs), restarts containers that exit (``restartPolicy: Always``, bounded back-off), and
 5. writes ``pods/status`` with a **strategic merge patch**: phase, ``podIP``, container statuses,
    ``Initialized``/``ContainersReady``/``Ready``/``PodScheduled``. ``Ready`` = every container
@@ -121,6 +122,9 @@ class _Container:
     next_start: float = 0.0
     backoff: float = 0.0
     error: str | None = None
+    #: Consecutive probe results against ``failureThreshold``/``successThreshold``.
+    failures: int = 0
+    successes: int = 0
 
 
 @dataclass(slots=True)
@@ -433,10 +437,20 @@ class PodSimulator:
                     c.next_start = 0.0
                     await self._start_container(pod, c)
                 continue
-            c.ready = await self._probe(pod, c, http)
+            ok = await self._probe(pod, c, http)
+            # Like kubelet: readiness flips only after failureThreshold (default 3) consecutive
+            # failures or successThreshold (default 1) consecutive successes, so one slow
+            # answer on a loaded machine does not take a serving pod out of traffic.
+            spec = c.spec.get("readinessProbe") or {}
+            c.failures, c.successes = (0, c.successes + 1) if ok else (c.failures + 1, 0)
+            if ok and c.successes >= int(spec.get("successThreshold") or 1):
+                c.ready = True
+            elif not ok and (not c.ready or c.failures >= int(spec.get("failureThreshold") or 3)):
+                c.ready = False
 
     async def _probe(self, pod: _Pod, c: _Container, http: aiohttp.ClientSession) -> bool:
-        probe = (c.spec.get("readinessProbe") or {}).get("httpGet")
+        spec = c.spec.get("readinessProbe") or {}
+        probe = spec.get("httpGet")
         if probe is None:
             return True
         port: Any = probe.get("port")
@@ -447,7 +461,8 @@ class PodSimulator:
             return False
         url = f"http://{pod.ip}:{port}{probe.get('path', '/')}"
         try:
-            async with http.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+            timeout = aiohttp.ClientTimeout(total=float(spec.get("timeoutSeconds") or 1))
+            async with http.get(url, timeout=timeout) as resp:
                 return 200 <= resp.status < 400
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False

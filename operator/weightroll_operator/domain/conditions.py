@@ -29,6 +29,12 @@ class Reason:
     ROLLOUT_PENDING = "RolloutPending"
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     FAILURE_BUDGET_EXCEEDED = "FailureBudgetExceeded"
+    #: A canary unit failed: the rollout halts whatever ``maxFailedReplicas`` tolerates.
+    CANARY_FAILED = "CanaryFailed"
+    #: ``weightroll abort NAME``: halted by a person.
+    ABORTED_BY_USER = "AbortedByUser"
+    #: ``weightroll retry NAME``: a halt was cleared and the failed pods are tried again.
+    RETRIED = "Retried"
     ROLLING_BACK = "RollingBack"
     ROLLED_BACK = "RolledBack"
     ALL_VERIFIED = "AllReplicasVerified"
@@ -50,6 +56,10 @@ class Reason:
     UNIT_ROLLED_BACK = "UnitRolledBack"
     UNIT_ABORTED = "UnitAborted"
     UNIT_RESTORED = "UnitRestored"
+    #: Deletion: what was done to the pods the WeightUpdate touched.
+    RELEASED = "Released"
+    RELEASE_PENDING = "ReleasePending"
+    LEFT_DRAINED = "LeftDrained"
     PHASE_CHANGED = "PhaseChanged"
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "UpdateId",
     "UpdateView",
     "WeightState",
+    "attempt_id",
     "make_update_id",
     "owner_key",
 ]
@@ -64,6 +65,36 @@ def make_update_id(name: str, version: str, *, rollback: bool = False) -> Update
     raw = f"{name}-{version}" + ("-rollback" if rollback else "")
     slug = _ID_BAD.sub("-", raw.lower()).strip(".-")
     return UpdateId(slug[:127].rstrip(".-") or "update")
+
+
+def attempt_id(
+    name: str,
+    version: str,
+    *,
+    uid: str = "",
+    generation: int = 0,
+    attempt: int = 1,
+    rollback: bool = False,
+) -> UpdateId:
+    """The update id of one attempt on one pod: unique per WeightUpdate object, spec generation
+    and attempt, and recorded in the pod's ``weight-state`` before the drain.
+
+    Agents are idempotent by id, so a restarted operator re-sending the recorded id never runs
+    the attempt twice; and because no two attempts share an id, an agent's old record (a flip
+    back to an earlier version, a WeightUpdate re-created under the same name, a second
+    rollback) can never pass for this attempt's verdict (issue 11, finding 1).
+
+    >>> attempt_id("llama", "V2_1", uid="3f2a9c1e-0000", generation=4, attempt=2)
+    'llama-v2-1-3f2a9c1e-g4-a2'
+    >>> attempt_id("llama", "v1", generation=1, attempt=1, rollback=True)
+    'llama-v1-g1-a1-rb'
+    """
+    key = uid.replace("-", "").lower()[:8]
+    parts = [p for p in (key, f"g{generation}", f"a{attempt}", "rb" if rollback else "") if p]
+    tail = "-".join(_ID_BAD.sub("", p) for p in parts)
+    head = _ID_BAD.sub("-", f"{name}-{version}".lower()).strip(".-")
+    head = head[: 126 - len(tail)].rstrip(".-") or "update"
+    return UpdateId(f"{head}-{tail}")
 
 
 class UnitState(StrEnum):
@@ -113,6 +144,8 @@ class WeightState:
     traffic_label_value: str | None = None
     #: Set on rollback states: the version being rolled back from.
     rollback_of: str | None = None
+    #: Attempts this WeightUpdate made on the pod (part of ``update_id``, see :func:`attempt_id`).
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         if not self.version or not self.update_id or not self.by:
@@ -135,6 +168,7 @@ class WeightState:
             "reason": self.reason or None,
             "trafficLabelValue": self.traffic_label_value,
             "rollbackOf": self.rollback_of,
+            "attempt": self.attempt or None,
         }
         return json.dumps({k: v for k, v in data.items() if v is not None}, sort_keys=True)
 
@@ -157,6 +191,7 @@ class WeightState:
                 reason=data.get("reason") or "",
                 traffic_label_value=data.get("trafficLabelValue"),
                 rollback_of=data.get("rollbackOf"),
+                attempt=int(data.get("attempt") or 0),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -171,6 +206,8 @@ class UpdateView:
     version: str
     committed: bool = False
     reasons: tuple[str, ...] = ()
+    #: When the agent accepted the update (its clock): the unit's update timer starts here.
+    started_at: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +223,20 @@ class AgentView:
     #: The update the operator asked about; ``None`` when not asked or unknown to the agent.
     update: UpdateView | None = None
     error: str = ""
+    #: Every rank reports clean weights (``engine_state`` clean): ``version`` is what they serve.
+    clean: bool = False
+    #: The update id that committed what the ranks serve now (``None``: boot weights, or they
+    #: no longer serve the agent's last commit).
+    committed_update_id: str | None = None
+
+    @property
+    def claimable(self) -> bool:
+        """A pod may be claimed: its agent answers at a known, clean version and runs nothing.
+
+        A booting pod (vLLM not up, version unknown) is not claimed, so boot time never counts
+        against ``updateTimeoutSeconds`` and the recorded previous version is what it served.
+        """
+        return self.reachable and bool(self.version) and self.clean and not self.active_update_id
 
 
 UNREACHABLE = AgentView(reachable=False, error="not asked")
@@ -213,3 +264,6 @@ class PodView:
     resource_version: str | None = None
     #: Changes whenever the pod's containers restart (cache key for agent observations).
     incarnation: str = ""
+    #: The view predates the operator's own last write to the pod (the watch has not caught
+    #: up): the planner neither acts on its unit nor counts it available this pass.
+    stale: bool = False

@@ -62,7 +62,7 @@ from weightroll_operator.domain.model import (
     UnitState,
     UpdateId,
     WeightState,
-    make_update_id,
+    attempt_id,
 )
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "parse_time",
     "plan",
     "queries",
+    "serves_attempt",
 ]
 
 
@@ -96,15 +97,23 @@ class Persisted:
     aborted_at: str | None = None
     abort_reason: str | None = None
     #: The previous pass held the rollout (phase ``Paused``: ``spec.paused`` or the canary
-    #: hold). The pass that finds the hold released restarts the progress clock, so time spent
-    #: on hold never counts against ``progressDeadlineSeconds``.
+    #: hold; or condition ``Blocked``). The pass that finds the hold released restarts the
+    #: progress clock, so time on hold or blocked never counts against
+    #: ``progressDeadlineSeconds``.
     held: bool = False
+    #: Persisted intent of ``weightroll retry``: settled failures (and rollbacks) of attempts
+    #: that started before this time are tried again by fresh attempts.
+    retried_at: str | None = None
+    #: Not persisted: the progress clock never starts before this (the operator's own start),
+    #: so operator downtime never counts against ``progressDeadlineSeconds``.
+    clock_floor: str | None = None
 
     @classmethod
     def from_status(cls, status: WeightUpdateStatus | None, version: str) -> Persisted:
         """Read them from the status; a new ``spec.version`` starts from scratch."""
         if status is None or status.target_version != version:
             return cls(target_version=version)
+        blocked = any(c.type == "Blocked" and c.status == "True" for c in status.conditions)
         return cls(
             target_version=version,
             start_time=status.start_time,
@@ -112,7 +121,8 @@ class Persisted:
             last_progress_time=status.last_progress_time,
             aborted_at=status.aborted_at,
             abort_reason=status.abort_reason,
-            held=status.phase is Phase.PAUSED,
+            held=status.phase is Phase.PAUSED or blocked,
+            retried_at=status.retried_at,
         )
 
 
@@ -127,6 +137,19 @@ class Fleet:
     agents: Mapping[str, AgentView] = field(default_factory=dict)
     #: Other active WeightUpdates holding these pods (``domain.ownership.blocking_peers``).
     peers: tuple[str, ...] = ()
+    #: The WeightUpdate's ``metadata.uid`` and ``generation``: part of every attempt id.
+    uid: str = ""
+    generation: int = 0
+
+    def attempt_id(self, version: str, attempt: int, *, rollback: bool = False) -> UpdateId:
+        return attempt_id(
+            self.name,
+            version,
+            uid=self.uid,
+            generation=self.generation,
+            attempt=attempt,
+            rollback=rollback,
+        )
 
 
 class PodClass(StrEnum):
@@ -153,7 +176,9 @@ class Query:
     update_id: UpdateId | None = None
 
 
-def queries(pods: tuple[PodView, ...], owner: OwnerKey, version: str) -> dict[str, Query]:
+def queries(
+    pods: tuple[PodView, ...], owner: OwnerKey, version: str, retried_at: str | None = None
+) -> dict[str, Query]:
     """Which agents to ask what, so a pass contacts only the pods whose state is not settled."""
     result: dict[str, Query] = {}
     for pod in pods:
@@ -167,21 +192,34 @@ def queries(pods: tuple[PodView, ...], owner: OwnerKey, version: str) -> dict[st
             # it) may serve boot weights again: ask its agent, so it is re-updated, not counted.
             if pod.gate is not True or not pod.ready:
                 result[pod.name] = Query(state=True)
-        elif st is not None and st.by == owner and _settled_here(st, version):
+        elif st is not None and st.by == owner and _settled_here(st, version, retried_at):
             continue
         else:
             result[pod.name] = Query(state=True)
     return result
 
 
-def _settled_here(st: WeightState, version: str) -> bool:
+def _retried(st: WeightState, retried_at: str | None) -> bool:
+    """``weightroll retry`` came after this settled attempt started: try the pod again."""
+    started, retried = parse_time(st.started_at), parse_time(retried_at)
+    return retried is not None and (started is None or started <= retried)
+
+
+def _settled_here(st: WeightState, version: str, retried_at: str | None = None) -> bool:
+    if _retried(st, retried_at):
+        return False
     if st.state is UnitState.FAILED:
         return st.version == version or st.rollback_of == version
     return st.state is UnitState.ROLLED_BACK and st.rollback_of == version
 
 
 def classify(
-    pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str, completed: bool
+    pod: PodView,
+    agent: AgentView | None,
+    owner: OwnerKey,
+    version: str,
+    completed: bool,
+    retried_at: str | None = None,
 ) -> PodClass:
     """Classify one pod (see :class:`PodClass`)."""
     st = pod.state
@@ -190,6 +228,12 @@ def classify(
     if st is not None and st.by == owner:
         if pod.owner == owner and st.state.in_flight:
             return PodClass.IN_FLIGHT
+        if _retried(st, retried_at) and st.state in (UnitState.FAILED, UnitState.ROLLED_BACK):
+            # retried: a settled failure (or rollback) is pending again, tried by a new attempt
+            reachable = agent is not None and agent.reachable
+            if reachable and agent is not None and agent.version == version and agent.ready:
+                return PodClass.UPDATED
+            return PodClass.PENDING if reachable else PodClass.UNKNOWN
         if st.state is UnitState.FAILED and st.rollback_of == version:
             return PodClass.ROLLBACK_FAILED
         if st.state is UnitState.FAILED and st.version == version:
@@ -288,8 +332,57 @@ class _Builder:
         return (self.now - min(known)).total_seconds() if known else None
 
 
+def _first_start(unit: Unit) -> str:
+    starts = [p.state.started_at or "" for p in unit.pods if p.state is not None]
+    return min(starts, default="") + unit.key
+
+
 def _unit_label(unit: Unit) -> str:
     return unit.pods[0].name if len(unit.pods) == 1 else f"group {unit.key}"
+
+
+def serves_attempt(agent: AgentView, st: WeightState) -> bool:
+    """The agent's *live* state is ``st.version``, committed by this attempt (``st.update_id``).
+
+    Either the agent's record of the attempt says Committed, or it lost the record (restarted);
+    in both cases its ranks must serve the version now, clean and resumed (``ready``), with the
+    commit attributed to this attempt. An old verdict (a flip back, a re-created WeightUpdate)
+    names another id and never counts.
+    """
+    live = (
+        agent.reachable
+        and agent.ready
+        and agent.version == st.version
+        and agent.committed_update_id == st.update_id
+        and agent.active_update_id in (None, st.update_id)
+    )
+    update = agent.update
+    if update is None:
+        return live
+    return (
+        update.phase is UpdatePhase.COMMITTED
+        and update.committed
+        and update.version == st.version
+        and live
+    )
+
+
+def _can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str) -> bool:
+    """Claim only a pod whose agent answers at a known version (``AgentView.claimable``), or
+    one this WeightUpdate already tried at this version (retry: its previous weights are known).
+    """
+    if agent is None or not agent.reachable or agent.active_update_id:
+        return False
+    if agent.claimable:
+        return True
+    st = pod.state
+    return (
+        st is not None
+        and st.by == owner
+        and st.version == version
+        and st.rollback_of is None
+        and bool(st.previous_version)
+    )
 
 
 def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
@@ -305,21 +398,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         agent = b.fleet.agents.get(pod.name)
         if agent is None or pod.state is None:
             return False
-        update = agent.update
-        if update is None:
-            # The agent does not know the id but is ready (every rank committed, generation
-            # resumed) at the version: it already serves it, e.g. it restarted after the commit.
-            return (
-                agent.reachable
-                and agent.ready
-                and agent.version == pod.state.version
-                and agent.active_update_id is None
-            )
-        return (
-            update.phase is UpdatePhase.COMMITTED
-            and update.committed
-            and update.version == pod.state.version
-        )
+        return serves_attempt(agent, pod.state)
 
     # A restart between GateOn and Settle leaves the gate True on a committed unit: finish it
     # below instead of draining it again. Anything else with the gate not False is re-drained.
@@ -330,15 +409,22 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
     drained = all_committed or all(
         p.gate is False and (not p.ready or not p.has_gate) for p in flying
     )
+    timeout = timedelta(seconds=spec.strategy.update_timeout_seconds)
     started = [parse_time(p.state.started_at) for p in flying if p.state is not None]
-    deadline = min((s for s in started if s is not None), default=now) + timedelta(
-        seconds=spec.strategy.update_timeout_seconds
-    )
-    timed_out = now >= deadline
+    claimed_at = min((s for s in started if s is not None), default=now)
     if not drained:
-        if timed_out:
+        if now >= claimed_at + timeout:
             return _fail_unit(b, unit, flying, "DrainTimeout: the pods were not observed NotReady")
         return True
+
+    def timed_out(pod: PodView) -> bool:
+        # The update timer starts when the agent accepted the update (its record's startedAt);
+        # before that (not accepted yet), at the claim.
+        agent = b.fleet.agents.get(pod.name)
+        update = agent.update if agent is not None else None
+        accepted = parse_time(update.started_at) if update is not None else None
+        return now >= (accepted or claimed_at) + timeout
+
     running: list[PodView] = []
     failed: dict[str, str] = {}
     for pod in flying:
@@ -355,7 +441,8 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             # recorded previous weights) instead of sending the old version with the new source.
             retarget = st.evolve(
                 version=spec.version,
-                update_id=make_update_id(b.fleet.name, spec.version),
+                update_id=b.fleet.attempt_id(spec.version, st.attempt + 1),
+                attempt=st.attempt + 1,
                 started_at=timestamp(now),
             )
             b.actions.append(Claim(pod, owner, retarget))
@@ -365,14 +452,29 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             if agent.active_update_id != st.update_id:
                 b.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
             running.append(pod)
-        elif update.phase is UpdatePhase.COMMITTED:
+        elif update.phase is UpdatePhase.COMMITTED and update.version != st.version:
             failed[pod.name] = f"CommittedWrongVersion: agent committed {update.version}"
+        elif update.phase is UpdatePhase.COMMITTED and (
+            agent.version == st.version and agent.committed_update_id == st.update_id
+        ):
+            running.append(pod)  # committed and served, not resumed yet: wait for ready
+        elif update.phase is UpdatePhase.COMMITTED:
+            # Committed, but the ranks do not serve it now (vLLM restarted after the commit):
+            # this attempt cannot vouch for the pod; a fresh attempt reloads it (still drained).
+            again = st.evolve(
+                update_id=b.fleet.attempt_id(st.version, st.attempt + 1, rollback=rollback),
+                attempt=st.attempt + 1,
+                reason=f"NotServingCommit: ranks serve {agent.version or 'an unknown version'}",
+            )
+            b.actions.append(Claim(pod, owner, again))
+            b.progressed = True
+            running.append(pod)
         elif update.phase.terminal:
             why = "; ".join(update.reasons) or update.phase.value
             failed[pod.name] = f"Update{update.phase.value}: {why}"
         else:
             running.append(pod)
-    if running and timed_out:
+    if running and any(timed_out(p) for p in running):
         for pod in running:
             assert pod.state is not None
             b.actions.append(AbortUpdate(pod, pod.state.update_id))
@@ -447,26 +549,47 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
     tl = b.spec.strategy.traffic_label
     for pod in unit.pods:
         agent = b.fleet.agents.get(pod.name)
+        prior = pod.state if pod.state is not None and pod.state.by == owner else None
+        attempt = (prior.attempt if prior is not None else 0) + 1
         if rollback_of is not None:
-            assert pod.state is not None
+            assert pod.state is not None and pod.state.previous_version
             st = pod.state.evolve(
                 state=UnitState.ROLLING_BACK,
                 version=pod.state.previous_version,
-                update_id=make_update_id(b.fleet.name, rollback_of, rollback=True),
+                update_id=b.fleet.attempt_id(pod.state.previous_version, attempt, rollback=True),
+                attempt=attempt,
                 started_at=timestamp(now),
                 reason="",
                 rollback_of=rollback_of,
             )
         else:
+            # Another attempt at the same target keeps what the pod served before the first
+            # one (the rollback target); otherwise the previous weights are what it serves now.
+            again = (
+                prior is not None
+                and prior.version == b.spec.version
+                and prior.rollback_of is None
+                and bool(prior.previous_version)
+            )
+            if again:
+                assert prior is not None
+                previous, source = prior.previous_version, prior.previous_source
+            elif agent is not None:
+                previous, source = agent.version, agent.source
+            else:
+                previous, source = _prev(pod).previous_version, _prev(pod).previous_source
             st = WeightState(
                 state=UnitState.DRAINING,
                 by=owner,
                 version=b.spec.version,
-                update_id=make_update_id(b.fleet.name, b.spec.version),
-                previous_version=agent.version if agent else _prev(pod).previous_version,
-                previous_source=agent.source if agent else _prev(pod).previous_source,
+                update_id=b.fleet.attempt_id(b.spec.version, attempt),
+                previous_version=previous,
+                previous_source=source,
                 started_at=timestamp(now),
-                traffic_label_value=pod.labels.get(tl) if tl else None,
+                traffic_label_value=pod.labels.get(tl)
+                if tl and tl in pod.labels
+                else (prior.traffic_label_value if again and prior is not None else None),
+                attempt=attempt,
             )
         remove = tl if tl and tl in pod.labels else None
         b.actions.append(Claim(pod, owner, st, remove_label=remove))
@@ -533,8 +656,10 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     owner, version = fleet.owner, spec.version
     units = group_units(fleet.pods)
     completed = persisted.completion_time is not None
+    retried_at = persisted.retried_at
     classes = {
-        p.name: classify(p, fleet.agents.get(p.name), owner, version, completed) for p in fleet.pods
+        p.name: classify(p, fleet.agents.get(p.name), owner, version, completed, retried_at)
+        for p in fleet.pods
     }
     for p in fleet.pods:
         if classes[p.name] in (PodClass.FAILED, PodClass.ROLLBACK_FAILED) and p.state is not None:
@@ -548,10 +673,15 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     )
     max_unavailable = resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units)))
 
+    # Units with a pod seen before our own last write to it: no step, counted unavailable.
+    frozen = {u.key for u in units if any(p.stale for p in u.pods)}
+
     # 1. In-flight units move one step each.
     still_flying: set[str] = set()
     for unit in units:
-        if PodClass.IN_FLIGHT in by_unit[unit.key] and _advance_in_flight(b, unit):
+        if PodClass.IN_FLIGHT not in by_unit[unit.key]:
+            continue
+        if unit.key in frozen or _advance_in_flight(b, unit):
             still_flying.add(unit.key)
 
     # 2. Failure budget and progress deadline (persisted as an abort intent).
@@ -589,6 +719,23 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     paused_reason = (
         Reason.PAUSED_BY_SPEC if spec.paused else Reason.CANARY_COMPLETE if canary_hold else None
     )
+    # A failed canary halts whatever maxFailedReplicas tolerates: the canary is the test.
+    canary_units = {
+        u.key for u in sorted(touched, key=_first_start)[: canary if canary is not None else 0]
+    }
+    canary_failed = [
+        u.key
+        for u in units
+        if u.key in canary_units
+        and (PodClass.FAILED in by_unit[u.key] or b.finished.get(u.key) == "failed")
+    ]
+    if aborted_at is None and canary_failed:
+        aborted_at, abort_reason = timestamp(now), Reason.CANARY_FAILED
+        b.emit(
+            Reason.CANARY_FAILED,
+            f"Halted: canary unit {', '.join(sorted(canary_failed))} failed",
+            warning=True,
+        )
     if aborted_at is None and failed_units > spec.strategy.max_failed_replicas:
         aborted_at, abort_reason = timestamp(now), Reason.FAILURE_BUDGET_EXCEEDED
         b.emit(
@@ -597,16 +744,21 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             f"{spec.strategy.max_failed_replicas}",
             warning=True,
         )
-    hold_released = persisted.held and paused_reason is None
+    hold_released = persisted.held and paused_reason is None and not blocked_by
     last = (
         now
         if hold_released
         else parse_time(persisted.last_progress_time) or parse_time(persisted.start_time)
     )
+    for floor in (parse_time(persisted.clock_floor), parse_time(persisted.retried_at)):
+        # the operator was down before its start, or a retry restarted the clock
+        if last is not None and floor is not None and floor > last:
+            last = floor
     work_left = bool(still_flying or pending_units)
     if (
         aborted_at is None
         and paused_reason is None
+        and not blocked_by
         and work_left
         and last is not None
         and not b.progressed
@@ -619,11 +771,13 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             warning=True,
         )
 
-    # 3. Availability budget: units not ready or drained by us count as unavailable.
+    # 3. Availability budget: a unit is unavailable from its drain until its pods are observed
+    #    Ready after the GateOn (a view older than our own write never counts as available).
     unavailable = sum(
         1
         for u in units
         if not u.ready
+        or u.key in frozen
         or u.key in still_flying
         or by_unit[u.key] & {PodClass.FAILED, PodClass.ROLLBACK_FAILED}
     )
@@ -656,7 +810,7 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             if not needs:
                 continue
             rollback_remaining += 1
-            if PodClass.BLOCKED in by_unit[unit.key]:
+            if PodClass.BLOCKED in by_unit[unit.key] or unit.key in frozen:
                 continue
             missing = [
                 p.name
@@ -694,7 +848,13 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         startable = [
             u
             for u in pending_units
-            if all(classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
+            if u.key not in frozen
+            and all(classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
+            and all(
+                _can_claim(p, fleet.agents.get(p.name), owner, version)
+                for p in u.pods
+                if classes[p.name] is PodClass.PENDING
+            )
         ]
         startable.sort(key=lambda u: (u.ready, u.key))
         for unit in startable:
@@ -712,10 +872,18 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     #    GateOn and the Settle) get their gate back; only an agent that is ready at the target
     #    version, or our own Verified state, can vouch for it.
     for pod in fleet.pods:
-        if classes[pod.name] is not PodClass.UPDATED or pod.gate is True:
+        if classes[pod.name] is not PodClass.UPDATED or pod.gate is True or pod.stale:
             continue
         agent = fleet.agents.get(pod.name)
-        if agent is not None and agent.reachable and agent.ready and agent.version == version:
+        if agent is None or not (agent.reachable and agent.ready and agent.version == version):
+            continue
+        st = pod.state
+        ours = st is not None and st.by == owner and st.state is UnitState.VERIFIED
+        # Our verified pod: only the commit of its recorded attempt, live, vouches for it (or
+        # ranks that booted at the version: a cold engine on it is the oracle itself).
+        if ours and st is not None and agent.committed_update_id not in (None, st.update_id):
+            continue
+        if agent.ready:
             b.actions.append(GateOn(pod, version=version, reason="ServingTarget"))
             b.emit(Reason.UNIT_RESTORED, f"Restored traffic to {pod.name}, ready at {version}")
 
@@ -754,7 +922,9 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         else persisted.last_progress_time,
         aborted_at=aborted_at,
         abort_reason=abort_reason,
+        retried_at=persisted.retried_at,
     )
+    b_pods = {p.name: p for p in fleet.pods}
     flying_after = len(still_flying | claimed_units)
     remaining_pending = sum(1 for u in pending_units if u.key not in claimed_units)
     return Plan(
@@ -764,9 +934,19 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         pods={p.name: p for p in fleet.pods},
         reasons=b.reasons,
         notes={
-            n: f"AgentUnreachable: {a.error}" if (a := fleet.agents.get(n)) else "AgentUnreachable"
-            for n, c in classes.items()
-            if c is PodClass.UNKNOWN
+            **{
+                n: "Joining: waiting for its agent to answer at a known, clean version"
+                for n, c in classes.items()
+                if c is PodClass.PENDING
+                and not _can_claim(b_pods[n], fleet.agents.get(n), owner, version)
+            },
+            **{
+                n: f"AgentUnreachable: {a.error}"
+                if (a := fleet.agents.get(n))
+                else "AgentUnreachable"
+                for n, c in classes.items()
+                if c is PodClass.UNKNOWN
+            },
         },
         units_total=len(units),
         max_unavailable=max_unavailable,

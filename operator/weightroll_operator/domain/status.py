@@ -261,6 +261,7 @@ def build_status(
         last_progress_time=p.last_progress_time,
         aborted_at=p.aborted_at,
         abort_reason=p.abort_reason,
+        retried_at=p.retried_at,
         message=_message(phase, counts, spec, plan),
     )
 
@@ -293,7 +294,9 @@ def status_patch(old: dict[str, Any] | None, new: WeightUpdateStatus) -> dict[st
     current = dict(old or {})
     if current == target:
         return None
-    patch: dict[str, Any] = dict(target)
+    # Only the keys that changed: a concurrent status patch of another key (``weightroll
+    # abort``/``retry`` set abortedAt/retriedAt) is not overwritten with what this pass read.
+    patch: dict[str, Any] = {k: v for k, v in target.items() if current.get(k) != v}
     for key in current:
         if key not in target:
             patch[key] = None

@@ -41,6 +41,12 @@ async def test_vllm_restart_after_commit_is_detected_and_repaused(
     await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
     await harness.wait_phase("u-1")
     await harness.wait_ready()
+    state = await (await harness.get("/v1/state")).json()
+    assert (state["version"], state["committedVersion"], state["committedUpdateId"]) == (
+        "v1",
+        "v1",
+        "u-1",
+    )
 
     await harness.fake.restart()  # comes back serving its boot weights (v0), unpaused
 
@@ -50,10 +56,19 @@ async def test_vllm_restart_after_commit_is_detected_and_repaused(
     state = await (await harness.get("/v1/state")).json()
     assert state["ready"] is False
     assert "vLLM was restarted" in state["message"]
+    # /v1/state says what the ranks serve now (boot weights), not the last record (issue 11
+    # finding 2); no commit is claimed for them.
+    assert (state["version"], state["committedVersion"], state["committedUpdateId"]) == (
+        "v0",
+        "v1",
+        None,
+    )
     # The update record still says what was committed; recovery is a new full update.
     await harness.submit(update_body("u-2", "v1", checkpoints["v1"]))
     assert (await harness.wait_phase("u-2"))["phase"] == "Committed"
     await harness.wait_ready()
+    state = await (await harness.get("/v1/state")).json()
+    assert (state["version"], state["committedUpdateId"]) == ("v1", "u-2")
 
 
 async def test_vllm_restart_mid_update_fails_the_update_and_holds(

@@ -43,7 +43,14 @@ class Harness:
 
     def new_reconciler(self) -> Reconciler:
         """A fresh operator process: no memory of earlier passes (restart)."""
-        return Reconciler(kube=self.kube, agents=self.client, metrics=self.metrics, state_ttl=0.0)
+        return Reconciler(
+            kube=self.kube,
+            agents=self.client,
+            metrics=self.metrics,
+            state_ttl=0.0,
+            agent_backoff=0.05,
+            agent_backoff_cap=0.5,
+        )
 
     def _snapshot(self, pod: str) -> dict[str, Any] | None:
         agent = self.agents.agents.get(pod)
@@ -96,6 +103,11 @@ class Harness:
         path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/{name}"
         headers = {"Content-Type": "application/merge-patch+json"}
         async with self.http.patch(path, json={"spec": spec}, headers=headers) as resp:
+            assert resp.status < 400
+
+    async def delete_wu(self, name: str) -> None:
+        path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/{name}"
+        async with self.http.delete(path) as resp:
             assert resp.status < 400
 
     async def delete_pod(self, name: str) -> None:

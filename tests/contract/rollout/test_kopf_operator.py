@@ -34,7 +34,7 @@ async def test_operator_rolls_out_8_pods(h: Harness) -> None:
     assert status["replicas"]["verified"] == 8
     assert gates == ["True"] * 8
     for i in range(8):
-        assert h.agents[f"pod-{i}"].executions == ["wu-v2"]
+        assert h.agents[f"pod-{i}"].runs == ["wu-v2-a1"]
     h.assert_never_ready_unverified({"v2"})
     assert h.max_drained_at_once() <= 3
     # kopf keeps its progress under our prefix, never under kopf.zalando.org

@@ -40,7 +40,7 @@ async def test_full_rollout_of_8_pods(h: Harness) -> None:
         assert await h.owner_of(f"pod-{i}") is None
         st = await h.state_of(f"pod-{i}")
         assert st is not None and st.state is UnitState.VERIFIED and st.previous_version == "v1"
-        assert h.agents[f"pod-{i}"].executions == ["wu-v2"]
+        assert h.agents[f"pod-{i}"].runs == ["wu-v2-a1"]
     h.assert_never_ready_unverified({"v2"})
     assert h.max_drained_at_once() <= 2
     updates = h.metrics.updates_total.labels(NS, "wu", "succeeded")._value.get()
@@ -103,8 +103,8 @@ async def test_failing_pod_rolls_back(h: Harness) -> None:
         assert await h.gate(f"pod-{i}") == "True"
         assert await h.owner_of(f"pod-{i}") is None
     # touched pods were reloaded in place to their recorded previous weights
-    assert h.agents["pod-0"].executions == ["wu-v2", "wu-v2-rollback"]
-    assert h.agents["pod-2"].executions == ["wu-v2", "wu-v2-rollback"]
+    assert h.agents["pod-0"].runs == ["wu-v2-a1", "wu-v1-a2-rb"]
+    assert h.agents["pod-2"].runs == ["wu-v2-a1", "wu-v1-a2-rb"]
     assert h.agents["pod-4"].executions == []
     h.assert_never_ready_unverified({"v1", "v2"})
     assert h.metrics.updates_total.labels(NS, "wu", "rolled_back")._value.get() == 1
@@ -170,7 +170,7 @@ async def test_operator_restart_mid_rollout(h: Harness) -> None:
     await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
 
     for i in range(8):
-        assert h.agents[f"pod-{i}"].executions == ["wu-v2"], "a unit was updated twice"
+        assert h.agents[f"pod-{i}"].runs == ["wu-v2-a1"], "a unit was updated twice"
         assert await h.gate(f"pod-{i}") == "True"
     h.assert_never_ready_unverified({"v2"})
     assert h.max_drained_at_once() <= 3
@@ -194,7 +194,7 @@ async def test_restart_between_claim_and_gate(h: Harness) -> None:
     assert [type(a).__name__ for a in result.actions] == ["GateOff"]
     assert h.agents["pod-0"].executions == []
     await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
-    assert h.agents["pod-0"].executions == ["wu-v2"]
+    assert h.agents["pod-0"].runs == ["wu-v2-a1"]
     h.assert_never_ready_unverified({"v2"})
 
 
@@ -239,7 +239,7 @@ async def test_hanging_agent_times_out_and_disappearing_agent_fails(h: Harness) 
     status = await h.status("wu")
     reasons = {p["name"]: p["reason"] for p in status["pods"] if p["state"] == "Failed"}
     assert "UpdateTimeout" in reasons["pod-0"] and "UpdateTimeout" in reasons["pod-1"]
-    assert h.agents["pod-0"].updates["wu-v2"].phase.value == "Aborted"
+    assert h.agents["pod-0"].update_of("wu-v2-a1").phase.value == "Aborted"
     for pod in ("pod-0", "pod-1"):
         assert await h.gate(pod) == "False"
     h.assert_never_ready_unverified({"v2"})
@@ -263,7 +263,7 @@ async def test_two_weightupdates_on_one_fleet(h: Harness) -> None:
     await h.run_until(["a", "b"], h.phase_is("b", "Succeeded"), timeout=20)
     for i in range(4):
         assert h.agents[f"pod-{i}"].version == "v3"
-        assert h.agents[f"pod-{i}"].executions == ["a-v2", "b-v3"]
+        assert h.agents[f"pod-{i}"].runs == ["a-v2-a1", "b-v3-a1"]
     # a pod was never owned by both: ownership always passed through "unowned"
     owners = [
         (r.name, ((r.data or {}).get("metadata") or {}).get("annotations", {}))
@@ -312,14 +312,25 @@ async def test_deletion_aborts_in_flight_and_releases(h: Harness) -> None:
     await h.run_until(["wu"], loading)
     assert 'name="wu"' in generate_latest(h.metrics.registry).decode()
     released = await h.rec.finalize(await h.wu("wu"), await h.pods())
-    assert released >= 1
-    # no series of the deleted WeightUpdate stays exported (its alerts would keep firing)
-    assert 'name="wu"' not in generate_latest(h.metrics.registry).decode()
-    assert h.agents["pod-0"].updates["wu-v2"].phase.value == "Aborted"
+    assert released == 2
+    # only the drained series of the pod left drained stays exported (its alert keeps firing);
+    # every other series of the deleted WeightUpdate is gone
+    exported = [
+        line
+        for line in generate_latest(h.metrics.registry).decode().splitlines()
+        if 'name="wu"' in line and not line.startswith("#")
+    ]
+    drained = {p for p in ("pod-0", "pod-1") if await h.gate(p) == "False"}
+    assert "pod-0" in drained
+    series = 'weightroll_replica_drained_since_timestamp_seconds{name="wu",namespace="default",'
+    assert sorted(exported) == sorted(
+        line for line in exported if any(line.startswith(f'{series}pod="{p}"}}') for p in drained)
+    ) and len(exported) == len(drained), exported
+    assert h.agents["pod-0"].update_of("wu-v2-a1").phase.value == "Aborted"
     assert await h.owner_of("pod-0") is None
     assert await h.gate("pod-0") == "False"  # stays drained
     st = await h.state_of("pod-0")
-    assert st is not None and st.state is UnitState.FAILED
+    assert st is not None and st.state is UnitState.FAILED and "LeftDrained" in st.reason
     h.assert_never_ready_unverified({"v2"})
 
 
@@ -365,7 +376,7 @@ async def test_succeeded_rollout_converges_new_pods(h: Harness) -> None:
 
     await h.run_until(["wu"], all_verified)
     assert (await h.status("wu"))["phase"] == "Succeeded"
-    assert h.agents["pod-3"].executions == ["wu-v2"]
+    assert h.agents["pod-3"].runs == ["wu-v2-a1"]
     assert h.agents["pod-4"].executions == []  # already serving v2: only the gate was set
     assert h.metrics.updates_total.labels(NS, "wu", "succeeded")._value.get() == 1
     assert await h.gate("pod-3") == "True" and await h.gate("pod-4") == "True"

@@ -86,18 +86,29 @@ def pod(
 
 
 def agent(
-    version: str = "v1", *, ready: bool = True, phase: UpdatePhase | None = None, **kw: Any
+    version: str | None = None,
+    *,
+    ready: bool = True,
+    phase: UpdatePhase | None = None,
+    **kw: Any,
 ) -> AgentView:
+    """An agent observation. A ``Committed`` update is live by default (the ranks serve it,
+    committed by that id, ready), as the real agent reports right after a commit; pass
+    ``version=`` / ``committed_update_id=`` to describe one whose ranks changed since."""
     update = None
     update_version = kw.pop("update_version", "v2")
     update_id = kw.pop("update_id", "wu-v2")
     reasons = tuple(kw.pop("reasons", ()))
+    committed = phase is UpdatePhase.COMMITTED
+    if version is None:
+        version = update_version if committed else "v1"
+    kw.setdefault("committed_update_id", update_id if committed else None)
     if phase is not None:
         update = UpdateView(
             id=update_id,
             phase=phase,
             version=update_version,
-            committed=phase is UpdatePhase.COMMITTED,
+            committed=committed,
             reasons=reasons,
         )
     return AgentView(
@@ -106,6 +117,7 @@ def agent(
         ready=ready,
         source=kw.pop("source", V1_SRC),
         update=update,
+        clean=kw.pop("clean", True),
         **kw,
     )
 
@@ -117,10 +129,11 @@ def run(
     persisted: Persisted | None = None,
 ) -> Plan:
     # Like reconcile: the planner only sees the agents that queries() says to ask.
-    asked = queries(tuple(pods), ME, s.version)
+    persisted = persisted or Persisted(target_version="v2")
+    asked = queries(tuple(pods), ME, s.version, persisted.retried_at)
     seen = {k: v for k, v in (agents or {}).items() if k in asked}
     fleet = Fleet(name="wu", owner=ME, pods=tuple(pods), agents=seen)
-    return plan(s, fleet, persisted or Persisted(target_version="v2"), NOW)
+    return plan(s, fleet, persisted, NOW)
 
 
 def summary(p: Plan) -> list[tuple[str, str]]:

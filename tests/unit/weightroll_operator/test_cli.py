@@ -72,6 +72,8 @@ def test_subcommands_are_the_documented_ones() -> None:
         "pause",
         "resume",
         "promote",
+        "abort",
+        "retry",
         "demo",
     ]
 
@@ -128,7 +130,7 @@ def test_every_option_has_a_help_text(module: str, args: tuple[str, ...]) -> Non
 def test_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["stauts"]) == 2
     err = capsys.readouterr().err.splitlines()
-    choices = "operator, agent, manifest, status, pause, resume, promote, demo"
+    choices = "operator, agent, manifest, status, pause, resume, promote, abort, retry, demo"
     assert err[-1] == f"weightroll: unknown command 'stauts'; choose one of {choices}"
 
 

@@ -311,7 +311,10 @@ def test_usage_errors(argv: list[str], error: str, capsys: pytest.CaptureFixture
 @pytest.mark.parametrize("argv", [[], ["stop", "llama-v2"]])
 def test_main_needs_a_verb(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
-    assert capsys.readouterr().err == "weightroll: choose one of pause, resume, promote\n"
+    assert (
+        capsys.readouterr().err
+        == "weightroll: choose one of pause, resume, promote, abort, retry\n"
+    )
 
 
 @pytest.mark.parametrize("verb", VERBS)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from weightroll_operator.api.v1alpha1 import Phase, WeightUpdateStatus
+from weightroll_operator.api.v1alpha1 import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    Phase,
+    WeightUpdateStatus,
+)
 from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import UnitState
@@ -73,7 +79,7 @@ def test_claim_records_previous_version_and_source() -> None:
     assert claim.owner == ME
     assert claim.state.state is UnitState.DRAINING
     assert (claim.state.previous_version, claim.state.previous_source) == ("v1", V1_SRC)
-    assert claim.state.update_id == "wu-v2"
+    assert (claim.state.update_id, claim.state.attempt) == ("wu-v2-g0-a1", 1)
     assert claim.state.started_at == timestamp(NOW)
 
 
@@ -273,7 +279,7 @@ def test_rollback_targets_are_the_recorded_previous_weights() -> None:
     assert set(claims) == {"p0", "p1"}
     for st in claims.values():
         assert (st.state, st.version, st.rollback_of) == (UnitState.ROLLING_BACK, "v1", "v2")
-        assert st.update_id == "wu-v2-rollback"
+        assert st.update_id == "wu-v1-g0-a1-rb"
     assert "NoRollbackTarget" in p.reasons["p3"]
     # next pass: drained rollback pod gets the previous source
     rb = claims["p1"]
@@ -291,7 +297,7 @@ def test_rollback_targets_are_the_recorded_previous_weights() -> None:
         [pod("p1", gate=False, ready=False, st=rb)],
         {
             "p1": agent(
-                "v1", phase=UpdatePhase.COMMITTED, update_version="v1", update_id="wu-v2-rollback"
+                "v1", phase=UpdatePhase.COMMITTED, update_version="v1", update_id="wu-v1-g0-a1-rb"
             )
         },
         aborted,
@@ -452,7 +458,7 @@ def test_version_change_retargets_units_not_yet_started() -> None:
     p = run(spec(), pods, {"p0": agent("v1")})  # the agent never heard of wu-v1b
     claim = p.actions[0]
     assert isinstance(claim, Claim)
-    assert (claim.state.version, claim.state.update_id) == ("v2", "wu-v2")
+    assert (claim.state.version, claim.state.update_id) == ("v2", "wu-v2-g0-a1")
     assert claim.state.previous_version == "v1"
     assert not any(isinstance(a, StartUpdate) for a in p.actions)
     # already started: it finishes at its version first
@@ -463,8 +469,13 @@ def test_version_change_retargets_units_not_yet_started() -> None:
 
 def test_agent_that_lost_the_update_record_but_serves_the_version_is_not_reloaded() -> None:
     pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
-    p = run(spec(), pods, {"p0": agent("v2", ready=True)})  # 404 for the id, state at v2
+    # 404 for the id; the live state: ranks at v2, committed by this very attempt
+    p = run(spec(), pods, {"p0": agent("v2", ready=True, committed_update_id="wu-v2")})
     assert summary(p)[:2] == [("GateOn", "p0"), ("Settle", "p0")]
+    # at v2 but committed by another attempt (an old verdict), or by nobody known: reload
+    for other in ("wu-v2-old", None):
+        p = run(spec(), pods, {"p0": agent("v2", ready=True, committed_update_id=other)})
+        assert summary(p) == [("StartUpdate", "p0")], other
     # not ready at v2 (e.g. still paused): never restored, the update is sent (idempotent)
     p = run(spec(), pods, {"p0": agent("v2", ready=False)})
     assert summary(p) == [("StartUpdate", "p0")]
@@ -523,3 +534,205 @@ def test_persisted_remembers_a_hold_from_the_status_phase() -> None:
         status.model_copy(update={"phase": Phase.PROGRESSING}), "v2"
     ).held
     assert not Persisted.from_status(status, "v3").held  # a new version starts from scratch
+
+
+# --------------------------------------------------------------------------------------------
+# issue 11: attempt identity, truth after commit, budget, joining pods, deadlines
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_claim_is_a_new_attempt_with_its_own_id() -> None:
+    from weightroll_operator.domain.plan import Fleet, plan
+
+    earlier = state(UnitState.VERIFIED, version="v2", update_id="wu-v2-g1-a3", attempt=3)
+    # the pod serves v1 again (a flip back): pending, claimed by attempt 4 of generation 7
+    fleet = Fleet(
+        name="wu",
+        owner=ME,
+        pods=(pod("p0", st=earlier),),
+        agents={"p0": agent("v1")},
+        uid="0f3c2a91-aaaa-bbbb",
+        generation=7,
+    )
+    p = plan(spec(), fleet, Persisted(target_version="v2"), NOW)
+    [claim] = [a for a in p.actions if isinstance(a, Claim)]
+    assert (claim.state.update_id, claim.state.attempt) == ("wu-v2-0f3c2a91-g7-a4", 4)
+    # a pod last driven by another WeightUpdate starts at attempt 1
+    foreign = state(UnitState.VERIFIED, by=OTHER, version="v1", attempt=9)
+    fleet = Fleet(name="wu", owner=ME, pods=(pod("p0", st=foreign),), agents={"p0": agent("v1")})
+    [claim] = [a for a in plan(spec(), fleet, Persisted(target_version="v2"), NOW).actions[:1]]
+    assert isinstance(claim, Claim) and claim.state.attempt == 1
+
+
+@pytest.mark.parametrize(
+    ("live", "expected"),
+    [
+        # the agent's record says Committed and the ranks serve it, by this attempt: restore
+        ({}, [("GateOn", "p0"), ("Settle", "p0"), ("Emit", Reason.UNIT_VERIFIED)]),
+        # committed and served but not resumed yet: wait
+        ({"ready": False}, []),
+        # committed, but vLLM restarted since (boot weights): a fresh attempt, still drained
+        ({"version": "v1", "committed_update_id": None}, [("Claim", "p0")]),
+    ],
+)
+def test_gate_on_needs_the_live_state_of_this_attempt(
+    live: dict[str, object], expected: list[tuple[str, str]]
+) -> None:
+    view = agent(phase=UpdatePhase.COMMITTED, **live)  # type: ignore[arg-type]
+    p = run(spec(), [pod("p0", gate=False, ready=False, st=DRAINING)], {"p0": view})
+    assert summary(p) == expected
+    if expected == [("Claim", "p0")]:
+        claim = p.actions[0]
+        assert isinstance(claim, Claim) and claim.state.update_id == "wu-v2-g0-a1"
+        assert claim.state.started_at == DRAINING.started_at  # the unit's deadline holds
+
+
+def test_verified_pod_serving_other_weights_is_pending_again() -> None:
+    """The agent reports what its ranks serve: boot weights after a vLLM restart."""
+    restarted = pod("p0", st=state(UnitState.VERIFIED), ready=False)
+    held = agent("v1", ready=False)  # held by the agent (engine_restarted), ranks clean at v1
+    p = run(spec(), [restarted], {"p0": held}, DONE)
+    [claim] = [a for a in p.actions if isinstance(a, Claim)]  # pending again: claimed
+    assert claim.state.previous_version == "v1" and claim.state.attempt == 1
+
+
+def test_stale_view_is_unavailable_and_untouched() -> None:
+    """A view older than our own last write to the pod: its unit gets no step and counts as
+    unavailable, so the next unit waits (the budget holds until the pod is seen Ready)."""
+    from dataclasses import replace
+
+    done_now = pod("p0", gate=False, ready=False, st=DRAINING)
+    fresh = [replace(done_now, stale=True), pod("p1")]
+    view = agent(phase=UpdatePhase.COMMITTED)
+    p = run(spec(maxUnavailable=1), fresh, {"p0": view, "p1": agent("v1")})
+    assert p.actions == ()
+    # seen again after the write, gate True but kubelet not yet Ready: still unavailable
+    restored = pod("p0", gate=True, ready=False, st=state(UnitState.VERIFIED))
+    p = run(spec(maxUnavailable=1), [restored, pod("p1")], {"p1": agent("v1")})
+    assert claimed(p) == []
+    p = run(spec(maxUnavailable=1), [pod("p0", st=state(UnitState.VERIFIED)), pod("p1")], FRESH)
+    assert claimed(p) == ["p1"]
+
+
+@pytest.mark.parametrize(
+    ("view", "claimable"),
+    [
+        (agent("v1"), True),
+        (agent("", ready=False, clean=False), False),  # booting: version unknown
+        (agent("v1", clean=False, ready=False), False),  # poisoned
+        (agent("v1", active_update_id="someone-else"), False),
+        (agent("v1", reachable=False), False),
+    ],
+)
+def test_joining_pods_are_claimed_only_at_a_known_clean_version(
+    view: object, claimable: bool
+) -> None:
+    p = run(spec(), [pod("p0", ready=False, gate=None)], {"p0": view})  # type: ignore[dict-item]
+    assert (claimed(p) == ["p0"]) is claimable
+    if not claimable and p.classes["p0"] is PodClass.PENDING:
+        assert "Joining" in p.notes["p0"]
+
+
+def test_update_timer_starts_when_the_agent_accepts() -> None:
+    from weightroll_operator.domain.model import UpdateView
+
+    claimed_long_ago = state(started="2026-01-01T11:00:00Z")
+    pods = [pod("p0", gate=False, ready=False, st=claimed_long_ago)]
+    recent = UpdateView(
+        id="wu-v2", phase=UpdatePhase.LOADING, version="v2", started_at="2026-01-01T11:59:30Z"
+    )
+    running = agent(phase=UpdatePhase.LOADING)
+    p = run(spec(updateTimeoutSeconds=60), pods, {"p0": replace_update(running, recent)})
+    assert p.actions == ()  # accepted 30 s ago: within the 60 s timeout
+    late = UpdateView(
+        id="wu-v2", phase=UpdatePhase.LOADING, version="v2", started_at="2026-01-01T11:58:30Z"
+    )
+    p = run(spec(updateTimeoutSeconds=60), pods, {"p0": replace_update(running, late)})
+    assert summary(p)[:2] == [("AbortUpdate", "p0"), ("Settle", "p0")]
+
+
+def replace_update(view: object, update: object) -> object:
+    from dataclasses import replace
+
+    return replace(view, update=update)  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize(
+    ("floor", "halted"),
+    [
+        ("2026-01-01T11:59:30Z", False),  # the operator started 30 s ago: downtime not counted
+        (None, True),
+        ("2026-01-01T08:00:00Z", True),  # started long ago: the deadline counts from progress
+    ],
+)
+def test_operator_downtime_does_not_count_against_the_progress_deadline(
+    floor: str | None, halted: bool
+) -> None:
+    persisted = Persisted(
+        target_version="v2",
+        start_time="2026-01-01T09:00:00Z",
+        last_progress_time="2026-01-01T09:00:00Z",
+        clock_floor=floor,
+    )
+    pods = [pod("p0", gate=False, ready=False, st=state(started="2026-01-01T11:59:50Z"))]
+    p = run(
+        spec(progressDeadlineSeconds=600), pods, {"p0": agent(phase=UpdatePhase.LOADING)}, persisted
+    )
+    assert (p.persisted.abort_reason == Reason.PROGRESS_DEADLINE_EXCEEDED) is halted
+
+
+def test_blocked_time_does_not_count_against_the_progress_deadline() -> None:
+    from weightroll_operator.domain.plan import Fleet, plan
+
+    old = "2026-01-01T08:00:00Z"
+    fleet = Fleet(name="wu", owner=ME, pods=(pod("p0"),), agents=FRESH, peers=("ns/first",))
+    blocked = plan(
+        spec(progressDeadlineSeconds=60),
+        fleet,
+        Persisted(target_version="v2", start_time=old, last_progress_time=old),
+        NOW,
+    )
+    assert blocked.persisted.aborted_at is None  # blocked: no deadline
+    # the blocker finished: the clock restarts now instead of halting at once
+    status = WeightUpdateStatus(target_version="v2", phase=Phase.PROGRESSING)
+    status = status.model_copy(
+        update={
+            "conditions": [
+                Condition(
+                    type=ConditionType.BLOCKED,
+                    status=ConditionStatus.TRUE,
+                    reason="OwnedByOtherWeightUpdate",
+                )
+            ]
+        }
+    )
+    persisted = Persisted.from_status(status, "v2")
+    assert persisted.held
+    free = Fleet(name="wu", owner=ME, pods=(pod("p0"),), agents=FRESH)
+    p = plan(spec(progressDeadlineSeconds=60), free, persisted, NOW)
+    assert p.persisted.aborted_at is None and claimed(p) == ["p0"]
+
+
+@pytest.mark.parametrize("max_failed", [0, 3])
+def test_failed_canary_halts_whatever_max_failed_replicas_says(max_failed: int) -> None:
+    failed = state(UnitState.FAILED, reason="DigestMismatch")
+    pods = [pod("p0", gate=False, ready=False, st=failed, owner=ME), pod("p1"), pod("p2")]
+    p = run(spec(canary=1, maxFailedReplicas=max_failed), pods, FRESH)
+    assert p.persisted.abort_reason == Reason.CANARY_FAILED
+    assert claimed(p) == []
+
+
+def test_retry_tries_failed_pods_again_with_a_new_attempt() -> None:
+    failed = state(UnitState.FAILED, reason="DigestMismatch", attempt=1, update_id="wu-v2-g0-a1")
+    pods = [pod("p0", gate=False, ready=False, st=failed, owner=ME), pod("p1")]
+    halted = Persisted(
+        target_version="v2", aborted_at="2026-01-01T11:59:00Z", abort_reason="FailureBudgetExceeded"
+    )
+    assert claimed(run(spec(), pods, FRESH, halted)) == []
+    # weightroll retry: abortedAt cleared, retriedAt after the failed attempt started
+    retried = Persisted(target_version="v2", retried_at="2026-01-01T11:59:30Z")
+    p = run(spec(), pods, {**FRESH, "p0": agent("v1", ready=False, clean=False)}, retried)
+    assert p.persisted.aborted_at is None
+    [claim] = [a for a in p.actions if isinstance(a, Claim)]
+    assert (claim.pod.name, claim.state.attempt, claim.state.previous_version) == ("p0", 2, "v1")
+    assert claim.state.update_id == "wu-v2-g0-a2"

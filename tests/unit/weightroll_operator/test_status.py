@@ -69,8 +69,10 @@ def test_unchanged_status_is_not_written() -> None:
     assert status_patch(None, first) is not None
     second = build_status(run(s, pods, {}, done), s, first, 1, NOW)
     assert status_patch(raw, second) is None
-    # keys we no longer set are removed with null (merge patch)
-    assert status_patch({**raw, "abortReason": "x"}, second) == {**raw, "abortReason": None}
+    # keys we no longer set are removed with null (merge patch); only changed keys are sent,
+    # so a concurrent patch of another key (weightroll abort/retry) is not overwritten
+    assert status_patch({**raw, "abortReason": "x"}, second) == {"abortReason": None}
+    assert status_patch({**raw, "phase": "Progressing"}, second) == {"phase": "Succeeded"}
 
 
 def test_conditions_keep_transition_time_unless_status_flips() -> None:
