@@ -59,6 +59,8 @@ async def test_happy_path_commits_and_serves_the_new_weights(sc: Scenario) -> No
     state = await sc.state()
     assert state["version"] == "v1" and state["engineState"] == "clean"
     assert state["source"]["uri"] == f"file://{sc.models.b}"
+    # the live ranks serve the commit of this update (issue 11: what GateOn is judged on)
+    assert (state["committedVersion"], state["committedUpdateId"]) == ("v1", "tp1-b"), state
     warm_b = await sc.outputs()
     assert warm_b != sc.notes["cold_a"], "the update must change the completions"
     sc.notes["warm_b"] = warm_b
@@ -273,6 +275,11 @@ async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario)
         await asyncio.sleep(0.2)
     _, body = await sc.readyz()
     assert any("engine_restarted" in reason for reason in body["reasons"]), body
+    # /v1/state reports what the restarted ranks serve (their cold boot), not the agent's last
+    # commit, and claims no commit for it (issue 11, finding 2)
+    state = await sc.state()
+    assert state["version"] == "cold-b" and state["committedUpdateId"] is None, state
+    assert state["committedVersion"] not in (None, "", "cold-b") and not state["ready"], state
     # Differential oracle: stop the agent, resume the cold engine by hand, compare.
     await sc.agent.stop()
     await sc.http.post(f"{cold.url}/resume")
