@@ -139,10 +139,16 @@ STATUS_MEANINGS: dict[str, str] = {
     ),
     "lastProgressTime": "Last unit transition (for `progressDeadlineSeconds`).",
     "abortedAt": (
-        "Persisted halt intent (failure budget or deadline). Clear it and `abortReason` with a "
-        "status patch, or change `spec.version`, to retry."
+        "Persisted halt intent (failure budget, deadline, failed canary, `weightroll abort`). "
+        "`weightroll retry` clears it and `abortReason`; so does a new `spec.version`."
     ),
-    "abortReason": "`FailureBudgetExceeded` or `ProgressDeadlineExceeded`.",
+    "abortReason": (
+        "`FailureBudgetExceeded`, `ProgressDeadlineExceeded`, `CanaryFailed` or `AbortedByUser`."
+    ),
+    "retriedAt": (
+        "Persisted intent of `weightroll retry`: pods whose attempt failed or was rolled back "
+        "before it are updated again by fresh attempts; the progress clock restarts."
+    ),
     "message": "One line, e.g. `Progressing: 37/100 pods verified at v2; 10 updating`.",
 }
 
@@ -254,7 +260,7 @@ def status_rows() -> Iterator[tuple[str, str]]:
     for key, raw in schema["properties"].items():
         prop, name = _resolve(raw, defs)
         type_text = "object" if name == "ReplicaCounts" else _type(prop, name)
-        if key in ("startTime", "completionTime", "lastProgressTime", "abortedAt"):
+        if key in ("startTime", "completionTime", "lastProgressTime", "abortedAt", "retriedAt"):
             type_text = "RFC 3339 time"
         yield key, type_text
 
@@ -326,7 +332,10 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
         "message": "One line for humans.",
     },
     "AgentState": {
-        "version": "Version every rank serves (the one the agent committed or adopted).",
+        "version": (
+            "Version the ranks serve now (`weightroll_state`; `\"\"` when they cannot be asked or "
+            "disagree), not the agent's record: after vLLM restarts underneath, its boot version."
+        ),
         "engineState": (
             "Worst state over the ranks: `clean`, `open`, `dirty`, `poisoned` (also when vLLM "
             "cannot be reached: unknown counts as unsafe)."
@@ -337,6 +346,12 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
         "ranks": "`RankStatus` per rank.",
         "source": "Where the served weights came from (the rollback target).",
         "message": "Why the replica is not ready, or the last event.",
+        "committedVersion": "The version the agent last committed (its record).",
+        "committedUpdateId": (
+            "The update that committed what the ranks serve now; null when they do not serve "
+            "the agent's last commit (restarted, poisoned, updating) or booted on their weights. "
+            "The operator restores traffic only when this is the id of its attempt."
+        ),
     },
     "ErrorBody": {
         "code": ("`unauthorized`, `malformed_json`, `invalid_request`, `not_found` or `conflict`."),
