@@ -935,6 +935,18 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         reasons=b.reasons,
         notes={
             **{
+                n: f"NotServing: verified at {version} by {st.update_id}, but its agent now "
+                f"serves {a.version or 'an unknown version'}; updated again by a new attempt"
+                for n, c in classes.items()
+                if c in (PodClass.PENDING, PodClass.IN_FLIGHT)
+                and (st := b_pods[n].state) is not None
+                and st.state is UnitState.VERIFIED
+                and st.version == version
+                and (a := fleet.agents.get(n)) is not None
+                and a.reachable
+                and a.version != version
+            },
+            **{
                 n: "Joining: waiting for its agent to answer at a known, clean version"
                 for n, c in classes.items()
                 if c is PodClass.PENDING

@@ -129,6 +129,8 @@ async def test_verified_pod_whose_engine_restarted_is_updated_again(h: Harness) 
     await h.tick("wu")
     status = await h.status("wu")
     assert status["phase"] != "Succeeded" and status["replicas"]["verified"] == 1, status
+    reason = next(p.get("reason") or "" for p in status["pods"] if p["name"] == "pod-0")
+    assert reason.startswith("NotServing: verified at v2") and "serves v1" in reason, status
     text = generate_latest(h.metrics.registry).decode()
     assert 'weightroll_replicas{name="wu",namespace="default",state="verified"} 1.0' in text
 

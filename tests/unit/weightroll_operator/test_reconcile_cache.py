@@ -20,3 +20,43 @@ def test_view_cache_is_keyed_by_object_identity() -> None:
     changed["status"]["conditions"][0]["status"] = "False"
     assert rec._view(changed, None, 8470).ready is False
     assert first.ready is True
+
+
+def test_a_view_older_than_our_own_write_is_stale_until_a_newer_one_arrives() -> None:
+    """The pod index lags the operator's writes (issue 11, C): a view still at the
+    resourceVersion a write was planned from must not count as available or be acted on."""
+    from weightroll_operator.apply import ActionResult
+    from weightroll_operator.domain.actions import GateOff
+    from weightroll_operator.domain.fleet import pod_view
+
+    rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
+    pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
+    pod["metadata"]["resourceVersion"] = "7"
+    before = pod_view(pod, group_by=None, default_port=8470)
+    assert rec._mark_stale((before,)) == (before,)  # nothing written yet
+    rec._remember_writes([ActionResult(GateOff(before))])
+    (seen,) = rec._mark_stale((before,))
+    assert seen.stale  # the write has not reached the index
+    newer = copy.deepcopy(pod)
+    newer["metadata"]["resourceVersion"] = "8"
+    (seen,) = rec._mark_stale((pod_view(newer, group_by=None, default_port=8470),))
+    assert not seen.stale
+    (seen,) = rec._mark_stale((before,))
+    assert not seen.stale  # the mark is gone once a newer view was seen
+    # a failed write leaves no mark
+    rec._remember_writes([ActionResult(GateOff(before), error=RuntimeError("refused"))])
+    assert not rec._mark_stale((before,))[0].stale
+
+
+def test_agent_backoff_is_exponential_with_jitter() -> None:
+    from weightroll_operator.reconcile import backoff_delay
+
+    assert [backoff_delay(n, 1.0, 60.0, lambda: 0.5) for n in (1, 2, 3, 7, 20)] == [
+        1.0,
+        2.0,
+        4.0,
+        60.0,
+        60.0,
+    ]
+    assert backoff_delay(3, 1.0, 60.0, lambda: 0.0) == 2.0  # jitter: 0.5x .. 1.5x
+    assert backoff_delay(3, 1.0, 60.0, lambda: 1.0) == 6.0
