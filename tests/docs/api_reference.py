@@ -333,7 +333,7 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
     },
     "AgentState": {
         "version": (
-            "Version the ranks serve now (`weightroll_state`; `\"\"` when they cannot be asked or "
+            'Version the ranks serve now (`weightroll_state`; `""` when they cannot be asked or '
             "disagree), not the agent's record: after vLLM restarts underneath, its boot version."
         ),
         "engineState": (
