@@ -6,21 +6,32 @@ returns frozen actions plus a summary for the status. Each pass moves each unit 
 
 Per unit (one pod, or the pods sharing the ``groupBy`` label value), the steps are::
 
-    Claim (owner + weight-state Draining with the previous version/source) + GateOff
+    Claim (owner + weight-state Draining: the attempt id, the previous version/source) + GateOff
       -> observe every pod NotReady (kubelet applied the gate)
-      -> StartUpdate on every pod's agent (idempotent by a deterministic id)
-      -> every agent Committed at the version -> GateOn + Settle(Verified)   [traffic back]
+      -> StartUpdate on every pod's agent (idempotent by the attempt's id)
+      -> every agent's live state: the version, committed by this attempt, ready
+         -> GateOn + Settle(Verified)                                         [traffic back]
       -> any agent Failed/Aborted or the unit timed out -> Settle(Failed)    [stays drained]
 
+A pass is a short list of named steps, each a function of its inputs (table tests in
+``tests/unit/weightroll_operator/test_plan_steps.py``): :func:`classify_fleet` ->
+:func:`advance_units` -> :func:`deadlines` -> :func:`budget` -> :func:`roll_back` or
+:func:`start_units` -> :func:`restore` -> :func:`settle`.
+
 Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
-    * ``GateOn`` is planned only for a pod whose agent reported ``Committed`` at the version the
-      pod's state names, or whose agent reports ready at the target version.
+    * ``GateOn`` is planned only for a pod whose agent's *live* state is the version the pod's
+      state names, committed by the attempt the state names, and ready (:func:`serves_attempt`);
+      or, for a pod not verified by this WeightUpdate, whose agent is ready at the target.
     * At most ``maxUnavailable`` units are unavailable after the pass, counting units that were
-      not ready before the operator touched them; starting an already-unready unit is free.
+      not ready before the operator touched them, and units seen in a view older than the
+      operator's own last write; starting an already-unready unit is free.
     * A pod owned by another WeightUpdate is never touched, and no new unit starts while any
       selected pod is owned by another WeightUpdate (condition Blocked).
-    * A unit is never started twice for the same version: an in-flight unit is resumed from its
-      annotation, and the update id is derived from the WeightUpdate name and the version.
+    * An attempt never runs twice and never takes another's verdict: an in-flight unit is
+      resumed from its annotation, and every claim is a new attempt with its own id
+      (:func:`~weightroll_operator.domain.model.attempt_id`).
+    * A pod is claimed only when its agent answers at a known, clean version (a joining pod
+      waits); a failed canary halts whatever ``maxFailedReplicas`` says.
 """
 
 from __future__ import annotations
@@ -640,64 +651,100 @@ def _aggregate_events(actions: list[Action]) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: datetime) -> Plan:
-    """Compute this pass's actions. Pure: same inputs, same plan.
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """Step 1, :func:`classify_fleet`: what the pass sees, before it does anything."""
 
-    Args:
-        spec: the parsed, valid spec.
-        fleet: the selected pods and the agent observations :func:`queries` asked for.
-        persisted: the persisted status fields (see :class:`Persisted`).
-        now: the current time (UTC, timezone-aware).
+    units: tuple[Unit, ...]
+    classes: Mapping[str, PodClass]
+    #: The classes of each unit's pods, by unit key.
+    by_unit: Mapping[str, frozenset[PodClass]]
+    blocked_by: tuple[str, ...]
+    max_unavailable: int
+    #: Units with a pod seen before the operator's own last write to it: no step this pass,
+    #: and unavailable.
+    frozen: frozenset[str]
+    #: Failure reasons recorded on the pods of failed units.
+    reasons: Mapping[str, str]
 
-    Returns:
-        The plan; its actions must be applied in order per pod.
-    """
-    b = _Builder(spec, fleet, now)
+
+def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -> Seen:
+    """Step 1: classify every pod (:func:`classify`) and group them into units."""
     owner, version = fleet.owner, spec.version
     units = group_units(fleet.pods)
     completed = persisted.completion_time is not None
-    retried_at = persisted.retried_at
     classes = {
-        p.name: classify(p, fleet.agents.get(p.name), owner, version, completed, retried_at)
+        p.name: classify(
+            p, fleet.agents.get(p.name), owner, version, completed, persisted.retried_at
+        )
         for p in fleet.pods
     }
-    for p in fleet.pods:
-        if classes[p.name] in (PodClass.FAILED, PodClass.ROLLBACK_FAILED) and p.state is not None:
-            b.reasons[p.name] = p.state.reason
-    by_unit = {u.key: {classes[p.name] for p in u.pods} for u in units}
-    blocked_by = tuple(
-        sorted(
-            {str(p.owner) for p in fleet.pods if classes[p.name] is PodClass.BLOCKED}
-            | set(fleet.peers)
-        )
+    reasons = {
+        p.name: p.state.reason
+        for p in fleet.pods
+        if classes[p.name] in (PodClass.FAILED, PodClass.ROLLBACK_FAILED) and p.state is not None
+    }
+    blocked = {str(p.owner) for p in fleet.pods if classes[p.name] is PodClass.BLOCKED}
+    return Seen(
+        units=units,
+        classes=classes,
+        by_unit={u.key: frozenset(classes[p.name] for p in u.pods) for u in units},
+        blocked_by=tuple(sorted(blocked | set(fleet.peers))),
+        max_unavailable=resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units))),
+        frozen=frozenset(u.key for u in units if any(p.stale for p in u.pods)),
+        reasons=reasons,
     )
-    max_unavailable = resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units)))
 
-    # Units with a pod seen before our own last write to it: no step, counted unavailable.
-    frozen = {u.key for u in units if any(p.stale for p in u.pods)}
 
-    # 1. In-flight units move one step each.
-    still_flying: set[str] = set()
-    for unit in units:
-        if PodClass.IN_FLIGHT not in by_unit[unit.key]:
+def advance_units(b: _Builder, seen: Seen) -> frozenset[str]:
+    """Step 2: move each in-flight unit one step; return the keys of those still in flight."""
+    flying = set()
+    for unit in seen.units:
+        if PodClass.IN_FLIGHT not in seen.by_unit[unit.key]:
             continue
-        if unit.key in frozen or _advance_in_flight(b, unit):
-            still_flying.add(unit.key)
+        if unit.key in seen.frozen or _advance_in_flight(b, unit):
+            flying.add(unit.key)
+    return frozenset(flying)
 
-    # 2. Failure budget and progress deadline (persisted as an abort intent).
+
+@dataclass(frozen=True, slots=True)
+class Halt:
+    """Step 3, :func:`deadlines`: holds, halts and what is left to start."""
+
+    aborted_at: str | None
+    abort_reason: str | None
+    paused_reason: str | None
+    #: A hold (pause, canary, Blocked) ended this pass: the progress clock restarts now.
+    hold_released: bool
+    #: Units that still need this version and are not in flight.
+    pending: tuple[Unit, ...]
+    #: Units this WeightUpdate touched for this version (the canary is the first of them).
+    touched: tuple[Unit, ...]
+
+
+def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[str]) -> Halt:
+    """Step 3: the pause and canary holds, the failed canary, the failure budget and the
+    progress deadline (a new halt is persisted as an abort intent and posted as an Event).
+
+    Time on hold or Blocked, before the operator's start (``clock_floor``) or before a retry
+    never counts against ``progressDeadlineSeconds``.
+    """
+    spec, now, owner, version = b.spec, b.now, b.fleet.owner, b.spec.version
+    units, by_unit = seen.units, seen.by_unit
     aborted_at, abort_reason = persisted.aborted_at, persisted.abort_reason
-    failed_units = sum(
-        1 for u in units if PodClass.FAILED in by_unit[u.key] or b.finished.get(u.key) == "failed"
-    )
-    pending_units = [
+
+    def failed(u: Unit) -> bool:
+        return PodClass.FAILED in by_unit[u.key] or b.finished.get(u.key) == "failed"
+
+    pending = tuple(
         u
         for u in units
         if u.key not in b.finished
-        and u.key not in still_flying
+        and u.key not in flying
         and by_unit[u.key] <= {PodClass.PENDING, PodClass.UPDATED, PodClass.UNKNOWN}
         and by_unit[u.key] & {PodClass.PENDING, PodClass.UNKNOWN}
-    ]
-    touched = [
+    )
+    touched = tuple(
         u
         for u in units
         if any(
@@ -707,35 +754,29 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             and p.state.rollback_of is None
             for p in u.pods
         )
-    ]
+    )
     canary = spec.strategy.canary
     canary_hold = (
         canary is not None
         and spec.strategy.pause_after_canary
         and len(touched) >= canary
-        and not still_flying
-        and bool(pending_units)
+        and not flying
+        and bool(pending)
     )
     paused_reason = (
         Reason.PAUSED_BY_SPEC if spec.paused else Reason.CANARY_COMPLETE if canary_hold else None
     )
     # A failed canary halts whatever maxFailedReplicas tolerates: the canary is the test.
-    canary_units = {
-        u.key for u in sorted(touched, key=_first_start)[: canary if canary is not None else 0]
-    }
-    canary_failed = [
-        u.key
-        for u in units
-        if u.key in canary_units
-        and (PodClass.FAILED in by_unit[u.key] or b.finished.get(u.key) == "failed")
-    ]
+    canary_units = {u.key for u in sorted(touched, key=_first_start)[: canary or 0]}
+    canary_failed = sorted(u.key for u in units if u.key in canary_units and failed(u))
     if aborted_at is None and canary_failed:
         aborted_at, abort_reason = timestamp(now), Reason.CANARY_FAILED
         b.emit(
             Reason.CANARY_FAILED,
-            f"Halted: canary unit {', '.join(sorted(canary_failed))} failed",
+            f"Halted: canary unit {', '.join(canary_failed)} failed",
             warning=True,
         )
+    failed_units = sum(1 for u in units if failed(u))
     if aborted_at is None and failed_units > spec.strategy.max_failed_replicas:
         aborted_at, abort_reason = timestamp(now), Reason.FAILURE_BUDGET_EXCEEDED
         b.emit(
@@ -744,7 +785,7 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             f"{spec.strategy.max_failed_replicas}",
             warning=True,
         )
-    hold_released = persisted.held and paused_reason is None and not blocked_by
+    hold_released = persisted.held and paused_reason is None and not seen.blocked_by
     last = (
         now
         if hold_released
@@ -754,12 +795,11 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         # the operator was down before its start, or a retry restarted the clock
         if last is not None and floor is not None and floor > last:
             last = floor
-    work_left = bool(still_flying or pending_units)
     if (
         aborted_at is None
         and paused_reason is None
-        and not blocked_by
-        and work_left
+        and not seen.blocked_by
+        and bool(flying or pending)
         and last is not None
         and not b.progressed
         and now - last > timedelta(seconds=spec.strategy.progress_deadline_seconds)
@@ -770,124 +810,180 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
             f"Halted: no progress for {spec.strategy.progress_deadline_seconds}s",
             warning=True,
         )
+    return Halt(aborted_at, abort_reason, paused_reason, hold_released, pending, touched)
 
-    # 3. Availability budget: a unit is unavailable from its drain until its pods are observed
-    #    Ready after the GateOn (a view older than our own write never counts as available).
+
+def budget(seen: Seen, flying: frozenset[str]) -> int:
+    """Step 4: how many more units may become unavailable this pass.
+
+    A unit is unavailable from its drain until its pods are observed Ready after the GateOn:
+    while any pod is not Ready, it is in flight or failed, or it is seen in a view older than
+    the operator's own last write to it. Starting a unit that is already unavailable is free.
+    """
     unavailable = sum(
         1
-        for u in units
+        for u in seen.units
         if not u.ready
-        or u.key in frozen
-        or u.key in still_flying
-        or by_unit[u.key] & {PodClass.FAILED, PodClass.ROLLBACK_FAILED}
+        or u.key in seen.frozen
+        or u.key in flying
+        or seen.by_unit[u.key] & {PodClass.FAILED, PodClass.ROLLBACK_FAILED}
     )
-    slots = max_unavailable - unavailable
-    rollback = aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
-    rollback_remaining = 0
+    return seen.max_unavailable - unavailable
 
-    if rollback:
-        # 4a. Roll back every touched, settled unit in place, within the same budget.
-        for unit in units:
-            if unit.key in b.finished:
-                # A forward update that just ended still has to be rolled back (next pass).
-                forward = not any(
-                    p.state is not None and p.state.state is UnitState.ROLLING_BACK
-                    for p in unit.pods
-                )
-                rollback_remaining += int(forward)
-                continue
-            if unit.key in still_flying:
-                continue
-            pods_here = [p for p in unit.pods if p.state is not None and p.state.by == owner]
-            needs = [
-                p
-                for p in pods_here
-                if p.state is not None
-                and p.state.version == version
-                and p.state.rollback_of is None
-                and p.state.state in (UnitState.VERIFIED, UnitState.FAILED)
-            ]
-            if not needs:
-                continue
-            rollback_remaining += 1
-            if PodClass.BLOCKED in by_unit[unit.key] or unit.key in frozen:
-                continue
-            missing = [
-                p.name
-                for p in unit.pods
-                if p.state is None
-                or p.state.previous_source is None
-                or not p.state.previous_version
-                or p.state.previous_version == version
-            ]
-            if missing:
-                why = f"NoRollbackTarget: no previous version/source for {', '.join(missing)}"
-                for p in needs:
-                    assert p.state is not None
-                    b.actions.append(
-                        Settle(
-                            p,
-                            p.state.evolve(state=UnitState.FAILED, reason=why, rollback_of=version),
-                            release=False,
-                        )
-                    )
-                    b.reasons[p.name] = why
-                b.emit(Reason.UNIT_FAILED, f"Cannot roll back {_unit_label(unit)}: {why}", True)
-                continue
-            if unit.ready:
-                if slots <= 0:
-                    continue
-                slots -= 1
-            _claim(b, unit, rollback_of=version)
-    elif aborted_at is None and paused_reason is None and not blocked_by:
-        # 4b. Start new units: already-unready ones first (free), then while slots remain.
-        # The canary goes first; the rest waits until every canary unit has a verdict.
-        limit = None
-        if canary is not None and (len(touched) < canary or still_flying):
-            limit = max(0, canary - len(touched))
-        startable = [
-            u
-            for u in pending_units
-            if u.key not in frozen
-            and all(classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
-            and all(
-                _can_claim(p, fleet.agents.get(p.name), owner, version)
-                for p in u.pods
-                if classes[p.name] is PodClass.PENDING
+
+def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> int:
+    """Step 5a (halted with ``onFailure: Rollback``): roll back every touched, settled unit in
+    place, within the budget; return how many units are still to roll back."""
+    owner, version = b.fleet.owner, b.spec.version
+    remaining = 0
+    for unit in seen.units:
+        if unit.key in b.finished:
+            # A forward update that just ended still has to be rolled back (next pass).
+            forward = not any(
+                p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in unit.pods
             )
-        ]
-        startable.sort(key=lambda u: (u.ready, u.key))
-        for unit in startable:
-            if limit is not None and limit <= 0:
-                break
-            if unit.ready:
-                if slots <= 0:
-                    break
-                slots -= 1
-            _claim(b, unit)
-            if limit is not None:
-                limit -= 1
-
-    # 5. Settled pods at the target whose traffic is off (new pods, or a restart between the
-    #    GateOn and the Settle) get their gate back; only an agent that is ready at the target
-    #    version, or our own Verified state, can vouch for it.
-    for pod in fleet.pods:
-        if classes[pod.name] is not PodClass.UPDATED or pod.gate is True or pod.stale:
+            remaining += int(forward)
             continue
-        agent = fleet.agents.get(pod.name)
+        if unit.key in flying:
+            continue
+        needs = [
+            p
+            for p in unit.pods
+            if p.state is not None
+            and p.state.by == owner
+            and p.state.version == version
+            and p.state.rollback_of is None
+            and p.state.state in (UnitState.VERIFIED, UnitState.FAILED)
+        ]
+        if not needs:
+            continue
+        remaining += 1
+        if PodClass.BLOCKED in seen.by_unit[unit.key] or unit.key in seen.frozen:
+            continue
+        missing = [
+            p.name
+            for p in unit.pods
+            if p.state is None
+            or p.state.previous_source is None
+            or not p.state.previous_version
+            or p.state.previous_version == version
+        ]
+        if missing:
+            why = f"NoRollbackTarget: no previous version/source for {', '.join(missing)}"
+            for p in needs:
+                assert p.state is not None
+                b.actions.append(
+                    Settle(
+                        p,
+                        p.state.evolve(state=UnitState.FAILED, reason=why, rollback_of=version),
+                        release=False,
+                    )
+                )
+                b.reasons[p.name] = why
+            b.emit(Reason.UNIT_FAILED, f"Cannot roll back {_unit_label(unit)}: {why}", True)
+            continue
+        if unit.ready:
+            if slots <= 0:
+                continue
+            slots -= 1
+        _claim(b, unit, rollback_of=version)
+    return remaining
+
+
+def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slots: int) -> None:
+    """Step 5b: start new units, already-unready ones first (free), then while slots remain.
+
+    The canary goes first; the rest waits until every canary unit has a verdict. Only units
+    whose pending pods may be claimed (:func:`_can_claim`) start.
+    """
+    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
+    canary = b.spec.strategy.canary
+    limit = None
+    if canary is not None and (len(halt.touched) < canary or flying):
+        limit = max(0, canary - len(halt.touched))
+    startable = [
+        u
+        for u in halt.pending
+        if u.key not in seen.frozen
+        and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
+        and all(
+            _can_claim(p, fleet.agents.get(p.name), owner, version)
+            for p in u.pods
+            if seen.classes[p.name] is PodClass.PENDING
+        )
+    ]
+    startable.sort(key=lambda u: (u.ready, u.key))
+    for unit in startable:
+        if limit is not None and limit <= 0:
+            break
+        if unit.ready:
+            if slots <= 0:
+                break
+            slots -= 1
+        _claim(b, unit)
+        if limit is not None:
+            limit -= 1
+
+
+def restore(b: _Builder, seen: Seen) -> None:
+    """Step 6: settled pods at the target whose traffic is off (new pods, or a restart between
+    the GateOn and the Settle) get their gate back; only an agent ready at the target version
+    vouches for it, and for a pod this WeightUpdate verified only its recorded attempt's live
+    commit (or ranks that booted at the version: a cold engine on it is the oracle itself)."""
+    owner, version = b.fleet.owner, b.spec.version
+    for pod in b.fleet.pods:
+        if seen.classes[pod.name] is not PodClass.UPDATED or pod.gate is True or pod.stale:
+            continue
+        agent = b.fleet.agents.get(pod.name)
         if agent is None or not (agent.reachable and agent.ready and agent.version == version):
             continue
         st = pod.state
         ours = st is not None and st.by == owner and st.state is UnitState.VERIFIED
-        # Our verified pod: only the commit of its recorded attempt, live, vouches for it (or
-        # ranks that booted at the version: a cold engine on it is the oracle itself).
         if ours and st is not None and agent.committed_update_id not in (None, st.update_id):
             continue
-        if agent.ready:
-            b.actions.append(GateOn(pod, version=version, reason="ServingTarget"))
-            b.emit(Reason.UNIT_RESTORED, f"Restored traffic to {pod.name}, ready at {version}")
+        b.actions.append(GateOn(pod, version=version, reason="ServingTarget"))
+        b.emit(Reason.UNIT_RESTORED, f"Restored traffic to {pod.name}, ready at {version}")
 
-    # Reflect this pass's own transitions in the classes used for counting.
+
+def _notes(b: _Builder, classes: Mapping[str, PodClass]) -> dict[str, str]:
+    """Why a pod is not being worked on, or is worked on again, by pod name."""
+    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
+    pods = {p.name: p for p in fleet.pods}
+    notes: dict[str, str] = {}
+    for name, cls in classes.items():
+        agent, st = fleet.agents.get(name), pods[name].state
+        if cls is PodClass.UNKNOWN:
+            notes[name] = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
+        elif cls is PodClass.PENDING and not _can_claim(pods[name], agent, owner, version):
+            notes[name] = "Joining: waiting for its agent to answer at a known, clean version"
+        if (
+            cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
+            and st is not None
+            and st.state is UnitState.VERIFIED
+            and st.version == version
+            and agent is not None
+            and agent.reachable
+            and agent.version != version
+        ):
+            notes[name] = (
+                f"NotServing: verified at {version} by {st.update_id}, but its agent now serves "
+                f"{agent.version or 'an unknown version'}; updated again by a new attempt"
+            )
+    return notes
+
+
+def settle(
+    b: _Builder,
+    seen: Seen,
+    persisted: Persisted,
+    flying: frozenset[str],
+    halt: Halt,
+    rollback: bool,
+    rollback_remaining: int,
+) -> Plan:
+    """Step 7: reflect this pass's own transitions in the classes and persist what must be."""
+    now, version, fleet = b.now, b.spec.version, b.fleet
+    classes = dict(seen.classes)
     restored = {a.pod.name for a in b.actions if isinstance(a, GateOn)}
     for action in b.actions:
         if isinstance(action, Claim):
@@ -904,8 +1000,8 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
                 classes[action.pod.name] = done[action.state.state]
     claimed_units = {a.pod.unit for a in b.actions if isinstance(a, Claim)}
     all_done = (
-        bool(units)
-        and aborted_at is None
+        bool(seen.units)
+        and halt.aborted_at is None
         and all(c in (PodClass.UPDATED, PodClass.FOREIGN) for c in classes.values())
         and all(
             p.gate is True or p.name in restored
@@ -918,57 +1014,59 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         start_time=persisted.start_time or (timestamp(now) if claimed_units else None),
         completion_time=persisted.completion_time or (timestamp(now) if all_done else None),
         last_progress_time=timestamp(now)
-        if b.progressed or hold_released
+        if b.progressed or halt.hold_released
         else persisted.last_progress_time,
-        aborted_at=aborted_at,
-        abort_reason=abort_reason,
+        aborted_at=halt.aborted_at,
+        abort_reason=halt.abort_reason,
         retried_at=persisted.retried_at,
     )
-    b_pods = {p.name: p for p in fleet.pods}
-    flying_after = len(still_flying | claimed_units)
-    remaining_pending = sum(1 for u in pending_units if u.key not in claimed_units)
     return Plan(
         actions=_aggregate_events(b.actions),
         persisted=new_persisted,
         classes=classes,
         pods={p.name: p for p in fleet.pods},
-        reasons=b.reasons,
-        notes={
-            **{
-                n: f"NotServing: verified at {version} by {st.update_id}, but its agent now "
-                f"serves {a.version or 'an unknown version'}; updated again by a new attempt"
-                for n, c in classes.items()
-                if c in (PodClass.PENDING, PodClass.IN_FLIGHT)
-                and (st := b_pods[n].state) is not None
-                and st.state is UnitState.VERIFIED
-                and st.version == version
-                and (a := fleet.agents.get(n)) is not None
-                and a.reachable
-                and a.version != version
-            },
-            **{
-                n: "Joining: waiting for its agent to answer at a known, clean version"
-                for n, c in classes.items()
-                if c is PodClass.PENDING
-                and not _can_claim(b_pods[n], fleet.agents.get(n), owner, version)
-            },
-            **{
-                n: f"AgentUnreachable: {a.error}"
-                if (a := fleet.agents.get(n))
-                else "AgentUnreachable"
-                for n, c in classes.items()
-                if c is PodClass.UNKNOWN
-            },
-        },
-        units_total=len(units),
-        max_unavailable=max_unavailable,
-        paused_reason=paused_reason,
-        blocked_by=blocked_by,
+        reasons={**seen.reasons, **b.reasons},
+        notes=_notes(b, classes),
+        units_total=len(seen.units),
+        max_unavailable=seen.max_unavailable,
+        paused_reason=halt.paused_reason,
+        blocked_by=seen.blocked_by,
         finished=b.finished,
         durations=b.durations,
-        in_flight_units=flying_after,
-        pending_units=remaining_pending,
+        in_flight_units=len(flying | claimed_units),
+        pending_units=sum(1 for u in halt.pending if u.key not in claimed_units),
         completed=new_persisted.completion_time is not None,
         rolling_back=rollback,
         rollback_remaining=rollback_remaining,
     )
+
+
+def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: datetime) -> Plan:
+    """Compute this pass's actions. Pure: same inputs, same plan.
+
+    The pass is a short list of named steps: :func:`classify_fleet` -> :func:`advance_units`
+    -> :func:`deadlines` -> :func:`budget` -> :func:`roll_back` or :func:`start_units` ->
+    :func:`restore` -> :func:`settle`.
+
+    Args:
+        spec: the parsed, valid spec.
+        fleet: the selected pods and the agent observations :func:`queries` asked for.
+        persisted: the persisted status fields (see :class:`Persisted`).
+        now: the current time (UTC, timezone-aware).
+
+    Returns:
+        The plan; its actions must be applied in order per pod.
+    """
+    b = _Builder(spec, fleet, now)
+    seen = classify_fleet(spec, fleet, persisted)
+    flying = advance_units(b, seen)
+    halt = deadlines(b, seen, persisted, flying)
+    slots = budget(seen, flying)
+    rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
+    remaining = 0
+    if rollback:
+        remaining = roll_back(b, seen, flying, slots)
+    elif halt.aborted_at is None and halt.paused_reason is None and not seen.blocked_by:
+        start_units(b, seen, flying, halt, slots)
+    restore(b, seen)
+    return settle(b, seen, persisted, flying, halt, rollback, remaining)

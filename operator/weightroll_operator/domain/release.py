@@ -46,6 +46,17 @@ from weightroll_operator.domain.plan import parse_time, serves_attempt
 __all__ = ["Release", "deleted_owner", "release"]
 
 
+def _listed(reason: str, what: str, pods: Mapping[str, str], *, warning: bool = False) -> Emit:
+    """One Event naming up to 20 pods (with why, when given)."""
+    head = (
+        f"Deletion waits for {len(pods)} pods"
+        if reason == Reason.RELEASE_PENDING
+        else f"Released {len(pods)} pods on deletion {what}"
+    )
+    listed = "; ".join(f"{n}: {r}" if r else n for n, r in sorted(pods.items())[:20])
+    return Emit(reason, f"{head}: {listed}"[:2000], warning=warning)
+
+
 def deleted_owner(owner: OwnerKey) -> OwnerKey:
     """The ``by`` of states written on deletion: no live WeightUpdate has this key."""
     return OwnerKey(f"{owner}~deleted")
@@ -164,34 +175,12 @@ def release(
         released.append(pod.name)
     if restored:
         actions.append(
-            Emit(
-                Reason.RELEASED,
-                f"Released {len(restored)} pods on deletion and restored their traffic: "
-                + ", ".join(sorted(restored)[:20]),
-            )
+            _listed(Reason.RELEASED, "and restored their traffic", dict.fromkeys(restored, ""))
         )
     if left:
-        actions.append(
-            Emit(
-                Reason.LEFT_DRAINED,
-                (
-                    f"Released {len(left)} pods on deletion but left them drained: "
-                    + "; ".join(f"{n}: {r}" for n, r in sorted(left.items())[:20])
-                )[:2000],
-                warning=True,
-            )
-        )
+        actions.append(_listed(Reason.LEFT_DRAINED, "but left them drained", left, warning=True))
     if pending:
-        actions.append(
-            Emit(
-                Reason.RELEASE_PENDING,
-                (
-                    f"Deletion waits for {len(pending)} pods: "
-                    + "; ".join(f"{n}: {r}" for n, r in sorted(pending.items())[:20])
-                )[:2000],
-                warning=True,
-            )
-        )
+        actions.append(_listed(Reason.RELEASE_PENDING, "", pending, warning=True))
     return Release(
         actions=tuple(actions),
         released=tuple(released),
