@@ -231,12 +231,14 @@ class AgentView:
 
     @property
     def claimable(self) -> bool:
-        """A pod may be claimed: its agent answers at a known, clean version and runs nothing.
+        """A pod may be claimed: its agent answers, its ranks report one known version, and it
+        runs no update.
 
-        A booting pod (vLLM not up, version unknown) is not claimed, so boot time never counts
-        against ``updateTimeoutSeconds`` and the recorded previous version is what it served.
+        A booting pod (vLLM not up: version unknown) is not claimed, so boot time never counts
+        against ``updateTimeoutSeconds`` and the recorded previous version is what it served. A
+        poisoned engine at a known version may be claimed: a full update is what recovers it.
         """
-        return self.reachable and bool(self.version) and self.clean and not self.active_update_id
+        return self.reachable and bool(self.version) and not self.active_update_id
 
 
 UNREACHABLE = AgentView(reachable=False, error="not asked")

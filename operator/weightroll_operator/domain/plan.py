@@ -30,8 +30,8 @@ Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
     * An attempt never runs twice and never takes another's verdict: an in-flight unit is
       resumed from its annotation, and every claim is a new attempt with its own id
       (:func:`~weightroll_operator.domain.model.attempt_id`).
-    * A pod is claimed only when its agent answers at a known, clean version (a joining pod
-      waits); a failed canary halts whatever ``maxFailedReplicas`` says.
+    * A pod is claimed only when its agent answers at a known version, running nothing (a
+      joining pod waits); a failed canary halts whatever ``maxFailedReplicas`` says.
 """
 
 from __future__ import annotations
@@ -955,7 +955,7 @@ def _notes(b: _Builder, classes: Mapping[str, PodClass]) -> dict[str, str]:
         if cls is PodClass.UNKNOWN:
             notes[name] = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
         elif cls is PodClass.PENDING and not _can_claim(pods[name], agent, owner, version):
-            notes[name] = "Joining: waiting for its agent to answer at a known, clean version"
+            notes[name] = "Joining: waiting for its agent to answer at a known version"
         if (
             cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
             and st is not None

@@ -619,7 +619,7 @@ def test_stale_view_is_unavailable_and_untouched() -> None:
     [
         (agent("v1"), True),
         (agent("", ready=False, clean=False), False),  # booting: version unknown
-        (agent("v1", clean=False, ready=False), False),  # poisoned
+        (agent("v1", clean=False, ready=False), True),  # poisoned: a full update recovers it
         (agent("v1", active_update_id="someone-else"), False),
         (agent("v1", reachable=False), False),
     ],
