@@ -154,7 +154,9 @@ def test_corrupt_checkpoint_halts_and_keeps_the_pod_drained(fleet: Fleet) -> Non
     assert status["replicas"]["failed"] == 1, status
     assert fleet.condition(bad, GATE) == "False"
     assert fleet.condition(bad, "Ready") == "False"
-    assert fleet.condition(bad, "ContainersReady") == "False"  # the agent holds the replica
+    # the agent holds the replica: its /readyz fails, and kubelet (failureThreshold over
+    # periodSeconds) reports the container unready
+    fleet.wait_pods("ContainersReady", "False", (bad,), timeout=60)
     state = fleet.agent_state(bad)
     assert state["version"] == "v2" and not state["ready"], state
     others = tuple(p for p in PODS if p != bad)

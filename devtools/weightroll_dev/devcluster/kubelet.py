@@ -8,8 +8,9 @@ and, for each pod, does what kubelet would:
    API), ``emptyDir``, ``persistentVolumeClaim`` (see *Volumes* below);
 3. starts every container as a process (:mod:`.podspec` turns the spec into a command line);
 4. probes readiness (``httpGet`` readiness probes with their ``timeoutSeconds``,
-   ``failureThreshold`` and ``successThreshold``; a container without one is ready while it
-   runs), restarts containers that exit (``restartPolicy: Always``, bounded back-off), and
+   ``failureThreshold`` (over ``periodSeconds``) and ``successThreshold``; a container without
+   one is ready while it runs), restarts containers that exit (``restartPolicy: Always``,
+   bounded back-off), and
 5. writes ``pods/status`` with a **strategic merge patch**: phase, ``podIP``, container statuses,
    ``Initialized``/``ContainersReady``/``Ready``/``PodScheduled``. ``Ready`` = every container
    ready **and** every readiness-gate condition True; it is recomputed as soon as a watch event
@@ -125,6 +126,8 @@ class _Container:
     #: Consecutive probe results against ``failureThreshold``/``successThreshold``.
     failures: int = 0
     successes: int = 0
+    #: Monotonic time of the first failure of the current run of failures (0: none).
+    failing_since: float = 0.0
 
 
 @dataclass(slots=True)
@@ -438,14 +441,22 @@ class PodSimulator:
                     await self._start_container(pod, c)
                 continue
             ok = await self._probe(pod, c, http)
-            # Like kubelet: readiness flips only after failureThreshold (default 3) consecutive
-            # failures or successThreshold (default 1) consecutive successes, so one slow
-            # answer on a loaded machine does not take a serving pod out of traffic.
+            # Like kubelet: a ready container turns unready only after failureThreshold
+            # (default 3) consecutive failures, which kubelet spaces periodSeconds (default 10)
+            # apart: the simulator probes more often, so it also waits that long since the first
+            # failure. One slow answer on a loaded machine does not take a pod out of traffic.
             spec = c.spec.get("readinessProbe") or {}
-            c.failures, c.successes = (0, c.successes + 1) if ok else (c.failures + 1, 0)
-            if ok and c.successes >= int(spec.get("successThreshold") or 1):
-                c.ready = True
-            elif not ok and (not c.ready or c.failures >= int(spec.get("failureThreshold") or 3)):
+            now = time.monotonic()
+            if ok:
+                c.failures, c.successes, c.failing_since = 0, c.successes + 1, 0.0
+                if c.successes >= int(spec.get("successThreshold") or 1):
+                    c.ready = True
+                continue
+            c.failures, c.successes = c.failures + 1, 0
+            c.failing_since = c.failing_since or now
+            threshold = int(spec.get("failureThreshold") or 3)
+            window = (threshold - 1) * float(spec.get("periodSeconds") or 10)
+            if not c.ready or (c.failures >= threshold and now - c.failing_since >= window):
                 c.ready = False
 
     async def _probe(self, pod: _Pod, c: _Container, http: aiohttp.ClientSession) -> bool:
