@@ -164,8 +164,9 @@ class Reconciler:
     _agent_failures: dict[tuple[str, str, str], tuple[int, float, AgentView]] = field(
         default_factory=dict
     )
-    #: namespace -> pod -> deleted WeightUpdate that left it drained (its series is kept).
-    _left_drained: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: namespace -> pod -> (deleted WeightUpdate that left it drained, drained since): its
+    #: drained series is kept until the pod serves again.
+    _left_drained: dict[str, dict[str, tuple[str, float]]] = field(default_factory=dict)
     #: When this operator process started: downtime before it never counts against deadlines.
     started: datetime | None = None
 
@@ -404,7 +405,13 @@ class Reconciler:
                 )
             self._locks.pop(owner, None)
             if self.metrics is not None:
-                self.metrics.forget(namespace, name, keep_drained=left)
+                # every pod this WeightUpdate left drained, in this call or an earlier one
+                keep = {
+                    pod: since
+                    for pod, (by, since) in self._left_drained.get(namespace, {}).items()
+                    if by == name
+                }
+                self.metrics.forget(namespace, name, keep_drained=keep)
             return released
 
     async def _observe_for_release(
@@ -430,7 +437,8 @@ class Reconciler:
 
     def _track_left_drained(self, namespace: str, name: str, pods: Mapping[str, float]) -> None:
         if pods:
-            self._left_drained.setdefault(namespace, {}).update(dict.fromkeys(pods, name))
+            here = self._left_drained.setdefault(namespace, {})
+            here.update({pod: (name, since) for pod, since in pods.items()})
 
     def _sweep_left_drained(self, namespace: str, pods: Iterable[Mapping[str, Any]]) -> None:
         """Drop the drained series of pods a deleted WeightUpdate left drained, once they are
@@ -450,7 +458,7 @@ class Reconciler:
                     serving.add(pname)
         done = [p for p in left if p in serving or p not in present]
         for pname in done:
-            gone_name = left.pop(pname)
+            gone_name, _ = left.pop(pname)
             if self.metrics is not None:
                 self.metrics.restored(namespace, gone_name, [pname])
         if not left:

@@ -205,6 +205,8 @@ async def test_deletion_keeps_the_finalizer_until_every_pod_is_released(h: Harne
     assert await h.rec.finalize(await h.wu("wu"), await h.pods()) == 1
     assert await h.owner_of("pod-0") is None
     assert await h.gate("pod-0") == "False"  # aborted, held by its agent: stays drained
+    text = generate_latest(h.metrics.registry).decode()
+    assert 'drained_since_timestamp_seconds{name="wu",namespace="default",pod="pod-0"}' in text
     events = await h.kube.list_events(NS, "wu")
     reasons = {e["reason"]: e["message"] for e in events}
     assert "pod-0" in reasons["LeftDrained"], reasons
