@@ -27,7 +27,8 @@ tests in ``tests/contract/agent`` and the real-vLLM tests in ``tests/server`` pi
   ready) until a full update commits;
 * :meth:`FakeAgent.booting` is a pod whose vLLM has not come up: the version is unknown
   (``""``), the engine reported poisoned, and ``POST /v1/updates`` answers 409;
-* aborting a committed update answers 409 (``roll back instead``), an unknown id 404.
+* aborting a committed update answers 409 (``roll back instead``), an unknown id 404; an id
+  already used for another request answers 409, the same request again 200.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class FakeAgent:
     #: Update ids in the order they were executed (a repeated POST of a known id is not one).
     executions: list[str] = field(default_factory=list)
     updates: dict[str, UpdateStatus] = field(default_factory=dict)
+    requests: dict[str, UpdateRequest] = field(default_factory=dict)
     active: str | None = None
     paused: bool = False
     engine: EngineState = EngineState.CLEAN
@@ -231,7 +233,9 @@ class FakeAgent:
         except ValueError as e:
             return self._error(422, "invalid", str(e))
         if req.id in self.updates:
-            return web.json_response(self.updates[req.id].to_wire(), status=202)
+            if self.requests.get(req.id) != req:  # the real agent: one id, one request
+                return self._error(409, "conflict", f"update id {req.id!r} was already used")
+            return web.json_response(self.updates[req.id].to_wire(), status=200)
         if self.scripts.get(req.version) == "reject":
             return self._error(422, "invalid", "source.uri: no such directory", "source.uri")
         if self.active is not None:
@@ -242,6 +246,7 @@ class FakeAgent:
         self.paused = True
         self.hold = f"update_incomplete: update {req.id} started and has not committed"
         self.executions.append(req.id)
+        self.requests[req.id] = req
         self.updates[req.id] = UpdateStatus(
             id=req.id,
             version=req.version,
