@@ -125,25 +125,35 @@ class Reconciler:
     idle_interval: float = 30.0
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
-    _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
-    _views: dict[int, tuple[Mapping[str, Any], str | None, int, PodView]] = field(
+    #: Per pod (namespace, name): the :func:`_state_key` the answer is valid for, the answer
+    #: and its expiry (one entry per pod, like ``_views``).
+    _states: dict[tuple[str, str], tuple[tuple[str, ...], AgentView, float]] = field(
         default_factory=dict
     )
+    _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, int, PodView]] = field(
+        default_factory=dict
+    )
+    #: Entries of each cache before it is emptied (pods that vanished leave theirs behind).
+    cache_limit: int = 100_000
 
     def _view(self, pod: Mapping[str, Any], group_by: str | None, port: int) -> PodView:
         """:func:`pod_view`, reused while the *same* pod object is passed again.
 
         The kopf index (like a watch) hands over a new object for every change and never
-        mutates one, so object identity is a change token; the cache holds a reference, so an
-        id is never reused while cached.
+        mutates one, so object identity is a change token. One entry per pod (namespace, name):
+        a new object of the pod replaces the old one, so superseded pod objects are never kept
+        (issue 11 finding 7); the cache holds at most the live pods plus those deleted since it
+        was last emptied.
         """
-        cached = self._views.get(id(pod))
+        meta = pod.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        cached = self._views.get(key)
         if cached is not None and cached[0] is pod and cached[1:3] == (group_by, port):
             return cached[3]
-        if len(self._views) > 200_000:
+        if cached is None and len(self._views) >= self.cache_limit:
             self._views.clear()
         result = pod_view(pod, group_by=group_by, default_port=port)
-        self._views[id(pod)] = (pod, group_by, port, result)
+        self._views[key] = (pod, group_by, port, result)
         return result
 
     # ------------------------------------------------------------------------------------------
@@ -216,7 +226,10 @@ class Reconciler:
         notes = {
             r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
             for r in results
-            if r.error is not None and not isinstance(r.action, Emit) and r.error is not SKIPPED
+            if r.error is not None
+            and not isinstance(r.action, Emit)
+            and r.error is not SKIPPED
+            and not isinstance(r.error, KubeConflict)  # re-read and re-planned next pass
         }
         status = build_status(the_plan, spec, old_status, generation, now, notes)
         written = await self._write_status(namespace, name, raw_status, status)
@@ -224,7 +237,10 @@ class Reconciler:
             await self._phase_event(ctx, old_status, status)
         self._observe_metrics(namespace, name, spec, the_plan, old_status, status, agents, now)
         errors = tuple(r for r in results if not r.ok)
-        busy = the_plan.in_flight_units > 0 or the_plan.pending_units > 0
+        # Only in-flight units need polling (their agents commit without a pod event); a pending
+        # unit becomes startable on a pod event (a restore, a pod turning Ready), which wakes the
+        # loop (loop.py).
+        busy = the_plan.in_flight_units > 0
         return PassResult(
             phase=status.phase,
             status_written=written,
@@ -384,9 +400,10 @@ class Reconciler:
         todo: list[tuple[PodView, Query]] = []
         for name, query in asked.items():
             pod = by_name[name]
-            cached = self._states.get(_state_key(pod)) if query.update_id is None else None
-            if cached is not None and cached[1] > now:
-                seen[name] = cached[0]
+            cached = self._states.get((pod.namespace, pod.name))
+            fresh = cached is not None and cached[0] == _state_key(pod) and cached[2] > now
+            if cached is not None and fresh and query.update_id is None:
+                seen[name] = cached[1]
             else:
                 todo.append((pod, query))
 
@@ -432,9 +449,10 @@ class Reconciler:
             source=None if src is None else SourceRef(uri=src.uri, manifest=src.manifest),
             active_update_id=state.active_update_id,
         )
-        if len(self._states) > 100_000:
+        slot = (pod.namespace, pod.name)
+        if slot not in self._states and len(self._states) >= self.cache_limit:
             self._states.clear()
-        self._states[key] = (result, time.monotonic() + self.state_ttl)
+        self._states[slot] = (key, result, time.monotonic() + self.state_ttl)
         return result
 
     async def _write_status(
