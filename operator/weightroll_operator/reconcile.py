@@ -40,6 +40,7 @@ from weightroll_operator.apply import (
     target_of,
     write_gate,
 )
+from weightroll_operator.credentials import token_problem, with_token_condition
 from weightroll_operator.domain import admission
 from weightroll_operator.domain.actions import AbortUpdate, Action, Emit, Settle
 from weightroll_operator.domain.conditions import Reason
@@ -204,7 +205,11 @@ class Reconciler:
             raise InvalidSpec(str(e)) from e
 
         views = select_pods(pods, spec, namespace, self._view)
-        token = await self._token(namespace, spec)
+        try:
+            token = await self._token(namespace, spec)
+        except KubeError as e:
+            await self._token_unavailable(namespace, name, spec, raw_status, old_status, e, now)
+            raise
         asked = queries(views, owner, spec.version)
         agents = await self._observe(views, asked, token)
         persisted = Persisted.from_status(old_status, spec.version)
@@ -232,6 +237,9 @@ class Reconciler:
             and not isinstance(r.error, KubeConflict)  # re-read and re-planned next pass
         }
         status = build_status(the_plan, spec, old_status, generation, now, notes)
+        status = with_token_condition(status, None, now)
+        if self.metrics is not None:
+            self.metrics.observe_token(namespace, name, None)
         written = await self._write_status(namespace, name, raw_status, status)
         if old_status is None or old_status.phase is not status.phase:
             await self._phase_event(ctx, old_status, status)
@@ -454,6 +462,26 @@ class Reconciler:
             self._states.clear()
         self._states[slot] = (key, result, time.monotonic() + self.state_ttl)
         return result
+
+    async def _token_unavailable(
+        self,
+        namespace: str,
+        name: str,
+        spec: WeightUpdateSpec,
+        raw_status: Mapping[str, Any],
+        old_status: WeightUpdateStatus | None,
+        error: KubeError,
+        now: datetime,
+    ) -> None:
+        """Report a token Secret that cannot be read (``credentials.py``); nothing else moves."""
+        ref = spec.agent.token_secret_ref
+        problem = None if ref is None else token_problem(error, namespace, ref)
+        if problem is None:
+            return  # transient (5xx, connection): retried without a word in status
+        status = with_token_condition(old_status or WeightUpdateStatus(), problem, now)
+        await self._write_status(namespace, name, raw_status, status)
+        if self.metrics is not None:
+            self.metrics.observe_token(namespace, name, problem.reason)
 
     async def _write_status(
         self,

@@ -351,6 +351,8 @@ class ConditionType(StrEnum):
     PAUSED = "Paused"
     BLOCKED = "Blocked"
     INVALID_SPEC = "InvalidSpec"
+    #: Set False while the agent token Secret cannot be read (``credentials.py``).
+    AGENT_TOKEN_AVAILABLE = "AgentTokenAvailable"
 
 
 class ConditionStatus(StrEnum):
