@@ -45,7 +45,11 @@ CASES: list[tuple[dict[str, Any], dict[str, Any] | None, str | None]] = [
     (_with(source={"uri": "/m", "mode": "sparse"}), None, "spec.source.baseVersion"),
     (_with(source={"uri": "/m", "mode": "sparse", "baseVersion": "v1"}), None, None),
     (_with(source={"uri": "/m", "baseVersion": "v1"}), None, "spec.source.baseVersion"),
-    (_with(strategy={"progressDeadlineSeconds": 60}), None, "spec.strategy.progressDeadlineSeconds"),
+    (
+        _with(strategy={"progressDeadlineSeconds": 60}),
+        None,
+        "spec.strategy.progressDeadlineSeconds",
+    ),
     (
         _with(strategy={"updateTimeoutSeconds": 60, "progressDeadlineSeconds": 60}),
         None,

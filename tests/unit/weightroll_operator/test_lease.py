@@ -94,4 +94,3 @@ async def test_release_hands_over_at_once() -> None:
     await a.release()
     assert api.lease is not None and api.lease["spec"]["holderIdentity"] == ""
     assert await b.try_acquire() is True  # no waiting for expiry
-
