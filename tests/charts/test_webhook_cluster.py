@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_operator.devcluster.apiserver import free_ports
-from weightroll_operator.devcluster.operator_process import log_tail, stop_process
+from weightroll_dev.devcluster.apiserver import free_ports
+from weightroll_dev.devcluster.operator_process import log_tail, stop_process
 
 from tests.harness.apiserver import KubeCluster, kubectl
 

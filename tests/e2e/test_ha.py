@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from weightroll_operator.devcluster.apiserver import free_ports
-from weightroll_operator.devcluster.operator_process import log_tail, stop_process
+from weightroll_dev.devcluster.apiserver import free_ports
+from weightroll_dev.devcluster.operator_process import log_tail, stop_process
 
 from tests.e2e.conftest import GATE, NAMESPACE, _operator_kubeconfig
 from tests.e2e.test_light_fleet import Light, _phase, _pod, _weightupdate, chart, light
