@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import base64
 import copy
-import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from weightroll_dev.devcluster.apiserver import free_ports
-from weightroll_dev.devcluster.operator_process import log_tail, stop_process
+from weightroll_dev.devcluster.operator_process import launch_operator, log_tail, stop_process
 
 from tests.harness.apiserver import KubeCluster, kubectl
 
@@ -70,9 +68,14 @@ def guarded(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory)
     """A namespace whose WeightUpdates go through the operator's webhook; yields its name."""
     work = tmp_path_factory.mktemp("webhook")
     ca = _certificates(work)
-    # The 1.20 apiserver knows no CEL rules: the CRD rendering without them (crdgen).
+    # The 1.20 apiserver knows no CEL rules: the CRD rendering without them (crdgen). A CRD a
+    # chart release installed earlier in the session is left alone (Helm owns it); one applied
+    # here is removed afterwards, so a later `helm install` can own it.
     crd = REPO / "crds" / "pre-1.25" / "weightupdates.weightroll.io.yaml"
-    kubectl(kube_cluster, "apply", "-f", str(crd))
+    ours = kubectl(kube_cluster, "get", "crd", "weightupdates.weightroll.io", check=False)
+    applied = ours.returncode != 0
+    if applied:
+        kubectl(kube_cluster, "apply", "-f", str(crd))
     kubectl(kube_cluster, "wait", "--for=condition=established", "--timeout=30s",
             "crd/weightupdates.weightroll.io")  # fmt: skip
     ns = f"webhook-{uuid.uuid4().hex[:6]}"
@@ -80,22 +83,15 @@ def guarded(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory)
     kubectl(kube_cluster, "label", "namespace", ns, f"{LABEL}={ns}")
     (port,) = free_ports(1)
     log = work / "operator.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "weightroll"),
-                "operator",
-                f"--kubeconfig={kube_cluster.kubeconfig}",
-                f"--namespace={ns}",
-                f"--webhook-port={port}",
-                f"--webhook-cert-dir={work}",
-                "--metrics-port=0",
-                "--health-port=0",
-            ],
-            env={**os.environ, "WEIGHTROLL_WEBHOOK_ADDR": "127.0.0.1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    proc = launch_operator(
+        kube_cluster.kubeconfig,
+        log,
+        free_ports(1)[0],
+        f"--namespace={ns}",
+        f"--webhook-port={port}",
+        f"--webhook-cert-dir={work}",
+        env={"WEIGHTROLL_WEBHOOK_ADDR": "127.0.0.1"},
+    )
     name = f"weightroll-test-{ns}"
     try:
         deadline = time.monotonic() + 60
@@ -114,8 +110,12 @@ def guarded(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory)
         yield ns
     finally:
         kubectl(kube_cluster, "delete", "validatingwebhookconfiguration", name, check=False)
+        # The running operator releases the WeightUpdates (finalizers) before it stops.
+        kubectl(kube_cluster, "delete", "wu", "--all", "-n", ns, "--timeout=60s", check=False)
         kubectl(kube_cluster, "delete", "namespace", ns, "--wait=false", check=False)
         stop_process(proc)
+        if applied:
+            kubectl(kube_cluster, "delete", "-f", str(crd), "--timeout=60s", check=False)
 
 
 def _wu(ns: str, name: str, **spec: Any) -> dict[str, Any]:

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from weightroll_dev.devcluster.apiserver import free_ports
-from weightroll_dev.devcluster.operator_process import log_tail, stop_process
+from weightroll_dev.devcluster.operator_process import launch_operator, log_tail, stop_process
 
 from tests.e2e.conftest import GATE, NAMESPACE, _operator_kubeconfig
 from tests.e2e.test_light_fleet import Light, _phase, _pod, _weightupdate, chart, light
@@ -44,28 +42,13 @@ def _replica(light: Light, name: str) -> tuple[subprocess.Popen[bytes], Path]:
     cfg = _operator_kubeconfig(light.cluster, light.run / f"kubeconfig-{name}")
     log = light.run / f"operator-{name}.log"
     env = {
-        **os.environ,
         "POD_NAME": name,
         "POD_NAMESPACE": NAMESPACE,
         "WEIGHTROLL_LEASE_NAME": "weightroll-operator",
         "WEIGHTROLL_LEASE_SECONDS": str(LEASE_SECONDS),
-        "WEIGHTROLL_METRICS_ADDR": "127.0.0.1",
     }
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "weightroll"),
-                "operator",
-                f"--kubeconfig={cfg}",
-                f"--namespace={light.ns}",
-                "--leader-elect",
-                f"--metrics-port={free_ports(1)[0]}",
-                "--health-port=0",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    args = (f"--namespace={light.ns}", "--leader-elect")
+    proc = launch_operator(cfg, log, free_ports(1)[0], *args, env=env)
     return proc, log
 
 

@@ -94,17 +94,24 @@ class LeaderElector:
             "leaseTransitions": transitions,
         }
 
+    def _body(self, spec: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
+        """The Lease object; a PUT of it is conditional on ``resource_version``."""
+        meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        if resource_version is not None:
+            meta["resourceVersion"] = resource_version
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": meta,
+            "spec": spec,
+        }
+
     async def try_acquire(self) -> bool:
         """One attempt to take or renew the Lease; whether this candidate holds it now."""
         try:
             lease = await self.api.get_lease(self.namespace, self.name)
         except KubeNotFound:
-            body = {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace},
-                "spec": self._spec(None),
-            }
+            body = self._body(self._spec(None), None)
             try:
                 await self.api.create_lease(self.namespace, body)
             except KubeConflict:
@@ -121,16 +128,7 @@ class LeaderElector:
         free = not holder or now - self._observed[1] >= duration
         if holder != self.identity and not free:
             return False
-        body = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": self.name,
-                "namespace": self.namespace,
-                "resourceVersion": (lease.get("metadata") or {}).get("resourceVersion"),
-            },
-            "spec": self._spec(spec),
-        }
+        body = self._body(self._spec(spec), (lease.get("metadata") or {}).get("resourceVersion"))
         try:
             await self.api.replace_lease(self.namespace, self.name, body)
         except KubeConflict:
@@ -183,17 +181,7 @@ class LeaderElector:
                 return
             spec["holderIdentity"] = ""
             spec["renewTime"] = _micro_time(self.wall())
-            meta = lease.get("metadata") or {}
-            body = {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {
-                    "name": self.name,
-                    "namespace": self.namespace,
-                    "resourceVersion": meta.get("resourceVersion"),
-                },
-                "spec": spec,
-            }
+            body = self._body(spec, (lease.get("metadata") or {}).get("resourceVersion"))
             await self.api.replace_lease(self.namespace, self.name, body)
             log.info("Released the leader Lease %s/%s", self.namespace, self.name)
         except KubeError as e:
