@@ -1,13 +1,13 @@
 """One idempotent, level-triggered pass: observe -> plan -> apply -> status (house rule 4).
 
-Every kopf handler of a WeightUpdate (create, update, resume, timer) calls
+Every kopf handler of a WeightUpdate (create, update, resume, the loop daemon) calls
 :meth:`Reconciler.reconcile`; deletion calls :meth:`Reconciler.finalize`. A pass keeps no state
 between calls except caches of *observations* (agent states keyed by the pod's incarnation and
 annotations, Secret tokens), so an operator restarted at any point resumes from the cluster:
 pod annotations say which pods are in flight and for which update id, agents say how far each
 update got.
 
-Passes of one WeightUpdate are serialised by a per-object lock: kopf runs timers concurrently
+Passes of one WeightUpdate are serialised by a per-object lock: kopf runs daemons concurrently
 with change handlers.
 
 Pods no WeightUpdate selects are handled apart, one pod event at a time: :meth:`Reconciler.admit`
