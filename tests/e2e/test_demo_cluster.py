@@ -1,7 +1,8 @@
 """The cluster demo end to end (issue 6, acceptance 1 and 2): ``weightroll demo`` (``make demo``).
 
 Runs the command itself, non-TTY (one line per change), for both scenarios, and reads its output:
-every pod moves to v2, outputs change only at each pod's commit, everything started is stopped;
+every pod moves to v2, its answer changes from v1's sentence to v2's only at its commit (issue
+13 H: the checkpoints are trained to say so), everything started is stopped;
 with one corrupt copy the pod stays drained and the rollout halts. Needs the built local
 kube-apiserver (it starts its own, like the demo) and vLLM.
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from weightroll_dev.demomodels import answer
 from weightroll_dev.devcluster.apiserver import BUILD_HINT, apiserver_binary
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(600)]
@@ -83,6 +85,10 @@ def test_demo_rolls_every_pod_and_outputs_change_at_commit(tmp_path: Path) -> No
         assert re.search(rf"{pod}\s+\d+ answers; changed at its commit \(v1 -> v2\)", out), pod
     assert "outputs changed only at commit: yes" in out
     assert re.search(r"Ready: admitted by the operator, serving v1", out), "admitted at boot"
+    # Readable: every pod first answers v1's sentence, then v2's (issue 13 H).
+    for pod in PODS:
+        assert re.search(rf"{pod}\s.*@ v1: {re.escape(repr(answer('v1')))}", out), pod
+        assert re.search(rf"{pod}\s+now answers {re.escape(repr(answer('v2')))}", out), pod
     assert "pods out of traffic at once: at most 1 (maxUnavailable 1)" in out
     assert "Phase:" in out or "Succeeded" in out.split("Final status")[-1]
 
