@@ -165,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out / version
         if not out.is_dir():
             build_version(version, out, base=base, seed=int(seeds.get(version, 0)))
-        if args.manifest:
+        # Existing checkpoints (and manifests) are left alone: pods may be reading them.
+        if args.manifest and not (out / args.manifest).is_file():
             from engine_agent.manifest import build_manifest, write_manifest
 
             write_manifest(build_manifest(out, version=version), out / args.manifest)

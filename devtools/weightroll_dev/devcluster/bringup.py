@@ -639,11 +639,18 @@ def _read_pid(directory: Path) -> int | None:
         return None
 
 
+def _ours(pid: int, directory: Path) -> bool:
+    """Whether ``pid`` is alive and a process of the dev cluster in ``directory`` (a stale PID
+    file may name a PID that now belongs to something else, which must never be signalled)."""
+    return _alive(pid) and pid in leftovers(directory)
+
+
 @contextlib.contextmanager
-def _following(log: Path, say: Say) -> Iterator[Callable[[], None]]:
-    """Yields a function that prints the lines added to ``log`` since the last call."""
+def _following(log: Path, offset: int, say: Say) -> Iterator[Callable[[], None]]:
+    """Yields a function that prints the lines added to ``log`` (from ``offset``) since the last
+    call."""
     with log.open("a+") as fh:
-        fh.seek(0, os.SEEK_END)
+        fh.seek(offset)
 
         def pump() -> None:
             for line in fh.readlines():
@@ -663,7 +670,7 @@ def up(opts: Options, say: Say = print) -> ClusterInfo:
     directory = opts.dir.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     pid = _read_pid(directory)
-    if pid is not None and _alive(pid):
+    if pid is not None and _ours(pid, directory):
         raise DevError(
             f"a dev cluster already runs in {directory} (supervisor {pid}); "
             f"stop it first: weightroll dev down --dir {directory}"
@@ -672,6 +679,7 @@ def up(opts: Options, say: Say = print) -> ClusterInfo:
     with contextlib.suppress(FileNotFoundError):
         (directory / CLUSTER_JSON).unlink()
     log = directory / LOG_FILE
+    offset = log.stat().st_size if log.exists() else 0
     argv = [sys.executable, "-m", "weightroll_dev.devcluster.bringup", f"--dir={directory}"]
     argv += [f"--pods={opts.pods}", f"--first-ip={opts.first_ip}", f"--timeout={opts.timeout}"]
     if opts.reference:
@@ -690,7 +698,7 @@ def up(opts: Options, say: Say = print) -> ClusterInfo:
     _SPAWNED[directory] = proc
     (directory / PID_FILE).write_text(f"{proc.pid}\n")
     try:
-        with _following(log, say) as pump:
+        with _following(log, offset, say) as pump:
             while not (directory / CLUSTER_JSON).is_file():
                 pump()
                 if proc.poll() is not None:
@@ -712,7 +720,7 @@ def down(directory: Path, say: Say = print, timeout: float = 180) -> int:
     processes had to be killed that way (0 when the supervisor cleaned up everything)."""
     directory = Path(directory).resolve()
     pid = _read_pid(directory)
-    if pid is not None and _alive(pid):
+    if pid is not None and _ours(pid, directory):
         say(f"Stopping the dev cluster in {directory} (supervisor {pid})")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
