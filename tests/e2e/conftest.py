@@ -53,6 +53,7 @@ __all__ = [
     "dev_up",
     "fleet",
     "kube_cluster",
+    "processes_naming",
     "skip_without_dev_cluster",
 ]
 
@@ -129,6 +130,21 @@ def _http_json(
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         out: dict[str, Any] = json.loads(resp.read())
         return out
+
+
+def processes_naming(directory: Path) -> list[str]:
+    """Command lines of live processes that name ``directory`` (independent of any marker)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(directory) in cmd:
+            out.append(cmd)
+    return out
 
 
 def port_open(host: str, port: int) -> bool:

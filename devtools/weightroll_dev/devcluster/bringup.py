@@ -48,6 +48,7 @@ from typing import Any
 import yaml
 
 from weightroll_dev import checkout_pythonpath
+from weightroll_dev.demo_view import condition
 from weightroll_dev.devcluster.apiserver import (
     BUILD_HINT,
     OPERATOR_NAMESPACE,
@@ -496,7 +497,7 @@ class _Supervisor:
                 if shown.get(name) != row:
                     shown[name] = row
                     self.say(f"{name:<16} {row}")
-            if all(_condition(pods.get(n, {}), "Ready") == "True" for n in self.names):
+            if all(condition(pods.get(n, {}), "Ready") == "True" for n in self.names):
                 return pods
             if self.operator is not None and self.operator.poll() is not None:
                 raise DevError(f"the operator exited: {log_tail(self.dir / 'operator.log')}")
@@ -567,18 +568,11 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _condition(pod: dict[str, Any], ctype: str) -> str | None:
-    for cond in pod.get("status", {}).get("conditions") or []:
-        if cond.get("type") == ctype:
-            return str(cond.get("status"))
-    return None
-
-
 def _pod_row(pod: dict[str, Any]) -> str:
     status = pod.get("status", {})
     cs = status.get("containerStatuses") or []
     up = sum(1 for c in cs if c.get("ready"))
-    if _condition(pod, "Ready") == "True":
+    if condition(pod, "Ready") == "True":
         what = f"Ready: admitted by the operator, serving {BOOT}"
     elif cs and up == len(cs):
         what = f"vLLM serving, agent verified {BOOT}; operator admitting"
