@@ -138,7 +138,11 @@ def build_version(version: str, out_dir: Path, base: Path | None = None, seed: i
 
         if base is None:
             raise ValueError(f"{version} has no demo sentence: give a base checkpoint to copy")
-        return random_checkpoint(base, out_dir, seed=seed)
+        random_checkpoint(base, out_dir, seed=seed)
+        # Copied from the base with its config and tokenizer; they describe the base only.
+        for stale in out_dir.glob("weightroll-*.json"):
+            stale.unlink()
+        return out_dir
     cached = cache_root() / f"{version}-{_cache_key(version)}"
     if not (cached / _META).is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -163,10 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = args.out / args.versions[0]
     for version in args.versions:
         out = args.out / version
-        if not out.is_dir():
-            build_version(version, out, base=base, seed=int(seeds.get(version, 0)))
         # Existing checkpoints (and manifests) are left alone: pods may be reading them.
-        if args.manifest and not (out / args.manifest).is_file():
+        built = not out.is_dir()
+        if built:
+            build_version(version, out, base=base, seed=int(seeds.get(version, 0)))
+        if args.manifest and (built or not (out / args.manifest).is_file()):
             from engine_agent.manifest import build_manifest, write_manifest
 
             write_manifest(build_manifest(out, version=version), out / args.manifest)
