@@ -463,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, _Stop):
         console.step("Interrupted: cleaning up")
         code = 130
-    except DemoError as e:
+    except DevError as e:  # DemoError included
         console.step(f"Demo failed: {e}")
         code = 1
     except Exception as e:  # any other failure: one line, then the same clean shutdown

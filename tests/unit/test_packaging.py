@@ -9,6 +9,7 @@ left untouched) and reads it: only ``engine_agent`` and ``weightroll_operator`` 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -20,7 +21,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = {"engine_agent", "weightroll_operator"}
-PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
+#: Offline with this environment's setuptools when it has one; else pip fetches the build backend.
+PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "-q") + (
+    ("--no-build-isolation",) if importlib.util.find_spec("setuptools") else ()
+)
 
 
 def _tracked_copy(dest: Path) -> Path:
