@@ -57,10 +57,13 @@ def test_demo_rolls_every_pod_and_outputs_change_at_commit(tmp_path: Path) -> No
         assert re.search(rf"{pod}\s+\d+ answers; changed at its commit \(v1 -> v2\)", out), pod
     assert "outputs changed only at commit: yes" in out
     assert re.search(r"Ready: admitted by the operator, serving v1", out), "admitted at boot"
-    # Readable: every pod first answers v1's sentence, then v2's (issue 13 H).
+    # Readable (issue 13 H): every pod answers v1's sentence before the update and v2's after
+    # it; every answer sampled during the rollout matched the sentence of the version the pod
+    # served then ("outputs changed only at commit", above). Sampling may miss a pod's v2 answer
+    # during a fast rollout, so the v2 sentence is asserted on the answers after it.
     for pod in PODS:
         assert re.search(rf"{pod}\s.*@ v1: {re.escape(repr(answer('v1')))}", out), pod
-        assert re.search(rf"{pod}\s+now answers {re.escape(repr(answer('v2')))}", out), pod
+        assert re.search(rf"{pod}\s.*@ v2: {re.escape(repr(answer('v2')))}", out), pod
     assert "pods out of traffic at once: at most 1 (maxUnavailable 1)" in out
     assert "Phase:" in out or "Succeeded" in out.split("Final status")[-1]
 
