@@ -288,7 +288,7 @@ class ClusterDemo:
         tensors = manifest.get("tensors") or manifest.get("files") or []
         self.out.line(
             f"{self.pv}/{{{OLD},{NEW}}} written in {time.monotonic() - began:.1f}s "
-            f"({len(tensors)} manifest entries, sha256 each)"
+            f"({len(tensors)} manifest entries, BLAKE3 each)"
         )
 
     def install_chart(self) -> None:
