@@ -78,6 +78,9 @@ class _Session:
         self.manifest_digest = ""
         #: Checkpoint tensor name -> content hash of the bytes this rank's loaders consumed.
         self.source_hashes: dict[str, str] = {}
+        #: Runs right before the session's first live write: waits for the hashes of every
+        #: tensor handed out so far, so a wrong checkpoint is refused with the rank still clean.
+        self.before_first_write: Callable[[], None] | None = None
 
 
 class RankEngine:
@@ -208,6 +211,9 @@ class RankEngine:
         return self._report("begin", ok=True)
 
     def _mark_written(self) -> None:
+        active = self._session
+        if active is not None and active.before_first_write is not None:
+            active.before_first_write()
         self.state = session.mark_written(self.state)
 
     def _require_session(self) -> _Session:
@@ -238,6 +244,7 @@ class RankEngine:
             active.router.dry_run(
                 (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
             )
+        active.before_first_write = checkpoint.verified_so_far
         with _timed(active.timings, "load"):
             active.router.load(checkpoint.tensors())
             checkpoint.complete()

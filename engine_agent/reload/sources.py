@@ -13,7 +13,9 @@ whose file, dtype, shape or size differ. The manifest's content hashes are check
 tensors the loaders consume, while they consume them (:class:`~engine_agent.reload.digest.
 VerifyPool`, one read of each file): a mismatch raises :class:`ManifestMismatch` from the
 iterator at the next tensor or at its end, so the ``load`` fails — and a rank that already wrote
-live bytes is poisoned by the session state machine.
+live bytes is poisoned by the session state machine. Before the session's first live write the
+engine waits for every hash handed out so far (:meth:`CheckpointSource.verified_so_far`), so a
+checkpoint that is wrong from its first tensor leaves the rank clean.
 
 Every tensor handed out is hashed (BLAKE3, or the manifest's algorithm), verified or not; the
 hashes are :attr:`CheckpointSource.content_hashes`, the input of the rank's digest.
@@ -126,6 +128,16 @@ class CheckpointSource:
             self.hash_wait_seconds += pool.wait_seconds
             pool.close()
             self._pool = None
+
+    def verified_so_far(self) -> None:
+        """Wait until every tensor handed out so far is hashed and checked (raise on mismatch).
+
+        Called before a session's first live write: a checkpoint that differs from its manifest
+        from the first tensor on is then refused while the rank is still clean; a mismatch
+        found later (a file re-published mid-load) poisons it.
+        """
+        if self._pool is not None:
+            self._pool.drain()
 
     def complete(self) -> None:
         """After the loaders returned: every tensor was handed out, hashed and verified.
