@@ -21,9 +21,10 @@ Three tools, one per question:
 
 This module imports no vLLM; torch is imported lazily by the tensor helpers.
 
-The pool's worker count is ``min(4, cpu count)``, or ``WEIGHTROLL_HASH_THREADS``. Pending work is
-bounded (:data:`MAX_PENDING_BYTES`): when the loaders outrun the hashers, :meth:`VerifyPool.submit`
-waits, so the pool never pins more than that much of the checkpoint in memory.
+The pool's worker count is ``min(4, cpu count - 1)`` (at least 1), or
+``WEIGHTROLL_HASH_THREADS``. Pending work is bounded (:data:`MAX_PENDING_BYTES`): when the
+loaders outrun the hashers, :meth:`VerifyPool.submit` waits, so the pool never pins more than
+that much of the checkpoint in memory.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def _workers() -> int:
     configured = os.environ.get("WEIGHTROLL_HASH_THREADS")
     if configured:
         return max(1, int(configured))
-    return max(1, min(4, os.cpu_count() or 1))
+    # Leave one core to the loaders (vLLM's CPU worker runs torch on one thread per rank).
+    return max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
 class VerifyPool:
