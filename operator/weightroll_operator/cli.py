@@ -32,7 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "manifest": (
         "engine_agent.manifest",
-        "write a JSON manifest (sha256 per tensor) for a checkpoint",
+        "write a JSON manifest (BLAKE3 per tensor) for a checkpoint",
     ),
     "status": (
         "weightroll_operator.status_view",
