@@ -55,7 +55,6 @@ def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None
         metrics=metrics,
         concurrency=config.concurrency,
         state_ttl=config.state_ttl,
-        poll_interval=config.interval,
     )
     return Runtime(reconciler=reconciler, config=config)
 

@@ -96,8 +96,8 @@ class PassResult:
     status_written: bool
     actions: tuple[Action, ...]
     errors: tuple[ActionResult, ...]
-    #: Seconds until the next pass is useful (units in flight poll sooner).
-    delay: float
+    # No requeue delay: every WeightUpdate is re-run by kopf's timer (``handlers.py``,
+    # ``OperatorConfig.interval``), in flight or not; a pass has nothing to add to that.
 
 
 @dataclass
@@ -110,8 +110,6 @@ class Reconciler:
         metrics: optional metrics sink.
         clock: injected time (tests and the benchmark).
         state_ttl: seconds an agent ``/v1/state`` answer is reused for an unchanged pod.
-        poll_interval: requeue delay while units are in flight.
-        idle_interval: requeue delay otherwise.
     """
 
     kube: KubePort
@@ -121,8 +119,6 @@ class Reconciler:
     concurrency: int = 32
     state_ttl: float = 30.0
     token_ttl: float = 60.0
-    poll_interval: float = 2.0
-    idle_interval: float = 30.0
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
@@ -224,13 +220,8 @@ class Reconciler:
             await self._phase_event(ctx, old_status, status)
         self._observe_metrics(namespace, name, spec, the_plan, old_status, status, agents, now)
         errors = tuple(r for r in results if not r.ok)
-        busy = the_plan.in_flight_units > 0 or the_plan.pending_units > 0
         return PassResult(
-            phase=status.phase,
-            status_written=written,
-            actions=the_plan.actions,
-            errors=errors,
-            delay=self.poll_interval if busy else self.idle_interval,
+            phase=status.phase, status_written=written, actions=the_plan.actions, errors=errors
         )
 
     async def finalize(self, body: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> int:
