@@ -4,6 +4,10 @@ Each subcommand imports its implementation lazily, so ``weightroll operator`` ne
 sidecar and ``weightroll agent`` never imports kopf. Subcommand modules expose
 ``main(argv: list[str]) -> int`` and own their ``--help``; the day-2 verbs ``pause``, ``resume``
 and ``promote`` share one module, whose ``main`` gets the verb as its first argument.
+
+The same ``main`` is installed twice (``pyproject.toml``): as ``weightroll`` and as
+``kubectl-weightroll``, which kubectl runs for ``kubectl weightroll ...`` (kubectl's plugin
+mechanism: an executable named ``kubectl-<name>`` on ``PATH``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 #: ``weightroll pause|resume|promote``: one module; its ``main`` gets the verb first.
 CONTROL = "weightroll_operator.control"
@@ -31,7 +36,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "status": (
         "weightroll_operator.status_view",
-        "show a WeightUpdate NAME: phase, pods, conditions, events",
+        "show a WeightUpdate NAME (phase, pods, conditions, events; -o json|yaml); exit 0 "
+        "Succeeded, 3 Failed, 4 not finished; --watch waits for the end",
     ),
     "pause": (
         CONTROL,
@@ -55,9 +61,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 ENGINE_DEMO = "engine_agent.demo"
 
 
+#: The console script kubectl runs as its ``weightroll`` plugin.
+KUBECTL_PLUGIN = "kubectl-weightroll"
+
+
+def _prog() -> str:
+    """``kubectl weightroll`` when run as the kubectl plugin, else ``weightroll``."""
+    return "kubectl weightroll" if Path(sys.argv[0]).name == KUBECTL_PLUGIN else "weightroll"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="weightroll",
+        prog=_prog(),
         description="Roll verified in-place weight updates through vLLM servers.",
         epilog="Run `weightroll COMMAND --help` for the options of one command. "
         "Docs: README.md, docs/architecture.md, docs/api.md.",

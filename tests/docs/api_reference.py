@@ -363,10 +363,43 @@ def wire_table(name: str) -> str:
     return "\n".join(lines)
 
 
+def view_rows() -> Iterator[tuple[str, str, str]]:
+    """``(path, type, description)`` of every field of ``weightroll status -o json``."""
+    from weightroll_operator.status_view import VIEW_SCHEMA
+
+    def kind(node: Mapping[str, Any]) -> str:
+        if "const" in node:
+            return f"`{node['const']}`"
+        if "enum" in node:
+            return " \\| ".join(f"`{v}`" for v in node["enum"])
+        types = node.get("type")
+        names = types if isinstance(types, list) else [types]
+        return " or ".join(str(n) for n in names)
+
+    def walk(node: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, str, str]]:
+        for key, prop in node["properties"].items():
+            path = f"{prefix}{key}"
+            yield path, kind(prop), str(prop.get("description", "**undocumented**"))
+            if prop.get("type") == "object" and "properties" in prop:
+                yield from walk(prop, f"{path}.")
+            items = prop.get("items")
+            if isinstance(items, Mapping) and "properties" in items:
+                yield from walk(items, f"{path}[].")
+
+    yield from walk(VIEW_SCHEMA, "")
+
+
+def view_table() -> str:
+    lines = ["| Field | Type | Meaning |", "|---|---|---|"]
+    lines += [f"| `{path}` | {type_text} | {text} |" for path, type_text, text in view_rows()]
+    return "\n".join(lines)
+
+
 #: Generated blocks of docs/api.md: marker name -> renderer.
 BLOCKS: dict[str, Callable[[], str]] = {
     "spec-fields": spec_table,
     "status-fields": status_table,
+    "status-view": view_table,
     **{f"wire-{name}": functools.partial(wire_table, name) for name in WIRE_MODELS},
 }
 

@@ -85,3 +85,11 @@ def test_quoted_invalid_spec_message_is_the_real_one() -> None:
     with pytest.raises(ValueError) as err:
         parse_spec(spec)
     assert f"`{err.value}`" in ref.API_MD.read_text()
+
+
+def test_every_status_view_field_is_described() -> None:
+    rows = list(ref.view_rows())
+    assert {"exitCode", "result", "current", "replicas.failed", "pods[].reason"} <= {
+        path for path, _, _ in rows
+    }
+    assert all(text != "**undocumented**" for _, _, text in rows), rows
