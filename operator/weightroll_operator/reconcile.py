@@ -36,6 +36,7 @@ from weightroll_operator.apply import (
     SKIPPED,
     ActionResult,
     ApplyContext,
+    EventCounts,
     apply,
     target_of,
     write_gate,
@@ -119,6 +120,8 @@ class Reconciler:
     concurrency: int = 32
     state_ttl: float = 30.0
     token_ttl: float = 60.0
+    #: Pod Events posted so far (repeats raise a count; apply.py).
+    events: EventCounts = field(default_factory=EventCounts)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
@@ -207,6 +210,7 @@ class Reconciler:
             token=token,
             now=now,
             concurrency=self.concurrency,
+            events=self.events,
         )
         results = await apply(the_plan.actions, ctx)
         notes = {
@@ -275,6 +279,7 @@ class Reconciler:
                 uid=meta.get("uid"),
                 token=token,
                 now=now,
+                events=self.events,
             )
             await apply(actions, ctx)
             self._locks.pop(owner, None)

@@ -16,6 +16,9 @@ def test_small_fleet_meets_the_write_budget() -> None:
     spec.loader.exec_module(module)
     report = asyncio.run(module.run(50, 0.2, 0.01, "10%"))
     assert report["batch"] == 5
-    assert report["apiWritesPerPod"] <= 6
+    # issue 4's 6 writes per pod, plus issue 13's 3 Events on each pod (drained, updating,
+    # verified); exactly those 3, with no repeat
+    assert report["apiWritesPerPod"] <= 9
+    assert report["apiWrites"]["pod-event"] == 3 * 50
     assert report["apiWrites"]["pod-status"] == 100  # one gate write each way per pod
     assert report["agentCalls"]["start_update"] == 50
