@@ -505,6 +505,16 @@ class Reconciler:
                 if started is not None:
                     drained[pod.name] = started.timestamp()
         m.observe_pods(namespace, name, drained, {n: not a.reachable for n, a in agents.items()})
+        m.observe_pod_states(
+            namespace,
+            name,
+            {
+                pod.name: (
+                    (pod.state.state.value, pod.state.version) if pod.state else ("Pending", "")
+                )
+                for pod in the_plan.pods.values()
+            },
+        )
 
 
 def _state_key(pod: PodView) -> tuple[str, ...]:
