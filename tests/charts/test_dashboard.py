@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.charts.helpers import find, objects, render
 from tests.harness import grafana
 
@@ -69,3 +71,15 @@ def test_panels_cover_the_rollout_and_read_documented_metrics() -> None:
 def test_as_promql_resolves_grafana_variables() -> None:
     expr = 'rate(x{namespace=~"$namespace", name=~"$name"}[$__rate_interval])'
     assert grafana.as_promql(expr, name="to-v2") == 'rate(x{namespace=~".*", name=~"to-v2"}[5m])'
+
+
+def test_agent_podmonitor_scrapes_the_weightroll_port() -> None:
+    assert not [o for o in objects(render()) if o["kind"] == "PodMonitor"]
+    values = {"agentPodMonitor": {"enabled": True, "selector": {"matchLabels": {"app": "llama"}}}}
+    pm = find(objects(render(values)), "PodMonitor", "weightroll-agents")
+    assert pm["spec"]["selector"] == {"matchLabels": {"app": "llama"}}
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("weightroll", "/metrics")
+    with pytest.raises(Exception, match=r"agentPodMonitor\.selector is required"):
+        render({"agentPodMonitor": {"enabled": True}})
