@@ -3,8 +3,8 @@ on the e2e fleet (the chart, the operator as its ServiceAccount, three real vLLM
 their agents) and a real Prometheus (``tests/harness/prometheus.py``).
 
 Prometheus scrapes the operator as the chart's ServiceMonitor would (job ``weightroll-metrics``,
-the release namespace, its ``honorLabels``) and every agent as the chart's ``agentPodMonitor`` would (job
-``weightroll-agent``, ``namespace``, ``pod``), every second, with the rule groups of the rendered
+the release namespace, its ``honorLabels``) and every agent as the chart's ``agentPodMonitor``
+would (``namespace``, ``pod``), every second, with the rule groups of the rendered
 PrometheusRule loaded. Test-only overrides (chart values, ``tests/charts/helpers.FAST_RULES``)
 cut every alert's ``for`` to 2 s and the drained threshold to 5 s; the expressions are the
 shipped ones.
