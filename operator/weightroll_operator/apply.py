@@ -205,44 +205,34 @@ async def _run_pod(actions: list[PodAction], ctx: ApplyContext) -> list[ActionRe
     return results
 
 
-def _event(emit: Emit, ctx: ApplyContext) -> dict[str, Any]:
+def _event_body(
+    involved: dict[str, Any], reason: str, message: str, warning: bool, now: datetime
+) -> dict[str, Any]:
+    """An Event about ``involved`` (an object reference), first and last seen ``now``."""
     return {
-        "involvedObject": {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "namespace": ctx.namespace,
-            "name": ctx.name,
-            **({"uid": ctx.uid} if ctx.uid else {}),
-        },
-        "reason": emit.reason,
-        "message": emit.message,
-        "type": "Warning" if emit.warning else "Normal",
+        "involvedObject": involved,
+        "reason": reason,
+        "message": message,
+        "type": "Warning" if warning else "Normal",
         "source": {"component": "weightroll-operator"},
-        "firstTimestamp": timestamp(ctx.now),
-        "lastTimestamp": timestamp(ctx.now),
+        "firstTimestamp": timestamp(now),
+        "lastTimestamp": timestamp(now),
         "count": 1,
     }
+
+
+def _event(emit: Emit, ctx: ApplyContext) -> dict[str, Any]:
+    involved = {"apiVersion": API_VERSION, "kind": KIND, "namespace": ctx.namespace}
+    involved |= {"name": ctx.name, **({"uid": ctx.uid} if ctx.uid else {})}
+    return _event_body(involved, emit.reason, emit.message, emit.warning, ctx.now)
 
 
 def _pod_event_body(event: PodEvent, ctx: ApplyContext, name: str) -> dict[str, Any]:
     pod = event.pod
-    return {
-        "metadata": {"name": name, "namespace": pod.namespace},
-        "involvedObject": {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "namespace": pod.namespace,
-            "name": pod.name,
-            **({"uid": pod.uid} if pod.uid else {}),
-        },
-        "reason": str(event.reason),
-        "message": event.message,
-        "type": "Warning" if event.warning else "Normal",
-        "source": {"component": "weightroll-operator"},
-        "firstTimestamp": timestamp(ctx.now),
-        "lastTimestamp": timestamp(ctx.now),
-        "count": 1,
-    }
+    involved = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.name}
+    involved |= {"uid": pod.uid} if pod.uid else {}
+    body = _event_body(involved, str(event.reason), event.message, event.warning, ctx.now)
+    return {"metadata": {"name": name, "namespace": pod.namespace}, **body}
 
 
 async def _post_pod_event(event: PodEvent, ctx: ApplyContext) -> None:
