@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,7 +40,8 @@ from weightroll_dev.devcluster.operator_process import stop_process
 
 from tests.charts.helpers import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helpers import find, objects, render, rule_groups
-from tests.e2e.conftest import COLD, FIRST_UPDATE, GATE, NAMESPACE, PODS, Fleet
+from tests.e2e import conftest as e2e
+from tests.e2e.conftest import FIRST_UPDATE, GATE, NAMESPACE, PODS, Fleet
 from tests.harness import grafana
 from tests.harness.prometheus import Prometheus, Target, prometheus_binary
 
@@ -56,13 +59,41 @@ ALERT_SLACK = 60
 DONE: set[str] = set()
 
 
+# The fleet is the e2e tier's (tests/e2e/conftest.py): these three read it whether it runs the
+# dev cluster itself (simulator, operator process) or reads `weightroll dev up`'s cluster.json.
+
+
+def _operator_metrics_url(fleet: Fleet) -> str:
+    info = getattr(fleet, "info", None)
+    return str(info.operatorMetricsUrl if info is not None else fleet.metrics_url)  # type: ignore[attr-defined]
+
+
+def _agent_address(fleet: Fleet, pod: str) -> str:
+    info = getattr(fleet, "info", None)
+    if info is not None:
+        return urlparse(info.agents[pod]).netloc
+    ip = fleet.sim.run(lambda: fleet.sim.simulator.pod_ip(pod))  # type: ignore[attr-defined]
+    return f"{ip}:{AGENT_PORT}"
+
+
+def _stop_operator(fleet: Fleet) -> None:
+    info = getattr(fleet, "info", None)
+    if info is None:
+        stop_process(fleet.operator)  # type: ignore[attr-defined]
+        return
+    os.kill(info.operatorPid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while info.operator_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def prom(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     if prometheus_binary() is None:
         pytest.skip("prometheus is not installed: run `bash scripts/system-deps.sh`")
     assert NAMESPACE == CHART_NAMESPACE  # the rules are rendered for the release namespace
     monitor = find(objects(render({"serviceMonitor": {"enabled": True}})), "ServiceMonitor")
-    operator = urlparse(fleet.metrics_url)
+    operator = urlparse(_operator_metrics_url(fleet))
     targets = [
         Target(
             job="weightroll-metrics",
@@ -73,11 +104,10 @@ def prom(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pro
         )
     ]
     for pod in PODS:
-        ip = fleet.sim.run(lambda pod=pod: fleet.sim.simulator.pod_ip(pod))
         targets.append(
             Target(
                 job="weightroll-agent",
-                address=f"{ip}:{AGENT_PORT}",
+                address=_agent_address(fleet, pod),
                 labels={"namespace": NAMESPACE, "pod": pod},
             )
         )
@@ -114,7 +144,9 @@ def _firing(prom: Prometheus, alert: str, **labels: str) -> list[dict[str, str]]
 
 def test_rollout_tells_each_pod_its_story(fleet: Fleet, prom: Prometheus) -> None:
     """v1 -> v2: Succeeded; each pod's Events, as ``kubectl describe pod`` shows them."""
-    fleet.kubectl("delete", "pod", COLD, "-n", NAMESPACE, "--wait=false", check=False)
+    # the reference pod (a cold vLLM on v2) is not needed here: free its CPU
+    cold = getattr(e2e, "COLD", getattr(e2e, "REFERENCE_POD", "vllm-cold"))
+    fleet.kubectl("delete", "pod", cold, "-n", NAMESPACE, "--wait=false", check=False)
     fleet.apply_weightupdate("obs-v2", FIRST_UPDATE)
     status = fleet.wait_phase("obs-v2", "Succeeded", "Failed", timeout=300)
     assert status["phase"] == "Succeeded", status
@@ -214,7 +246,7 @@ def test_operator_down_fires(fleet: Fleet, prom: Prometheus) -> None:
     """Last: the operator stopped, its scrape fails, WeightrollOperatorDown fires."""
     assert prom.alerts("WeightrollOperatorDown") == []
     began = time.monotonic()
-    stop_process(fleet.operator)
+    _stop_operator(fleet)
     prom.wait(
         "WeightrollOperatorDown firing",
         lambda: prom.alerts("WeightrollOperatorDown"),
