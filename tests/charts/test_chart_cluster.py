@@ -236,6 +236,25 @@ def test_kubectl_explain_shows_every_field_description(installed: KubeCluster) -
         # kubectl wraps the text; compare it word by word
         assert " ".join(node["description"].split()) in " ".join(out.split()), out
 
+    # the printer columns, as `kubectl get wu` shows them
+    wu = {
+        "apiVersion": "weightroll.io/v1alpha1",
+        "kind": "WeightUpdate",
+        "metadata": {"name": "columns", "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": "nothing-selects-this"}},
+            "version": "v2",
+            "source": {"uri": "/models/v2"},
+            "paused": True,
+        },
+    }
+    kubectl(installed, "apply", "-f", "-", input_=yaml.safe_dump(wu))
+    try:
+        header = kubectl(installed, "get", "wu", "columns", "-n", NAMESPACE).stdout.splitlines()[0]
+        assert header.split() == ["NAME", "PHASE", "VERSION", "UPDATED", "TOTAL", "AGE", "MESSAGE"]
+    finally:
+        kubectl(installed, "delete", "wu", "columns", "-n", NAMESPACE, "--wait=false", check=False)
+
 
 def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) -> None:
     """`weightroll operator` authenticated as the chart's ServiceAccount reads the fleet, the token
