@@ -28,6 +28,7 @@ ALERTS = (
     "WeightReplicaLeftDrained",
     "WeightAgentUnreachable",
     "WeightrollOperatorDown",
+    "WeightAgentTokenUnavailable",
 )
 NO_CRD_REASON = (
     "charts/weightroll/files/crds/weightupdates.weightroll.io.yaml is not generated yet "

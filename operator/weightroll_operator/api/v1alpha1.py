@@ -57,6 +57,8 @@ __all__ = [
     "Phase",
     "PodResult",
     "ReplicaCounts",
+    "LOCAL_URI_PATTERN",
+    "SPEC_VERSION_PATTERN",
     "SecretKeyRef",
     "SourceMode",
     "SourceSpec",
@@ -85,7 +87,17 @@ LABEL_KEY_PATTERN = (
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 )
 
-Version = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
+#: A version of a WeightUpdate: lower-case letters, digits, ``.`` and ``-`` (a subset of the
+#: agent's ``VERSION_PATTERN``). The agent update id is derived from the version, so two
+#: spellings that would give the same id (``V2_1`` and ``v2-1``) are not both allowed: only the
+#: canonical one is (issue 11 finding 9).
+SPEC_VERSION_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$"
+#: Sources the agents read: an absolute path or a ``file://`` URI (as ``engine_agent.protocol``).
+LOCAL_URI_PATTERN = r"^(file://)?/"
+_LOCAL_URI_RE = re.compile(LOCAL_URI_PATTERN)
+assert re.fullmatch(VERSION_PATTERN, "v2-1.a")  # the spec's versions are the agent's versions
+
+Version = Annotated[str, StringConstraints(pattern=SPEC_VERSION_PATTERN)]
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN, max_length=317)]
 
 
@@ -182,6 +194,16 @@ class SourceSpec(Model):
     """The version a sparse patch was computed against; required with `sparse`, refused with
     `full`."""
 
+    @field_validator("uri", "manifest")
+    @classmethod
+    def _local(cls, value: str | None) -> str | None:
+        if value is not None and not _LOCAL_URI_RE.match(value):
+            raise ValueError(
+                f"must be an absolute path or a file:// URI, got {value!r} (the agents read "
+                "local files only)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _sparse_needs_base(self) -> Self:
         if self.mode is SourceMode.SPARSE and self.base_version is None:
@@ -271,7 +293,7 @@ class SecretKeyRef(Model):
 
     name: str = Field(min_length=1)
     """Name of the Secret (in the WeightUpdate's namespace)."""
-    key: str = "token"
+    key: str = Field(default="token", min_length=1)
     """Key of the Secret's `data` holding the value."""
 
 
@@ -370,6 +392,8 @@ class ConditionType(StrEnum):
     PAUSED = "Paused"
     BLOCKED = "Blocked"
     INVALID_SPEC = "InvalidSpec"
+    #: Set False while the agent token Secret cannot be read (``credentials.py``).
+    AGENT_TOKEN_AVAILABLE = "AgentTokenAvailable"
 
 
 class ConditionStatus(StrEnum):
@@ -382,7 +406,8 @@ class Condition(Model):
     """One condition of the rollout (Kubernetes style)."""
 
     type: ConditionType
-    """`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked` or `InvalidSpec`."""
+    """`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked`, `InvalidSpec` or
+    `AgentTokenAvailable`."""
     status: ConditionStatus
     """`True`, `False` or `Unknown`."""
     reason: str = ""
@@ -445,8 +470,8 @@ class WeightUpdateStatus(Model):
     """What the fleet served before (when every touched pod served the same version); the
     version itself after success."""
     conditions: list[Condition] = Field(default_factory=list)
-    """`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked`, `InvalidSpec`, each with a
-    reason (the reasons are listed in docs/api.md, "Condition reasons")."""
+    """`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked`, `InvalidSpec`,
+    `AgentTokenAvailable`, each with a reason (listed in docs/api.md, "Condition reasons")."""
     pods: list[PodResult] = Field(default_factory=list)
     """Up to 50 pods (failed pods always listed, even past 50) with `name`, `state`
     (`Verified`, `Updating`, `Pending`, `Failed`, `RolledBack`, `Blocked`, `Superseded`,
