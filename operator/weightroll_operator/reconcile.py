@@ -38,6 +38,7 @@ from weightroll_operator.apply import (
     SKIPPED,
     ActionResult,
     ApplyContext,
+    EventCounts,
     apply,
     target_of,
     write_gate,
@@ -153,6 +154,8 @@ class Reconciler:
     agent_backoff: float = 1.0
     agent_backoff_cap: float = 60.0
     rand: Callable[[], float] = random.random
+    #: Pod Events posted so far (repeats raise a count; apply.py).
+    events: EventCounts = field(default_factory=EventCounts)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     #: Per pod (namespace, name): the :func:`_state_key` the answer is valid for, the answer
@@ -318,6 +321,7 @@ class Reconciler:
             token=token,
             now=now,
             concurrency=self.concurrency,
+            events=self.events,
         )
         results = await apply(the_plan.actions, ctx)
         self._remember_writes(results)
@@ -386,6 +390,7 @@ class Reconciler:
                 uid=meta.get("uid"),
                 token=token,
                 now=self.clock(),
+                events=self.events,
             )
             views = [
                 pod_view(raw, group_by=None, default_port=port)
@@ -761,6 +766,16 @@ class Reconciler:
                 if started is not None:
                     drained[pod.name] = started.timestamp()
         m.observe_pods(namespace, name, drained, {n: not a.reachable for n, a in agents.items()})
+        m.observe_pod_states(
+            namespace,
+            name,
+            {
+                pod.name: (
+                    (pod.state.state.value, pod.state.version) if pod.state else ("Pending", "")
+                )
+                for pod in the_plan.pods.values()
+            },
+        )
 
 
 def _agent_key(pod: PodView) -> tuple[str, str, str]:

@@ -65,7 +65,8 @@ list against the set the operator needs, and tests/cluster (RBAC) against a real
 - pods: observed through @kopf.index (list/watch), annotations/labels patched (weight-state,
   owner, weight-version, trafficLabel).
 - pods/status: the `weightroll.io/weights-ready` condition, strategic merge patch (never Ready).
-- events: kopf posts Events for every unit transition and phase change.
+- events: Events for every unit transition and phase change (on the WeightUpdate) and on each
+  pod (drained, updating, verified, failed); `patch` raises the count of a repeated pod Event.
 - secrets: `get` of the agent token Secret named in the spec (never list/watch).
 - customresourcedefinitions, namespaces: kopf's resource and namespace discovery.
 No kopf peering objects: the operator runs standalone (one replica, Recreate).

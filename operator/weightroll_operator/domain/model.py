@@ -269,3 +269,5 @@ class PodView:
     #: The view predates the operator's own last write to the pod (the watch has not caught
     #: up): the planner neither acts on its unit nor counts it available this pass.
     stale: bool = False
+    #: ``metadata.uid``: names the pod in its Events (``kubectl describe pod`` matches on it).
+    uid: str | None = None
