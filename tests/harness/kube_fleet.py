@@ -218,7 +218,7 @@ def make_pod(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "uid": str(uuid.uuid4()),
+            "uid": f"uid-{name}",
             "labels": labels or {"app": "llm"},
             "annotations": {},
         },

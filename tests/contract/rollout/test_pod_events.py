@@ -8,6 +8,7 @@ uid (``kubectl describe`` selects on all four). A repeat of the same Event raise
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -55,7 +56,12 @@ async def test_each_pod_tells_its_drain_update_and_verification(h: Harness) -> N
             "Draining for weights v2: WeightUpdate default/wu set "
             "weightroll.io/weights-ready=False, no new traffic"
         )
-        assert updating == "Started update wu-v2 to weights v2 (full) for WeightUpdate default/wu"
+        # the attempt id: name, version, the WeightUpdate's uid, generation and attempt
+        assert re.fullmatch(
+            r"Started update wu-v2-[0-9a-f]{8}-g1-a1 to weights v2 \(full\) for WeightUpdate "
+            r"default/wu",
+            updating,
+        ), updating
         assert verified == (
             "Verified weights v2 on every rank; traffic restored (weightroll.io/weights-ready=True)"
             " by WeightUpdate default/wu"
