@@ -35,7 +35,7 @@ from weightroll_operator.domain.model import (
     OwnerKey,
     PodView,
 )
-from weightroll_operator.errors import KubeNotFound, WeightrollError
+from weightroll_operator.errors import AgentUnavailable, KubeNotFound, WeightrollError
 from weightroll_operator.ports import AgentPort, AgentTarget, KubePort
 
 __all__ = ["ActionResult", "ApplyContext", "SKIPPED", "apply", "target_of", "write_gate"]
@@ -75,8 +75,14 @@ class ApplyContext:
 
 
 def target_of(pod: PodView, token: str | None) -> AgentTarget:
-    host = pod.ip or "0.0.0.0"
-    host = f"[{host}]" if ":" in host else host
+    """The agent of ``pod``: its IP and its container port named ``weightroll``, nothing else.
+
+    Raises:
+        AgentUnavailable: the pod has no IP or no such port (no request is made).
+    """
+    if pod.ip is None or pod.port is None:
+        raise AgentUnavailable(f"{pod.name}: no pod IP or no container port named 'weightroll'")
+    host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
     return AgentTarget(pod=pod.name, base_url=f"http://{host}:{pod.port}", token=token)
 
 

@@ -43,7 +43,12 @@ from weightroll_operator.apply import (
 from weightroll_operator.domain import admission
 from weightroll_operator.domain.actions import AbortUpdate, Action, Emit, Settle
 from weightroll_operator.domain.conditions import Reason
-from weightroll_operator.domain.fleet import pod_view, select_pods
+from weightroll_operator.domain.fleet import (
+    AGENT_PORT_NAME,
+    agent_port_mismatch,
+    pod_view,
+    select_pods,
+)
 from weightroll_operator.domain.model import (
     AgentView,
     OwnerKey,
@@ -126,11 +131,9 @@ class Reconciler:
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
-    _views: dict[int, tuple[Mapping[str, Any], str | None, int, PodView]] = field(
-        default_factory=dict
-    )
+    _views: dict[int, tuple[Mapping[str, Any], str | None, PodView]] = field(default_factory=dict)
 
-    def _view(self, pod: Mapping[str, Any], group_by: str | None, port: int) -> PodView:
+    def _view(self, pod: Mapping[str, Any], group_by: str | None) -> PodView:
         """:func:`pod_view`, reused while the *same* pod object is passed again.
 
         The kopf index (like a watch) hands over a new object for every change and never
@@ -138,12 +141,12 @@ class Reconciler:
         id is never reused while cached.
         """
         cached = self._views.get(id(pod))
-        if cached is not None and cached[0] is pod and cached[1:3] == (group_by, port):
-            return cached[3]
+        if cached is not None and cached[0] is pod and cached[1] == group_by:
+            return cached[2]
         if len(self._views) > 200_000:
             self._views.clear()
-        result = pod_view(pod, group_by=group_by, default_port=port)
-        self._views[id(pod)] = (pod, group_by, port, result)
+        result = pod_view(pod, group_by=group_by)
+        self._views[id(pod)] = (pod, group_by, result)
         return result
 
     # ------------------------------------------------------------------------------------------
@@ -188,13 +191,17 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec"))
             _check_wire(spec, name)
-        except ValueError as e:
+            views = select_pods(pods, spec, namespace, self._view)
+            mismatch = agent_port_mismatch(spec, views)
+            if mismatch is not None:
+                raise ValueError(mismatch)
+            token = await self._token(namespace, spec)
+        except (ValueError, InvalidSpec) as e:
+            # Nothing was sent to any pod: a refused spec reaches no agent (no confused deputy).
             status = invalid_status(old_status, str(e), generation, now)
             await self._write_status(namespace, name, raw_status, status)
             raise InvalidSpec(str(e)) from e
 
-        views = select_pods(pods, spec, namespace, self._view)
-        token = await self._token(namespace, spec)
         asked = queries(views, owner, spec.version)
         agents = await self._observe(views, asked, token)
         persisted = Persisted.from_status(old_status, spec.version)
@@ -243,20 +250,17 @@ class Reconciler:
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
         owner = owner_key(namespace, name)
         async with self._locks.setdefault(owner, asyncio.Lock()):
-            spec_port = 8470
             try:
                 spec: WeightUpdateSpec | None = parse_spec(body.get("spec"))
             except ValueError:
                 spec = None
-            if spec is not None:
-                spec_port = spec.agent.port
             now = self.clock()
             actions: list[Action] = []
             for raw in pods:
                 pmeta = raw.get("metadata") or {}
                 if pmeta.get("namespace") != namespace:
                     continue
-                view = pod_view(raw, group_by=None, default_port=spec_port)
+                view = pod_view(raw, group_by=None)
                 if view.owner != owner:
                     continue
                 st = view.state or _orphan_state(owner, spec)
@@ -273,7 +277,7 @@ class Reconciler:
             if spec is not None:
                 try:
                     token = await self._token(namespace, spec)
-                except KubeError:
+                except (KubeError, InvalidSpec):
                     token = None
             ctx = ApplyContext(
                 kube=self.kube,
@@ -370,7 +374,7 @@ class Reconciler:
         cached = self._tokens.get(key)
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
-        value = await self.kube.read_secret_key(namespace, ref.name, ref.key)
+        value = await self.kube.read_agent_token(namespace, ref.name, ref.key)
         self._tokens[key] = (value, time.monotonic() + self.token_ttl)
         return value
 
@@ -400,6 +404,9 @@ class Reconciler:
     async def _ask(self, pod: PodView, query: Query, token: str | None) -> AgentView:
         if pod.ip is None:
             return AgentView(reachable=False, error="pod has no IP yet")
+        if pod.port is None:
+            missing = f"pod has no container port named {AGENT_PORT_NAME!r}"
+            return AgentView(reachable=False, error=missing)
         target = target_of(pod, token)
         if query.update_id is not None:
             try:

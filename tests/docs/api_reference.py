@@ -100,10 +100,16 @@ SPEC_MEANINGS: dict[str, str] = {
         "as unavailable."
     ),
     "paused": "Hold new units; units in flight finish (phase `Paused`, reason `PausedBySpec`).",
-    "agent.port": "Agent port, used when the pod has no container port named `weightroll`.",
+    "agent.port": (
+        "Deprecated check: the operator only calls the container port named `weightroll` of a "
+        "selected pod; when set, every selected pod's `weightroll` port must equal it "
+        "(`InvalidSpec` otherwise)."
+    ),
     "agent.tokenSecretRef": (
-        "Secret (in the WeightUpdate's namespace) holding the agents' bearer token; without it "
-        "no token is sent and agents answer 401."
+        "Secret (in the WeightUpdate's namespace) holding the agents' bearer token (first line "
+        "sent; see the threat model for rotation); it must carry the label "
+        '`weightroll.io/agent-token: "true"` (`InvalidSpec` otherwise). Without it no token is '
+        "sent and agents answer 401."
     ),
 }
 

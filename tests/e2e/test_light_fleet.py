@@ -162,7 +162,11 @@ def light(chart: KubeCluster, tmp_path: Path) -> Iterator[Light]:
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": TOKEN_SECRET, "namespace": ns},
+            "metadata": {
+                "name": TOKEN_SECRET,
+                "namespace": ns,
+                "labels": {"weightroll.io/agent-token": "true"},
+            },
             "stringData": {"token": "light-token"},
         },
     ):

@@ -246,9 +246,11 @@ class SecretKeyRef(Model):
 class AgentSpec(Model):
     """How the operator reaches the pod agents."""
 
-    #: Used when the pod has no container port named ``weightroll``.
-    port: int = Field(default=8470, ge=1, le=65535)
-    #: Bearer token for the agent's ``/v1`` routes; no token is sent without it.
+    #: Deprecated check: the operator only ever calls the container port named ``weightroll``
+    #: of a selected pod. When set, every selected pod's ``weightroll`` port must equal it.
+    port: int | None = Field(default=None, ge=1, le=65535)
+    #: Bearer token for the agent's ``/v1`` routes; no token is sent without it. The Secret must
+    #: carry the label ``weightroll.io/agent-token: "true"`` (it opts in to being sent).
     token_secret_ref: SecretKeyRef | None = None
 
 

@@ -30,8 +30,8 @@ from typing import Any
 import aiohttp
 
 from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
-from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
-from weightroll_operator.errors import KubeUnavailable, kube_error
+from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY, LABEL_AGENT_TOKEN
+from weightroll_operator.errors import InvalidSpec, KubeUnavailable, kube_error
 
 __all__ = ["KubeApi", "KubeConfig"]
 
@@ -279,12 +279,32 @@ class KubeApi:
 
     # ---- secrets and events -------------------------------------------------------------------
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
+    async def read_agent_token(self, namespace: str, name: str, key: str) -> str:
+        """The bearer token to send to agents: the first non-empty line of the Secret's key.
+
+        Only a Secret labelled ``weightroll.io/agent-token: "true"`` is ever sent, so a
+        WeightUpdate cannot make the operator forward an arbitrary Secret (confused deputy).
+        The other lines are tokens the agents still accept during a rotation.
+
+        Raises:
+            InvalidSpec: the Secret lacks the opt-in label or the key is empty (names the field).
+            KubeError: by status code (``KubeNotFound`` for a missing Secret or key).
+        """
         data = await self._call("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        labels = ((data or {}).get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_AGENT_TOKEN) != "true":
+            raise InvalidSpec(
+                f"spec.agent.tokenSecretRef: Secret {namespace}/{name} does not carry the label "
+                f'{LABEL_AGENT_TOKEN}: "true"; only such Secrets are sent to agents'
+            )
         raw = ((data or {}).get("data") or {}).get(key)
         if raw is None:
             raise kube_error(404, f"secret {namespace}/{name} has no key {key!r}")
-        return base64.b64decode(raw).decode().strip()
+        lines = [t.strip() for t in base64.b64decode(raw).decode().splitlines() if t.strip()]
+        if not lines:
+            where = f"key {key!r} of Secret {namespace}/{name}"
+            raise InvalidSpec(f"spec.agent.tokenSecretRef: {where} is empty")
+        return lines[0]
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """Create an Event; the name is unique per process (kmock lacks ``generateName``)."""

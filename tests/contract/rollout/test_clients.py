@@ -78,4 +78,4 @@ async def test_pod_condition_is_a_strategic_merge_of_our_condition_only(h: Harne
         await h.kube.patch_pod_condition(NS, "pod-0", {"type": "Ready", "status": "True"})
     with pytest.raises(KubeNotFound):
         await h.kube.patch_pod_metadata(NS, "gone", annotations={"a": "b"})
-    assert await h.kube.read_secret_key(NS, "agent-token", "token") == "s3cret"
+    assert await h.kube.read_agent_token(NS, "agent-token", "token") == "s3cret"

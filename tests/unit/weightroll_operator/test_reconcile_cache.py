@@ -13,10 +13,10 @@ from tests.harness.kube_fleet import make_pod
 def test_view_cache_is_keyed_by_object_identity() -> None:
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
-    first = rec._view(pod, None, 8470)
-    assert rec._view(pod, None, 8470) is first
-    assert rec._view(pod, "group", 8470) is not first  # other arguments, other view
+    first = rec._view(pod, None)
+    assert rec._view(pod, None) is first
+    assert rec._view(pod, "group") is not first  # other arguments, other view
     changed = copy.deepcopy(pod)
     changed["status"]["conditions"][0]["status"] = "False"
-    assert rec._view(changed, None, 8470).ready is False
+    assert rec._view(changed, None).ready is False
     assert first.ready is True
