@@ -58,19 +58,25 @@ app.kubernetes.io/part-of: weightroll
 {{- end }}
 
 {{/*
-The operator's ClusterRole rules: exactly the verbs it uses, no more. tests/charts checks this
-list against the set the operator needs, and tests/cluster (RBAC) against a real apiserver.
+The operator's RBAC rules: exactly the verbs it uses, no more. tests/charts checks this list
+against the set the operator needs, and removes each rule on a real apiserver to prove it is.
+Namespaced (weightroll.rbacNamespacedRules; a Role per watched namespace when
+operator.watchNamespaces lists plain names, else in the ClusterRole):
 - weightupdates: kopf watches them and patches finalizers/progress annotations.
 - weightupdates/status: the aggregate status, written only when it changed.
 - pods: observed through @kopf.index (list/watch), annotations/labels patched (weight-state,
   owner, weight-version, trafficLabel).
 - pods/status: the `weightroll.io/weights-ready` condition, strategic merge patch (never Ready).
 - events: kopf posts Events for every unit transition and phase change.
-- secrets: `get` of the agent token Secret named in the spec (never list/watch).
-- customresourcedefinitions, namespaces: kopf's resource and namespace discovery.
+- secrets: `get` of the agent token Secret named in the spec (never list/watch); limited to
+  rbac.agentTokenSecretNames when set. RBAC cannot select by label: the operator itself refuses
+  Secrets without `weightroll.io/agent-token: "true"`.
+Cluster-scoped (weightroll.rbacClusterRules, always in the ClusterRole):
+- customresourcedefinitions: kopf's resource discovery.
+- namespaces: only when a watched namespace is a glob (kopf lists namespaces to resolve it).
 No kopf peering objects: the operator runs standalone (one replica, Recreate).
 */}}
-{{- define "weightroll.rbacRules" -}}
+{{- define "weightroll.rbacNamespacedRules" -}}
 - apiGroups: ["weightroll.io"]
   resources: ["weightupdates"]
   verbs: ["get", "list", "watch", "patch"]
@@ -92,15 +98,33 @@ No kopf peering objects: the operator runs standalone (one replica, Recreate).
 {{- with .Values.rbac.agentTokenSecretNames }}
   resourceNames: {{ toJson . }}
 {{- end }}
+{{- end }}
+
+{{- define "weightroll.rbacClusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- if (include "weightroll.watchGlobs" .) }}
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
-{{- with .Values.rbac.extraRules }}
-{{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+Watched namespaces that are kopf patterns (globs, negations, lists) rather than plain names:
+non-empty output means "some". A pattern cannot be bound per namespace, so its rules stay
+cluster-wide.
+*/}}
+{{- define "weightroll.watchGlobs" -}}
+{{- range .Values.operator.watchNamespaces }}{{ if regexMatch "[*?!]" . }}{{ . }} {{ end }}{{ end }}
+{{- end }}
+
+{{/*
+"true" when the namespaced rules are granted per namespace (Role + RoleBinding each).
+*/}}
+{{- define "weightroll.rbacPerNamespace" -}}
+{{- if and .Values.operator.watchNamespaces (not (include "weightroll.watchGlobs" .)) }}true{{ end }}
 {{- end }}
 
 {{/*
