@@ -21,6 +21,7 @@ from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from weightroll_operator.domain.admission import awaits_admission
 from weightroll_operator.domain.fleet import trim_pod, trim_weightupdate
 from weightroll_operator.errors import InvalidSpec, WeightrollError
+from weightroll_operator.liveness import Liveness, Stalled
 from weightroll_operator.reconcile import Reconciler
 from weightroll_operator.settings import OperatorConfig, configure_kopf
 
@@ -33,8 +34,12 @@ class Runtime:
 
     reconciler: Reconciler
     config: OperatorConfig
-    #: Monotonic time of the last finished pass (liveness).
-    last_pass: float = field(default_factory=time.monotonic)
+    #: Finished passes, for the liveness probe (``liveness.py``).
+    liveness: Liveness = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.liveness = Liveness(c.interval, c.liveness_stall_intervals, time.monotonic())
 
 
 def _of(index: kopf.Index[str, Any], namespace: str | None) -> Iterable[Mapping[str, Any]]:
@@ -81,7 +86,7 @@ def register(
         except WeightrollError as e:
             raise kopf.TemporaryError(str(e), delay=rt.config.interval) from e
         finally:
-            rt.last_pass = time.monotonic()
+            rt.liveness.passed(time.monotonic())
 
     # Explicit ids: they become annotation keys (weightroll.io/<id>) of kopf's progress storage.
     @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", registry=registry)
@@ -122,6 +127,12 @@ def register(
     async def admit_pod(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
         await rt.reconciler.admit(body, _of(kw["updates_by_namespace"], namespace))
 
+    # A stall raises PermanentError: kopf's /healthz then answers 500 and the kubelet restarts us.
     @kopf.on.probe(id="lastPassAgeSeconds", registry=registry)
-    def liveness(**_: Any) -> float:
-        return round(time.monotonic() - rt.last_pass, 1)
+    def liveness(**kw: Any) -> float:
+        updates: kopf.Index[str, Any] = kw["updates_by_namespace"]
+        active = any(len(updates.get(ns, [])) for ns in updates)
+        try:
+            return rt.liveness.check(active=active, now=time.monotonic())
+        except Stalled as e:
+            raise kopf.PermanentError(str(e)) from e

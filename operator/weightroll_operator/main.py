@@ -12,6 +12,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 
 import kopf
 
@@ -60,11 +61,18 @@ def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None
     return Runtime(reconciler=reconciler, config=config)
 
 
-def _login(cfg: KubeConfig) -> kopf.ConnectionInfo:
-    """kopf's credentials: the same server and identity as the operator's own API client."""
+#: kopf re-asks for credentials this often, so a rotated token file reaches its watches too.
+LOGIN_TTL = timedelta(minutes=5)
+
+
+def _login(cfg: KubeConfig, kube: KubeApi) -> kopf.ConnectionInfo:
+    """kopf's credentials: the same server and identity as the operator's own API client, with
+    the token read now (a token file is re-read; kopf logs in again on expiry or a 401)."""
+    expiration = datetime.now(tz=UTC) + LOGIN_TTL if cfg.token_file else None
     return kopf.ConnectionInfo(
         server=cfg.server,
-        token=cfg.token,
+        token=kube.current_token(),
+        expiration=expiration,
         ca_path=cfg.ca_file,
         certificate_path=cfg.cert_file,
         private_key_path=cfg.key_file,
@@ -95,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.metrics_port:
         metrics.serve(config.metrics_port, addr=config.metrics_addr)
     registry = kopf.OperatorRegistry()
-    register(registry, build_runtime(config, kube, metrics), login=lambda: _login(kube_config))
+    runtime = build_runtime(config, kube, metrics)
+    register(registry, runtime, login=lambda: _login(kube_config, kube))
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
     kopf.run(
         registry=registry,

@@ -48,6 +48,9 @@ class OperatorConfig:
     #: ready, so they serve their boot weights (``domain/admission.py``). Off: such pods stay
     #: NotReady until a WeightUpdate verifies them.
     admit_unmanaged_pods: bool = True
+    #: Liveness fails when WeightUpdates exist and no reconcile pass finished for longer than
+    #: this many ``interval`` s (a stalled loop, kopf#1276, is restarted); 0 disables the check.
+    liveness_stall_intervals: float = 12.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:

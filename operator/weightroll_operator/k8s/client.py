@@ -10,6 +10,8 @@ Invariants:
     * Every write is a patch, never a PUT with a stale resourceVersion (kruise#2276); only the
       admission of a new pod makes its gate patch conditional on the resourceVersion it read.
     * ``writes`` counts every write by kind, for the benchmark and the tests.
+    * A token file (the projected ServiceAccount token in a pod) is re-read whenever it changes:
+      kubelet rotates bound tokens by swapping the file, and the next request sends the new one.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class KubeConfig:
 
     server: str
     token: str | None = None
+    #: File holding the bearer token, re-read when it changes (wins over ``token``).
+    token_file: str | None = None
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
@@ -65,7 +69,7 @@ class KubeConfig:
             host = f"[{host}]" if ":" in host else host
             return cls(
                 server=f"https://{host}:{port}",
-                token=(_SA_DIR / "token").read_text().strip(),
+                token_file=str(_SA_DIR / "token"),
                 ca_file=str(_SA_DIR / "ca.crt"),
             )
         from kubernetes import client, config  # deferred: only needed for kubeconfig parsing
@@ -100,6 +104,27 @@ class KubeApi:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._event_seq = itertools.count()
+        self._token_stamp: tuple[int, int, int] | None = None
+        self._token = config.token
+
+    def current_token(self) -> str | None:
+        """The bearer token to send now: the token file's content, re-read when its inode, size
+        or mtime changed (kubelet replaces a projected token atomically), else ``config.token``.
+
+        An unreadable file keeps the last token (logged); the API answers 401 if it expired.
+        """
+        path = self.config.token_file
+        if path is None:
+            return self._token
+        try:
+            st = os.stat(path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if stamp != self._token_stamp:
+                self._token = Path(path).read_text().strip() or None
+                self._token_stamp = stamp
+        except OSError as e:
+            log.error("Kept the previous API token: cannot read %s: %s", path, e)
+        return self._token
 
     def _ssl(self) -> ssl.SSLContext | bool:
         if not self.config.server.startswith("https"):
@@ -114,8 +139,6 @@ class KubeApi:
     async def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Accept": "application/json"}
-            if self.config.token:
-                headers["Authorization"] = f"Bearer {self.config.token}"
             self._session = aiohttp.ClientSession(
                 base_url=self.config.server,
                 headers=headers,
@@ -142,6 +165,9 @@ class KubeApi:
         if kind is not None:
             self.writes[kind] += 1
         headers = {"Content-Type": content_type} if body is not None else {}
+        token = self.current_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         try:
             async with session.request(
                 method, path, json=body, headers=headers, params=params
