@@ -83,7 +83,8 @@ def target_of(pod: PodView, token: str | None) -> AgentTarget:
     if pod.ip is None or pod.port is None:
         raise AgentUnavailable(f"{pod.name}: no pod IP or no container port named 'weightroll'")
     host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
-    return AgentTarget(pod=pod.name, base_url=f"http://{host}:{pod.port}", token=token)
+    base_url = f"http://{host}:{pod.port}"
+    return AgentTarget(pod=pod.name, base_url=base_url, token=token, namespace=pod.namespace)
 
 
 async def write_gate(

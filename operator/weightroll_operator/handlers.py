@@ -34,6 +34,8 @@ class Runtime:
 
     reconciler: Reconciler
     config: OperatorConfig
+    #: The namespaces watched (``-n``); empty: every namespace.
+    namespaces: tuple[str, ...] = ()
     #: Finished passes, for the liveness probe (``liveness.py``).
     liveness: Liveness = field(init=False)
 
@@ -67,7 +69,7 @@ def register(
 
     @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings, rt.config)
+        configure_kopf(settings, rt.config, rt.namespaces)
 
     @kopf.index("pods", id="pods_by_namespace", registry=registry)
     def pods_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, Any]:

@@ -48,8 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None) -> Runtime:
-    agents = AgentClient(timeout=config.agent_timeout, concurrency=config.concurrency)
+def build_runtime(
+    config: OperatorConfig,
+    kube: KubeApi,
+    metrics: Metrics | None,
+    namespaces: Sequence[str] = (),
+) -> Runtime:
+    agents = AgentClient(
+        timeout=config.agent_timeout,
+        concurrency=config.concurrency,
+        ca_file=config.agent_ca_file or None,
+        server_name=config.agent_server_name,
+    )
     reconciler = Reconciler(
         kube=kube,
         agents=agents,
@@ -58,7 +68,7 @@ def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None
         state_ttl=config.state_ttl,
         poll_interval=config.interval,
     )
-    return Runtime(reconciler=reconciler, config=config)
+    return Runtime(reconciler=reconciler, config=config, namespaces=tuple(namespaces))
 
 
 #: kopf re-asks for credentials this often, so a rotated token file reaches its watches too.
@@ -103,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.metrics_port:
         metrics.serve(config.metrics_port, addr=config.metrics_addr)
     registry = kopf.OperatorRegistry()
-    runtime = build_runtime(config, kube, metrics)
+    runtime = build_runtime(config, kube, metrics, args.namespace)
     register(registry, runtime, login=lambda: _login(kube_config, kube))
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
     kopf.run(

@@ -23,6 +23,8 @@ class AgentTarget:
     pod: str
     base_url: str
     token: str | None = None
+    #: The pod's namespace: part of the TLS server name the agent's certificate must carry.
+    namespace: str = ""
 
     def __repr__(self) -> str:
         return f"AgentTarget(pod={self.pod!r}, base_url={self.base_url!r})"

@@ -6,9 +6,9 @@ The chart is installed with ``operator.watchNamespaces: [<watched>]``; a second 
 they receive, so "no request reached any pod" is observed at the pods, not inferred.
 
 * A: the operator's identity can read the Secret and patch the pod in the watched namespace and
-  is forbidden both in the other one; a rollout under exactly the rendered rules succeeds with no
-  403; with any one rule of the Role or the ClusterRole removed, the operator hits a 403 naming
-  that rule's resource.
+  is forbidden both in the other one; there is no ClusterRole; a rollout under exactly the
+  rendered Role succeeds with no 403; with any one rule of the Role removed, the operator hits a
+  403 naming that rule's resource.
 * B: a WeightUpdate naming a Secret without the ``weightroll.io/agent-token: "true"`` label, or a
   ``spec.agent.port`` that is not the pods' ``weightroll`` port, ends ``InvalidSpec`` with the
   field named, and the pods' agents receive no request; the same WeightUpdate with the labelled
@@ -234,10 +234,8 @@ def test_role_per_watched_namespace_and_nothing_outside(scoped: Scoped) -> None:
     roles = scoped.kubectl("get", "role,rolebinding", "-o", "name").split()
     assert "role.rbac.authorization.k8s.io/weightroll-operator" in roles
     assert "rolebinding.rbac.authorization.k8s.io/weightroll-operator" in roles
-    cluster_role = json.loads(
-        kubectl(scoped.cluster, "get", "clusterrole", "weightroll-operator", "-o", "json").stdout
-    )
-    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
+    cluster_roles = kubectl(scoped.cluster, "get", "clusterrole", "-o", "name").stdout.split()
+    assert "clusterrole.rbac.authorization.k8s.io/weightroll-operator" not in cluster_roles
 
     scoped.apply(_pod("reach", app="reach"), ns=scoped.other)
     token = _operator_kubeconfig(scoped.cluster, scoped.run / "kubeconfig-calls")
@@ -372,8 +370,7 @@ def test_rollout_under_the_namespaced_rules_then_each_rule_is_needed(scoped: Sco
 
     unneeded: list[str] = []
     cases = [("role", i) for i in range(len(_rules(scoped, "role")))]
-    cases += [("clusterrole", i) for i in range(len(_rules(scoped, "clusterrole")))]
-    assert len(cases) == 7
+    assert len(cases) == 6  # and no ClusterRole: nothing cluster-scoped is needed
     for n, (kind, i) in enumerate(cases):
         rules = _rules(scoped, kind)
         rule = rules[i]

@@ -71,8 +71,9 @@ operator.watchNamespaces lists plain names, else in the ClusterRole):
 - secrets: `get` of the agent token Secret named in the spec (never list/watch); limited to
   rbac.agentTokenSecretNames when set. RBAC cannot select by label: the operator itself refuses
   Secrets without `weightroll.io/agent-token: "true"`.
-Cluster-scoped (weightroll.rbacClusterRules, always in the ClusterRole):
-- customresourcedefinitions: kopf's resource discovery.
+Cluster-scoped (weightroll.rbacClusterRules, in the ClusterRole unless every watched namespace
+is a plain name: then kopf's cluster scanning is off and no cluster-scoped rule is needed):
+- customresourcedefinitions: kopf's resource discovery (it watches CRDs while scanning).
 - namespaces: only when a watched namespace is a glob (kopf lists namespaces to resolve it).
 No kopf peering objects: the operator runs standalone (one replica, Recreate).
 */}}
