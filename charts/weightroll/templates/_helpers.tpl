@@ -186,8 +186,10 @@ readinessGates:
 {{- end }}
 
 {{/*
-3. weightroll.workload.agentContainer: the agent sidecar on port 8470 (name `weightroll`); its
-   /readyz is the pod's readiness probe (it fails while the engine is paused, dirty or poisoned).
+3. weightroll.workload.agentContainer: the agent sidecar on port 8470 (name `weightroll`, the
+   only port the operator calls); its /readyz is the pod's readiness probe (it fails while the
+   engine is paused, dirty or poisoned). It listens on the pod IP (POD_IP from the downward API),
+   never on 0.0.0.0, and serves TLS with the mounted certificate when agentTLS.enabled.
 */}}
 {{- define "weightroll.workload.agentContainer" -}}
 {{- $w := .Values.workloadExample -}}
@@ -198,9 +200,19 @@ readinessGates:
     - --vllm-url=http://127.0.0.1:{{ $w.vllm.port }}
     - --token-file=/var/run/weightroll/token
     - --state-dir=/var/lib/weightroll
+    {{- if .Values.agentTLS.enabled }}
+    - --tls-cert-file=/var/run/weightroll-tls/tls.crt
+    - --tls-key-file=/var/run/weightroll-tls/tls.key
+    {{- end }}
     {{- range $w.agent.extraArgs }}
     - {{ . | quote }}
     {{- end }}
+  env:
+    # The agent binds to the pod IP only.
+    - name: POD_IP
+      valueFrom:
+        fieldRef:
+          fieldPath: status.podIP
   ports:
     - name: weightroll
       containerPort: 8470
@@ -208,18 +220,29 @@ readinessGates:
     httpGet:
       path: /readyz
       port: weightroll
+      {{- if .Values.agentTLS.enabled }}
+      scheme: HTTPS
+      {{- end }}
     periodSeconds: 5
     failureThreshold: 2
   livenessProbe:
     httpGet:
       path: /healthz
       port: weightroll
+      {{- if .Values.agentTLS.enabled }}
+      scheme: HTTPS
+      {{- end }}
     periodSeconds: 15
     failureThreshold: 4
   volumeMounts:
     - name: weightroll-token
       mountPath: /var/run/weightroll
       readOnly: true
+    {{- if .Values.agentTLS.enabled }}
+    - name: weightroll-tls
+      mountPath: /var/run/weightroll-tls
+      readOnly: true
+    {{- end }}
     - name: weightroll-state
       mountPath: /var/lib/weightroll
     - name: models
@@ -250,6 +273,17 @@ readinessGates:
     items:
       - key: token
         path: token
+{{- if .Values.agentTLS.enabled }}
+- name: weightroll-tls
+  secret:
+    secretName: {{ .Values.workloadExample.name }}-weightroll-tls
+    defaultMode: 0400
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
 - name: weightroll-state
   emptyDir: {}
 - name: models

@@ -445,9 +445,12 @@ class PodSimulator:
             port = named.get(port)
         if port is None:
             return False
-        url = f"http://{pod.ip}:{port}{probe.get('path', '/')}"
+        # Like kubelet: `scheme: HTTPS` probes without verifying the certificate.
+        scheme = str(probe.get("scheme", "HTTP")).lower()
+        url = f"{scheme}://{pod.ip}:{port}{probe.get('path', '/')}"
         try:
-            async with http.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+            timeout = aiohttp.ClientTimeout(total=1.0)
+            async with http.get(url, timeout=timeout, ssl=False) as resp:
                 return 200 <= resp.status < 400
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
