@@ -66,6 +66,7 @@ def build_runtime(
         metrics=metrics,
         concurrency=config.concurrency,
         state_ttl=config.state_ttl,
+        token_ttl=config.token_ttl,
         poll_interval=config.interval,
     )
     return Runtime(reconciler=reconciler, config=config, namespaces=tuple(namespaces))

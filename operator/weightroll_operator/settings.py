@@ -34,6 +34,9 @@ class OperatorConfig:
     concurrency: int = 32
     #: Seconds an agent's ``/v1/state`` answer is reused for an unchanged pod.
     state_ttl: float = 30.0
+    #: Seconds an agent token read from its Secret is reused (a rotation's new first line is
+    #: sent at most this long after the Secret changed).
+    token_ttl: float = 60.0
     #: Port of the Prometheus metrics endpoint (0 disables it).
     metrics_port: int = 8080
     #: Address the metrics endpoint binds to (``127.0.0.1`` for a local run).

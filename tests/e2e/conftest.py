@@ -19,6 +19,7 @@ schedule the pods; the simulated pods and their loopback IPs exist only on this 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,21 @@ class Fleet:
         return log_tail(self.operator_log, 40)
 
 
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` plus ``extra`` for the duration (the operator process inherits it)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
     token = cluster.operator_token
     if (
@@ -290,6 +306,23 @@ def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
 @pytest.fixture(scope="module")
 def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Chart + three simulated vLLM pods Ready to serve v1 + the operator (see module doc)."""
+    with open_fleet(kube_cluster, tmp_path_factory.mktemp("e2e")) as fl:
+        yield fl
+
+
+@contextlib.contextmanager
+def open_fleet(
+    kube_cluster: KubeCluster,
+    run: Path,
+    values: dict[str, Any] | None = None,
+    pods: tuple[str, ...] = PODS,
+    *,
+    cold: bool = True,
+    operator_env: Callable[[Path], dict[str, str]] | None = None,
+) -> Iterator[Fleet]:
+    """:func:`fleet` with other chart ``values`` (default ``WORKLOAD_VALUES``), pod names, with
+    or without the cold reference pod, and extra operator environment computed once the chart
+    is installed (``operator_env(run)``)."""
     if kube_cluster.external:
         pytest.skip(
             "the e2e tier runs its pods with the pod simulator, which needs the built-in "
@@ -303,7 +336,6 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
     from tests.charts.helpers import CHART, helm_python, with_crd_fallback
     from tests.harness.models import build_tiny_model
 
-    run = tmp_path_factory.mktemp("e2e")
     pv = run / "pv-models"
     boot = build_tiny_model("llama", pv / BOOT_VERSION, seed=0)
     write_manifest(build_manifest(boot), boot / MANIFEST)
@@ -327,7 +359,7 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
         config.install(
             str(CHART),
             RELEASE,
-            with_crd_fallback(WORKLOAD_VALUES),
+            with_crd_fallback(WORKLOAD_VALUES if values is None else values),
             namespace=NAMESPACE,
             create_namespace=True,
         )
@@ -340,10 +372,12 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
         )
         sim.start()
         wait_authorized(kube_cluster.kubeconfig, NAMESPACE, "weightroll-operator")
-        running = start_operator(
-            _operator_kubeconfig(kube_cluster, run / "kubeconfig-operator-e2e"),
-            run / "operator.log",
-        )
+        extra_env = operator_env(run) if operator_env is not None else {}
+        with _environ(extra_env):
+            running = start_operator(
+                _operator_kubeconfig(kube_cluster, run / "kubeconfig-operator-e2e"),
+                run / "operator.log",
+            )
         operator = running.process
         fl = Fleet(
             cluster=kube_cluster,
@@ -352,16 +386,18 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             metrics_url=running.metrics_url,
             operator_log=running.log,
             operator=operator,
+            pods=pods,
         )
         # The first update's checkpoint, generated now, and a reference pod booting it cold:
         # it starts together with the fleet (one vLLM start later costs more on 2 cores).
         fl.publish(FIRST_UPDATE, seed=1)
         began = time.monotonic()
         deploy = json.loads(fl.kubectl("get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json"))
-        for pod in pods_from_deployment(deploy, PODS, NAMESPACE):
+        for pod in pods_from_deployment(deploy, pods, NAMESPACE):
             fl.apply(pod)
-        fl.start_cold_pod(FIRST_UPDATE)
-        fl.wait_pods("ContainersReady", "True", PODS, POD_START_TIMEOUT)
+        if cold:
+            fl.start_cold_pod(FIRST_UPDATE)
+        fl.wait_pods("ContainersReady", "True", pods, POD_START_TIMEOUT)
         fl.timings["pods_ready_s"] = time.monotonic() - began
         yield fl
         logger.info("e2e timings: %s", json.dumps({k: round(v, 1) for k, v in fl.timings.items()}))
