@@ -39,6 +39,8 @@ from weightroll_operator.devcluster.workload import default_service_account
 
 from tests.charts.helpers import CHART, NAMESPACE, RELEASE, helm_python, with_crd_fallback
 from tests.e2e.conftest import GATE, _operator_kubeconfig
+from tests.e2e.test_light_fleet import TOKEN_SECRET
+from tests.e2e.test_light_fleet import _pod as light_pod
 from tests.harness.apiserver import KubeCluster, kubectl
 
 pytestmark = [
@@ -48,49 +50,18 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN_SECRET = "sec-weightroll-token"
 USER = f"system:serviceaccount:{NAMESPACE}:weightroll-operator"
 LOG_DIR = "/var/log/weightroll-test"
 
 
 def _pod(name: str, app: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": app}},
-        "spec": {
-            "automountServiceAccountToken": False,
-            "readinessGates": [{"conditionType": GATE}],
-            "containers": [
-                {
-                    "name": "agent",
-                    "image": "example.invalid/fake-agent",
-                    "command": ["python", "-m", "tests.harness.fake_agent_process"],
-                    "args": [
-                        "--host=0.0.0.0",
-                        "--token-file=/var/run/weightroll/token",
-                        f"--pod={name}",
-                        f"--request-log={LOG_DIR}/requests",
-                    ],
-                    "ports": [{"name": "weightroll", "containerPort": 8470}],
-                    "volumeMounts": [
-                        {"name": "token", "mountPath": "/var/run/weightroll"},
-                        {"name": "log", "mountPath": LOG_DIR},
-                    ],
-                }
-            ],
-            "volumes": [
-                {
-                    "name": "token",
-                    "secret": {
-                        "secretName": TOKEN_SECRET,
-                        "items": [{"key": "token", "path": "token"}],
-                    },
-                },
-                {"name": "log", "emptyDir": {}},
-            ],
-        },
-    }
+    """The light-fleet pod (a fake agent on port ``weightroll``) recording its ``/v1`` requests."""
+    pod = light_pod(name, app=app)
+    agent = pod["spec"]["containers"][0]
+    agent["args"].append(f"--request-log={LOG_DIR}/requests")
+    agent["volumeMounts"].append({"name": "log", "mountPath": LOG_DIR})
+    pod["spec"]["volumes"].append({"name": "log", "emptyDir": {}})
+    return pod
 
 
 def _secret(ns: str, name: str, *, opted_in: bool) -> dict[str, Any]:
