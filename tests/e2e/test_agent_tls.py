@@ -114,17 +114,21 @@ def test_tls_agents_and_a_token_rotation_without_a_failed_update(tls_fleet: Flee
         ip = fl.sim.run(lambda p=pod: fl.sim.simulator.pod_ip(p))  # type: ignore[misc]
         with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
             urllib.request.urlopen(f"http://{ip}:8470/healthz", timeout=5)  # no plain HTTP
-    fl.publish(FIRST_UPDATE, seed=1)
+    # FIRST_UPDATE's checkpoint was published by open_fleet.
     fl.apply_weightupdate("tls", FIRST_UPDATE)
     _rotate(fl, f"{OLD}\n{NEW}")  # step 1: agents accept both; the operator still sends OLD
     deadline = time.monotonic() + 600
-    while (fl.weightupdate("tls").get("status") or {}).get("updatedReplicas", 0) < 1:
+    while True:
+        status = fl.weightupdate("tls").get("status") or {}
+        if (status.get("replicas") or {}).get("updated", 0) >= 1:
+            break
+        assert status.get("phase") != "Failed", json.dumps(status, indent=1)
         assert time.monotonic() < deadline, fl.logs()
         time.sleep(1)
     _rotate(fl, f"{NEW}\n{OLD}")  # step 2: the operator sends NEW (token TTL 1 s)
     status = fl.wait_phase("tls", "Succeeded", "Failed", timeout=600)
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
-    assert not status.get("failedReplicas"), status
+    assert status["replicas"]["failed"] == 0 and status["replicas"]["updated"] == len(PODS), status
     _rotate(fl, NEW)  # step 3: the old token is gone
     for pod in PODS:
         assert _agent_get(fl, pod, NEW) == 200
