@@ -29,13 +29,13 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_operator.devcluster.apiserver import free_ports
-from weightroll_operator.devcluster.operator_process import (
+from weightroll_dev.devcluster.apiserver import free_ports
+from weightroll_dev.devcluster.operator_process import (
     launch_operator,
     stop_process,
     wait_authorized,
 )
-from weightroll_operator.devcluster.workload import default_service_account
+from weightroll_dev.devcluster.workload import default_service_account
 
 from tests.charts.helpers import CHART, NAMESPACE, RELEASE, helm_python, with_crd_fallback
 from tests.e2e.conftest import GATE, _operator_kubeconfig
@@ -141,7 +141,7 @@ class Scoped:
 def scoped(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scoped]:
     if kube_cluster.external:
         pytest.skip("the pod simulator needs the built-in kube-apiserver (no kubelets)")
-    from weightroll_operator.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
+    from weightroll_dev.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
     from weightroll_operator.k8s.client import KubeConfig
 
     tag = uuid.uuid4().hex[:6]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from weightroll_operator.devcluster.workload import TOKEN_SECRET, WORKLOAD
+from weightroll_dev.devcluster.workload import TOKEN_SECRET, WORKLOAD
 
 from tests.e2e.conftest import (
     FIRST_UPDATE,
