@@ -40,7 +40,7 @@ class KubePort(Protocol):
         condition: Mapping[str, Any],
         *,
         resource_version: str | None = None,
-    ) -> None: ...
+    ) -> str | None: ...
 
     async def patch_pod_metadata(
         self,
@@ -49,7 +49,8 @@ class KubePort(Protocol):
         *,
         annotations: Mapping[str, str | None] | None = None,
         labels: Mapping[str, str | None] | None = None,
-    ) -> None: ...
+        resource_version: str | None = None,
+    ) -> str | None: ...
 
     async def patch_weightupdate_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]
