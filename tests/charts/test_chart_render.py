@@ -162,7 +162,9 @@ def test_rbac_is_per_namespace_when_namespaces_are_named(
         assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     else:
         assert _granted(find(objs, "ClusterRole", "weightroll-operator")) == cluster
-    found = [o for o in objs if o["kind"] == "Role"]
+    found = [
+        o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == "weightroll-operator"
+    ]
     assert sorted(o["metadata"]["namespace"] for o in found) == roles
     for role in found:
         assert _granted(role) == NAMESPACED
@@ -171,6 +173,7 @@ def test_rbac_is_per_namespace_when_namespaces_are_named(
             for o in objs
             if o["kind"] == "RoleBinding"
             and o["metadata"]["namespace"] == role["metadata"]["namespace"]
+            and o["metadata"]["name"] == "weightroll-operator"
         ]
         assert binding["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io",
