@@ -1,8 +1,8 @@
 """The operator's liveness rule: a stalled reconcile loop makes ``/healthz`` fail.
 
 kopf's liveness endpoint answers 200 as long as its HTTP server runs, even when every watcher
-or timer is stuck (kopf#1276). :class:`Liveness` is the probe's verdict: while WeightUpdates
-exist (their timers must pass every ``interval`` seconds), no finished pass for longer than
+or loop is stuck (kopf#1276). :class:`Liveness` is the probe's verdict: while WeightUpdates
+exist (each one's loop passes at least every ``interval`` seconds), no finished pass for longer than
 ``multiple`` intervals is a stall, and the probe raises so kopf answers 500 and the kubelet
 restarts the operator. Without WeightUpdates there is nothing to pass over: never a stall.
 
@@ -28,7 +28,7 @@ class Liveness:
     """Tracks reconcile passes for the liveness probe.
 
     Args:
-        interval: seconds between timer passes of each WeightUpdate.
+        interval: the longest pause between passes of each WeightUpdate's loop.
         multiple: intervals without a finished pass that count as a stall (0 disables).
         last_pass: monotonic time of the last finished pass (or of the start).
     """
