@@ -159,6 +159,8 @@ def scoped(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) 
     values = {
         "operator": {"watchNamespaces": [watched]},
         "rbac": {"agentTokenSecretNames": [TOKEN_SECRET, "plain-secret"]},
+        # No webhook: this API server cannot route to its Service (devcluster.workload_values).
+        "webhook": {"enabled": False},
     }
     sim = SimulatorThread(
         PodSimulator(
