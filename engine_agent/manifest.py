@@ -1,22 +1,27 @@
-"""Checkpoint manifests: a SHA-256 per tensor of a safetensors checkpoint, and a digest over them.
+"""Checkpoint manifests: a content hash per tensor of a safetensors checkpoint, and a digest.
 
 A manifest pins the exact bytes of a checkpoint. ``weightroll manifest DIR`` writes one; the worker
 extension loads it with :func:`load_manifest` and, before any byte reaches a live tensor, checks
 what each rank read with :meth:`Manifest.verify`; the sidecar loads it too, so a corrupt, stale or
 tampered manifest fails the update before generation is paused.
 
-Format (JSON, ``weightroll.manifest/v1``)::
+Format (JSON, ``weightroll.manifest/v2``; ``v1`` is still read)::
 
-    {"format": "weightroll.manifest/v1", "version": "v2" | null, "baseVersion": "v1" | null,
+    {"format": "weightroll.manifest/v2", "version": "v2" | null, "baseVersion": "v1" | null,
      "tensors": {"<name>": {"file": "model-00001-of-00002.safetensors", "dtype": "BF16",
-                            "shape": [512, 128], "nbytes": 131072, "sha256": "<hex>"}},
+                            "shape": [512, 128], "nbytes": 131072, "blake3": "<hex>"}},
      "totalBytes": 131072, "digest": "<hex>"}
 
+Versions: ``v2`` entries carry ``blake3`` (BLAKE3, 32-byte hex), ``v1`` entries ``sha256``; a
+manifest uses one algorithm for every entry, and a rank verifies with the algorithm the manifest
+names. ``weightroll manifest`` writes ``v2`` unless ``--hash sha256`` is given.
+
 Invariants:
-    * ``sha256`` is over the tensor's raw bytes exactly as stored in the file (little-endian,
-      row-major, the safetensors layout); no dtype conversion happens anywhere.
-    * ``digest`` is SHA-256 over the canonical JSON of ``tensors`` — keys sorted, separators
-      ``,`` and ``:`` (no spaces), ASCII-escaped — so any edit of any entry changes it.
+    * ``blake3`` / ``sha256`` is over the tensor's raw bytes exactly as stored in the file
+      (little-endian, row-major, the safetensors layout); no dtype conversion happens anywhere.
+    * ``digest`` is SHA-256 (in both versions) over the canonical JSON of ``tensors`` — keys
+      sorted, separators ``,`` and ``:`` (no spaces), ASCII-escaped — so any edit of any entry
+      changes it.
       :func:`load_manifest` recomputes it and refuses a manifest whose digest does not match.
     * ``totalBytes`` is the sum of every entry's ``nbytes``; ``nbytes`` matches ``dtype`` and
       ``shape`` for every whole-byte dtype.
@@ -29,8 +34,10 @@ This module imports neither torch nor vLLM: the sidecar, the operator-side CLI a
 extension all use it.
 
 Limitations:
-    * Only ``*.safetensors`` files directly inside the directory are covered (no recursion);
-      other files (config, tokenizer) are not part of the manifest.
+    * Only ``*.safetensors`` files directly inside the directory are covered (no recursion) —
+      with a ``model.safetensors.index.json``, exactly the files its ``weight_map`` lists (as
+      vLLM reads them, see :func:`checkpoint_files`); other files (config, tokenizer) are not
+      part of the manifest.
     * Sub-byte dtypes (``F4``, ``F6_*``) are accepted but their ``nbytes`` is not cross-checked
       against ``shape``.
 """
@@ -45,7 +52,7 @@ import os
 import re
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Final, Literal, Self
 
@@ -66,22 +73,40 @@ __all__ = [
     "DEFAULT_MANIFEST_NAME",
     "DTYPE_SIZES",
     "FORMAT",
+    "FORMAT_V1",
+    "FORMAT_V2",
+    "INDEX_NAME",
+    "HashAlgorithm",
     "Manifest",
     "ManifestError",
     "ManifestMismatch",
     "TensorEntry",
     "build_manifest",
     "canonical_tensors_json",
+    "checkpoint_files",
+    "index_conflicts",
+    "content_hash",
     "load_manifest",
     "main",
+    "new_hasher",
+    "rank_digest",
     "read_safetensors_header",
     "sha256_hex",
     "tensors_digest",
     "write_manifest",
 ]
 
-#: Value of the ``format`` field; bump the suffix on any incompatible change.
-FORMAT: Final = "weightroll.manifest/v1"
+#: ``format`` of manifests whose entries carry ``sha256`` (still accepted).
+FORMAT_V1: Final = "weightroll.manifest/v1"
+#: ``format`` of manifests whose entries carry ``blake3``; what this module writes by default.
+FORMAT_V2: Final = "weightroll.manifest/v2"
+#: Value of the ``format`` field written by default; bump the suffix on any incompatible change.
+FORMAT: Final = FORMAT_V2
+HashAlgorithm = Literal["blake3", "sha256"]
+#: Content-hash algorithm of each format.
+FORMAT_ALGORITHM: Final[dict[str, HashAlgorithm]] = {FORMAT_V1: "sha256", FORMAT_V2: "blake3"}
+#: The sharded-checkpoint index vLLM and transformers follow.
+INDEX_NAME: Final = "model.safetensors.index.json"
 #: File name ``weightroll manifest DIR`` writes inside DIR when ``--out`` is not given.
 DEFAULT_MANIFEST_NAME: Final = "weightroll-manifest.json"
 #: Read size while hashing; large enough to keep hashlib busy, small enough to never matter.
@@ -112,7 +137,7 @@ DTYPE_SIZES: Final[dict[str, int]] = {
 #: Dtypes safetensors knows whose elements are smaller than a byte.
 SUB_BYTE_DTYPES: Final = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
 
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ManifestError(ValueError):
@@ -151,8 +176,10 @@ class TensorEntry(_ManifestModel):
     shape: tuple[int, ...]
     #: Size of the stored bytes.
     nbytes: int = Field(ge=0)
-    #: Lower-case hex SHA-256 of the stored bytes.
-    sha256: str
+    #: Lower-case hex SHA-256 of the stored bytes (``weightroll.manifest/v1``).
+    sha256: str | None = None
+    #: Lower-case hex BLAKE3 of the stored bytes (``weightroll.manifest/v2``).
+    blake3: str | None = None
 
     @field_validator("file")
     @classmethod
@@ -176,15 +203,27 @@ class TensorEntry(_ManifestModel):
             raise ValueError(f"shape dimensions must be >= 0, got {list(value)}")
         return value
 
-    @field_validator("sha256")
+    @field_validator("sha256", "blake3")
     @classmethod
-    def _hex_digest(cls, value: str) -> str:
-        if not _SHA256_RE.match(value):
-            raise ValueError("sha256 must be 64 lower-case hex digits")
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not _HEX64_RE.match(value):
+            raise ValueError("sha256 and blake3 must be 64 lower-case hex digits")
+        return value
+
+    @property
+    def algorithm(self) -> HashAlgorithm:
+        return "blake3" if self.blake3 is not None else "sha256"
+
+    @property
+    def content_hash(self) -> str:
+        value = self.blake3 if self.blake3 is not None else self.sha256
+        assert value is not None
         return value
 
     @model_validator(mode="after")
     def _size_matches_shape(self) -> Self:
+        if (self.sha256 is None) == (self.blake3 is None):
+            raise ValueError("an entry carries exactly one of sha256 (v1) and blake3 (v2)")
         itemsize = DTYPE_SIZES.get(self.dtype)
         if itemsize is not None and self.nbytes != math.prod(self.shape) * itemsize:
             raise ValueError(
@@ -200,7 +239,7 @@ class TensorEntry(_ManifestModel):
             "dtype": self.dtype,
             "shape": list(self.shape),
             "nbytes": self.nbytes,
-            "sha256": self.sha256,
+            self.algorithm: self.content_hash,
         }
 
 
@@ -218,7 +257,7 @@ def tensors_digest(tensors: dict[str, TensorEntry]) -> str:
 class Manifest(_ManifestModel):
     """A validated checkpoint manifest; construction checks the total and the digest."""
 
-    format: Literal["weightroll.manifest/v1"] = FORMAT
+    format: Literal["weightroll.manifest/v1", "weightroll.manifest/v2"] = FORMAT
     #: Weight version this checkpoint is (optional; the sidecar checks it against the request).
     version: str | None = Field(default=None, pattern=VERSION_PATTERN)
     #: For delta or sparse checkpoints: the version the patch applies to.
@@ -230,6 +269,13 @@ class Manifest(_ManifestModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        algorithm = FORMAT_ALGORITHM[self.format]
+        wrong = sorted(n for n, e in self.tensors.items() if e.algorithm != algorithm)
+        if wrong:
+            raise ValueError(
+                f"{self.format} entries carry {algorithm}, but {wrong[0]!r} carries "
+                f"{self.tensors[wrong[0]].algorithm}"
+            )
         total = sum(entry.nbytes for entry in self.tensors.values())
         if total != self.total_bytes:
             raise ValueError(f"totalBytes is {self.total_bytes} but the tensors sum to {total}")
@@ -249,8 +295,13 @@ class Manifest(_ManifestModel):
         version: str | None = None,
         base_version: str | None = None,
     ) -> Manifest:
-        """Build a manifest from entries, computing ``totalBytes`` and ``digest``."""
+        """Build a manifest from entries, computing ``totalBytes`` and ``digest``.
+
+        The format follows the entries' algorithm (``sha256`` → v1, ``blake3`` → v2).
+        """
+        sha = any(entry.algorithm == "sha256" for entry in tensors.values())
         return cls(
+            format=FORMAT_V1 if sha else FORMAT_V2,
             version=version,
             base_version=base_version,
             tensors=tensors,
@@ -261,6 +312,15 @@ class Manifest(_ManifestModel):
     def entry(self, name: str) -> TensorEntry | None:
         """Return the entry of tensor ``name``, or ``None`` if the manifest does not list it."""
         return self.tensors.get(name)
+
+    @property
+    def algorithm(self) -> HashAlgorithm:
+        """The content-hash algorithm of every entry (``blake3`` for v2, ``sha256`` for v1)."""
+        return FORMAT_ALGORITHM[self.format]
+
+    def rank_digest(self) -> str:
+        """The ``digest`` a rank reports after reading every tensor of this manifest."""
+        return rank_digest({name: entry.content_hash for name, entry in self.tensors.items()})
 
     def files(self) -> list[str]:
         """Return the distinct file names the manifest refers to, sorted."""
@@ -288,9 +348,32 @@ class Manifest(_ManifestModel):
         Raises:
             ManifestMismatch: the tensor is not listed, or dtype, shape, size or hash differ.
         """
+        view = memoryview(data)
+        entry = self.check_header(name, dtype=dtype, shape=shape, nbytes=view.nbytes)
+        self.check_hash(name, content_hash(view, self.algorithm))
+        return entry
+
+    def check_header(
+        self,
+        name: str,
+        *,
+        dtype: str | None = None,
+        shape: Sequence[int] | None = None,
+        nbytes: int | None = None,
+        file: str | None = None,
+    ) -> TensorEntry:
+        """Check what a reader knows before reading the bytes: listed, file, dtype, shape, size.
+
+        Raises:
+            ManifestMismatch: naming the tensor and what differs.
+        """
         entry = self.tensors.get(name)
         if entry is None:
             raise ManifestMismatch(f"tensor {name!r} is not listed in the manifest")
+        if file is not None and file != entry.file:
+            raise ManifestMismatch(
+                f"tensor {name!r} is read from {file} but the manifest pins it in {entry.file}"
+            )
         if dtype is not None and dtype != entry.dtype:
             raise ManifestMismatch(
                 f"tensor {name!r}: dtype {dtype} but the manifest says {entry.dtype}"
@@ -299,17 +382,26 @@ class Manifest(_ManifestModel):
             raise ManifestMismatch(
                 f"tensor {name!r}: shape {list(shape)} but the manifest says {list(entry.shape)}"
             )
-        view = memoryview(data)
-        if view.nbytes != entry.nbytes:
+        if nbytes is not None and nbytes != entry.nbytes:
             raise ManifestMismatch(
-                f"tensor {name!r}: {view.nbytes} bytes but the manifest says {entry.nbytes}"
-            )
-        actual = sha256_hex(view)
-        if actual != entry.sha256:
-            raise ManifestMismatch(
-                f"tensor {name!r}: sha256 {actual} but the manifest says {entry.sha256}"
+                f"tensor {name!r}: {nbytes} bytes but the manifest says {entry.nbytes}"
             )
         return entry
+
+    def check_hash(self, name: str, actual: str) -> None:
+        """Compare the content hash (in :attr:`algorithm`) of tensor ``name``'s stored bytes.
+
+        Raises:
+            ManifestMismatch: not listed, or the hash differs.
+        """
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise ManifestMismatch(f"tensor {name!r} is not listed in the manifest")
+        if actual != entry.content_hash:
+            raise ManifestMismatch(
+                f"tensor {name!r}: {self.algorithm} {actual} but the manifest says "
+                f"{entry.content_hash}; the bytes read are not the bytes the manifest pins"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """Return the manifest as written to disk (camelCase keys, tensors sorted by name)."""
@@ -321,6 +413,51 @@ class Manifest(_ManifestModel):
             "totalBytes": self.total_bytes,
             "digest": self.digest,
         }
+
+
+def content_hash(buffer: Any, algorithm: HashAlgorithm = "blake3") -> str:
+    """Return the lower-case hex BLAKE3 or SHA-256 of a C-contiguous buffer.
+
+    Both ``blake3`` and ``hashlib`` release the GIL while hashing, so worker threads overlap.
+
+    Raises:
+        BufferError: the buffer is not C-contiguous.
+        ValueError: unknown algorithm.
+    """
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise BufferError("content_hash needs a C-contiguous buffer")
+    hasher = new_hasher(algorithm)
+    hasher.update(view.cast("B") if view.format != "B" else view)
+    return str(hasher.hexdigest())
+
+
+def new_hasher(algorithm: HashAlgorithm) -> Any:
+    """An incremental hasher (``update`` / ``hexdigest``) of ``algorithm``.
+
+    Raises:
+        ValueError: unknown algorithm.
+    """
+    if algorithm == "blake3":
+        import blake3  # installed with vLLM; a dependency of this project too
+
+        return blake3.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown hash algorithm {algorithm!r}; expected blake3 or sha256")
+
+
+def rank_digest(hashes: Mapping[str, str]) -> str:
+    """SHA-256 hex over ``name:hash;`` of every entry, sorted by name ("" when empty).
+
+    A rank's ``digest`` is this over the content hashes of the checkpoint tensors its loaders
+    consumed (``engine_agent/protocol.py``, ``RankReport.digest``); with a manifest every rank
+    that read the whole checkpoint reports :meth:`Manifest.rank_digest`.
+    """
+    if not hashes:
+        return ""
+    text = "".join(f"{name}:{value};" for name, value in sorted(hashes.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def sha256_hex(buffer: Any) -> str:
@@ -403,8 +540,8 @@ def read_safetensors_header(handle: BinaryIO, file_name: str) -> tuple[int, dict
     return 8 + length, header
 
 
-def _hash_range(handle: BinaryIO, start: int, nbytes: int) -> str:
-    digest = hashlib.sha256()
+def _hash_range(handle: BinaryIO, start: int, nbytes: int, algorithm: HashAlgorithm) -> str:
+    digest = new_hasher(algorithm)
     handle.seek(start)
     left = nbytes
     while left > 0:
@@ -415,7 +552,7 @@ def _hash_range(handle: BinaryIO, start: int, nbytes: int) -> str:
         left -= len(chunk)
     if left:
         raise ManifestError("truncated tensor data")
-    return digest.hexdigest()
+    return str(digest.hexdigest())
 
 
 def _first_offset(info: Any) -> int:
@@ -425,7 +562,7 @@ def _first_offset(info: Any) -> int:
         return 0
 
 
-def _file_entries(path: Path) -> dict[str, TensorEntry]:
+def _file_entries(path: Path, algorithm: HashAlgorithm) -> dict[str, TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     size = path.stat().st_size
     with path.open("rb") as handle:
@@ -450,49 +587,123 @@ def _file_entries(path: Path) -> dict[str, TensorEntry]:
                     f"the file (truncated?)"
                 )
             try:
-                sha = _hash_range(handle, data_start + begin, end - begin)
+                sha = _hash_range(handle, data_start + begin, end - begin, algorithm)
             except ManifestError as e:
                 raise ManifestError(f"{path.name}: tensor {name!r}: {e}") from e
             try:
-                entries[name] = TensorEntry(
-                    file=path.name, dtype=dtype, shape=tuple(shape), nbytes=end - begin, sha256=sha
+                entries[name] = TensorEntry.model_validate(
+                    {
+                        "file": path.name,
+                        "dtype": dtype,
+                        "shape": tuple(shape),
+                        "nbytes": end - begin,
+                        algorithm: sha,
+                    }
                 )
             except ValidationError as e:
                 raise ManifestError(f"{path.name}: tensor {name!r}: {e.errors()[0]['msg']}") from e
     return entries
 
 
+def checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint, chosen the way vLLM's loader chooses them.
+
+    A directory with ``model.safetensors.index.json`` is exactly the files its ``weight_map``
+    lists (stale shards next to them are ignored, as vLLM ignores them); without one, every
+    ``*.safetensors`` file directly inside it. A file is itself.
+
+    Returns:
+        ``(files, weight_map)``: sorted files, and the index's name → file map (``None``
+        without an index).
+
+    Raises:
+        ManifestError: the path is missing, has no safetensors file, the index is unreadable or
+            names a file that is missing or outside the directory.
+    """
+    if root.is_file():
+        return [root], None
+    if not root.is_dir():
+        raise ManifestError(f"checkpoint {str(root)!r} does not exist")
+    index_path = root / INDEX_NAME
+    if not index_path.exists():
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise ManifestError(f"no *.safetensors files in {str(root)!r}")
+        return files, None
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map is not a map of tensor name to file name")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{index_path} is not a usable safetensors index: {e}") from e
+    files = []
+    for file_name in sorted(set(weight_map.values())):
+        path = PurePosixPath(file_name)
+        if path.is_absolute() or len(path.parts) != 1:
+            raise ManifestError(f"{index_path} names {file_name!r}, which is not a file in {root}")
+        if not (root / file_name).is_file():
+            raise ManifestError(f"{index_path} lists {file_name}, which does not exist in {root}")
+        files.append(root / file_name)
+    if not files:
+        raise ManifestError(f"{index_path} lists no files")
+    return files, weight_map
+
+
+def index_conflicts(
+    weight_map: dict[str, str] | None, file_name: str, names: Sequence[str]
+) -> list[str]:
+    """Why the tensors ``names`` found in ``file_name`` disagree with the index ([] if none)."""
+    if weight_map is None:
+        return []
+    problems = [
+        f"{file_name} holds {name!r}, which {INDEX_NAME} assigns to "
+        f"{weight_map.get(name) or 'no file'}"
+        for name in sorted(names)
+        if weight_map.get(name) != file_name
+    ]
+    present = set(names)
+    problems += [
+        f"{INDEX_NAME} lists {name!r} in {file_name}, which does not hold it"
+        for name, listed in sorted(weight_map.items())
+        if listed == file_name and name not in present
+    ]
+    return problems
+
+
 def build_manifest(
     directory: str | os.PathLike[str],
     version: str | None = None,
     base_version: str | None = None,
+    *,
+    algorithm: HashAlgorithm = "blake3",
 ) -> Manifest:
     """Hash every tensor of a safetensors checkpoint and return its manifest.
 
     Args:
-        directory: a directory of ``*.safetensors`` files (or one such file).
+        directory: a directory of ``*.safetensors`` files (or one such file); with a
+            ``model.safetensors.index.json``, the files it lists (:func:`checkpoint_files`).
         version: the weight version this checkpoint is, if known.
         base_version: for delta/sparse checkpoints, the version they apply to.
+        algorithm: ``blake3`` (format v2, the default) or ``sha256`` (format v1).
 
     Raises:
         ManifestError: no safetensors file, a corrupt or truncated file, a tensor name that
-            appears in two files, or a version that is not a valid label value.
+            appears in two files, a file that disagrees with the index, or a version that is
+            not a valid label value.
     """
     for label, value in (("version", version), ("base_version", base_version)):
         if value is not None and not re.match(VERSION_PATTERN, value):
             raise ManifestError(f"{label} {value!r} is not a valid version (label-value syntax)")
-    root = Path(directory)
-    if root.is_file():
-        files = [root]
-    elif root.is_dir():
-        files = sorted(root.glob("*.safetensors"))
-    else:
-        raise ManifestError(f"checkpoint {str(root)!r} does not exist")
-    if not files:
-        raise ManifestError(f"no *.safetensors files in {str(root)!r}")
+    files, weight_map = checkpoint_files(Path(directory))
     tensors: dict[str, TensorEntry] = {}
     for path in files:
-        for name, entry in _file_entries(path).items():
+        entries = _file_entries(path, algorithm)
+        conflicts = index_conflicts(weight_map, path.name, list(entries))
+        if conflicts:
+            raise ManifestError("; ".join(conflicts[:5]))
+        for name, entry in entries.items():
             if name in tensors:
                 raise ManifestError(
                     f"tensor {name!r} appears in both {tensors[name].file} and {entry.file}"
@@ -510,11 +721,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightroll manifest",
         description=(
-            "Write a JSON manifest (dtype, shape, sha256 per tensor, total bytes, digest) for a "
-            "safetensors checkpoint."
+            "Write a JSON manifest (dtype, shape, content hash per tensor, total bytes, digest) "
+            "for a safetensors checkpoint."
         ),
         epilog=(
-            "Only *.safetensors files directly inside DIR are hashed. Name the manifest in the "
+            "Only *.safetensors files directly inside DIR are hashed (with "
+            "model.safetensors.index.json: exactly the files it lists). Name the manifest in the "
             "WeightUpdate's spec.source.manifest; every rank checks the bytes it reads against "
             "it before writing a live tensor. Exit status: 0 written, 1 the checkpoint cannot "
             "be hashed or the manifest not written, 2 bad usage."
@@ -530,18 +742,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--base-version", metavar="V", help="for delta/sparse checkpoints: the base version"
     )
+    parser.add_argument(
+        "--hash",
+        choices=("blake3", "sha256"),
+        default="blake3",
+        help="content hash: blake3 (format v2, default) or sha256 (format v1)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``weightroll manifest DIR [--out FILE] [--version V] [--base-version V]``.
+    """``weightroll manifest DIR [--out FILE] [--version V] [--base-version V] [--hash H]``.
 
     Returns:
         0 on success, 1 when the checkpoint cannot be hashed, 2 on bad usage.
     """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        manifest = build_manifest(args.directory, args.version, args.base_version)
+        manifest = build_manifest(
+            args.directory, args.version, args.base_version, algorithm=args.hash
+        )
     except ManifestError as e:
         root = Path(args.directory)
         bad_dir = not root.exists() or (root.is_dir() and not any(root.glob("*.safetensors")))

@@ -220,7 +220,15 @@ class RankReport(WireModel):
     #: SHA-256 over the sorted required shard keys: equal on ranks that agree on the plan
     #: (compared only among ranks of one pipeline stage and expert-parallel rank).
     coverage_hash: str = ""
-    #: SHA-256 over the live bytes of the touched modules after commit.
+    #: What this rank received: SHA-256 over the sorted ``name:hash;`` of every checkpoint
+    #: tensor of this session, where ``hash`` is the content hash (the manifest's algorithm,
+    #: else BLAKE3) of the exact bytes handed to the model's loaders — the checkpoint-layout
+    #: input of everything the rank committed (``engine_agent.manifest.rank_digest``). Every
+    #: rank reads the whole source, so with a manifest it equals ``Manifest.rank_digest()``
+    #: (the sidecar checks that). Sparse updates add ``live:<module>`` entries: the patched
+    #: modules' live tensors after the patch (BLAKE3 on CPU, an on-device fingerprint else).
+    #: It is not a hash of the kernels' packed live bytes (on CPU linears live in a kernel
+    #: closure); those are covered by coverage, processing and the identity check.
     digest: str = ""
     bytes_loaded: int = 0
     #: Digest of the manifest this rank verified the loaded bytes against ("" when none).

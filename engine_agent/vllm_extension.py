@@ -46,8 +46,14 @@ def check_vllm_version(version: str) -> None:
         )
 
 
-def _rank_id(expert_parallel: bool = False) -> RankId:
+def _rank_id(expert_parallel: bool = False, parallel_config: Any = None) -> RankId:
     """This worker's position; ``ep`` is set only when expert parallelism is enabled.
+
+    ``dp`` is the replica's data-parallel index: vLLM 0.32 has no ``get_data_parallel_rank``;
+    it keeps the index in ``parallel_config.data_parallel_index`` (equal to
+    ``data_parallel_rank``, and kept for dense models, whose DP groups vLLM collapses), with the
+    DP group's rank as the fallback. Without it every replica reported ``dp0`` and the sidecar's
+    cross-replica digest comparison never ran.
 
     vLLM builds an EP group even without ``enable_expert_parallel`` (it then spans the TP
     ranks, which all hold every expert); reporting its rank there would make TP ranks look like
@@ -62,11 +68,19 @@ def _rank_id(expert_parallel: bool = False) -> RankId:
             return 0
 
     return RankId(
-        dp=rank_of("get_data_parallel_rank") if hasattr(ps, "get_data_parallel_rank") else 0,
+        dp=_dp_rank(ps, parallel_config),
         pp=_group_rank(ps, "get_pp_group"),
         tp=rank_of("get_tensor_model_parallel_rank"),
         ep=_group_rank(ps, "get_ep_group") if expert_parallel else 0,
     )
+
+
+def _dp_rank(ps: Any, parallel_config: Any) -> int:
+    for attr in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel_config, attr, None)
+        if isinstance(value, int):
+            return value
+    return _group_rank(ps, "get_dp_group")
 
 
 def _group_rank(ps: Any, getter: str) -> int:
@@ -93,7 +107,10 @@ class WeightRollExtension:
                 model=model,
                 device=next(model.parameters()).device,
                 act_dtype=worker.vllm_config.model_config.dtype,
-                rank=_rank_id(bool(worker.vllm_config.parallel_config.enable_expert_parallel)),
+                rank=_rank_id(
+                    bool(worker.vllm_config.parallel_config.enable_expert_parallel),
+                    worker.vllm_config.parallel_config,
+                ),
                 boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
             )
             self._weightroll_rank_engine = engine

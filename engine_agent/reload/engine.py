@@ -17,7 +17,6 @@ Order contracts:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +45,7 @@ from engine_agent.protocol import (
 )
 from engine_agent.reload import failpoints, session
 from engine_agent.reload.coverage import CoverageLedger
+from engine_agent.reload.digest import rank_digest
 from engine_agent.reload.identity import StorageRecord, compare_kernels, compare_storage
 from engine_agent.reload.modelwise import LoadRouter, ModelIndex, build_index
 from engine_agent.reload.sources import open_source
@@ -76,6 +76,11 @@ class _Session:
         self.timings: dict[str, float] = {}
         #: Digest of the manifest the last load was verified against.
         self.manifest_digest = ""
+        #: Checkpoint tensor name -> content hash of the bytes this rank's loaders consumed.
+        self.source_hashes: dict[str, str] = {}
+        #: Runs right before the session's first live write: waits for the hashes of every
+        #: tensor handed out so far, so a wrong checkpoint is refused with the rank still clean.
+        self.before_first_write: Callable[[], None] | None = None
 
 
 class RankEngine:
@@ -206,6 +211,9 @@ class RankEngine:
         return self._report("begin", ok=True)
 
     def _mark_written(self) -> None:
+        active = self._session
+        if active is not None and active.before_first_write is not None:
+            active.before_first_write()
         self.state = session.mark_written(self.state)
 
     def _require_session(self) -> _Session:
@@ -217,8 +225,7 @@ class RankEngine:
 
     def _load(self, source: LoadSource) -> dict[str, Any]:
         active = self._require_session()
-        with _timed(active.timings, "read_headers"):
-            checkpoint = open_source(source.path, source.names)
+        manifest = None
         if source.manifest is not None:
             from engine_agent.errors import ManifestMismatch
             from engine_agent.manifest import ManifestError, load_manifest
@@ -227,18 +234,34 @@ class RankEngine:
                 manifest = load_manifest(source.manifest)
             except (ManifestError, OSError) as e:
                 raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
-            with _timed(active.timings, "verify_manifest"):
-                checkpoint.verify(manifest)
-            active.manifest_digest = manifest.digest
+        with _timed(active.timings, "read_headers"):
+            # Headers are checked against the manifest here; content hashes on the very bytes
+            # the loaders consume, while they consume them (sources.py): one read, no window.
+            checkpoint = open_source(source.path, source.names, manifest)
         if active.spec.mode is UpdateMode.SPARSE:
             return self._load_sparse(active, checkpoint)
         with _timed(active.timings, "dry_run"):
             active.router.dry_run(
                 (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
             )
+        active.before_first_write = checkpoint.verified_so_far
         with _timed(active.timings, "load"):
             active.router.load(checkpoint.tensors())
+            checkpoint.complete()
+        self._loaded(active, checkpoint)
         return self._report("load", ok=True)
+
+    @staticmethod
+    def _loaded(active: _Session, checkpoint: Any) -> None:
+        """Record a batch whose every byte was hashed (and verified, with a manifest)."""
+        active.source_hashes |= checkpoint.content_hashes
+        if checkpoint.manifest is not None:
+            active.manifest_digest = checkpoint.manifest.digest
+        for step, seconds in (
+            ("hash_overlapped", checkpoint.hash_seconds),
+            ("hash_wait", checkpoint.hash_wait_seconds),
+        ):
+            active.timings[step] = round(active.timings.get(step, 0.0) + seconds, 6)
 
     def _load_sparse(self, active: _Session, checkpoint: Any) -> dict[str, Any]:
         from engine_agent.reload.sparse import read_patches
@@ -251,6 +274,8 @@ class RankEngine:
                 field="base_version",
             )
         patches = read_patches(checkpoint)
+        checkpoint.complete()
+        self._loaded(active, checkpoint)
         with _timed(active.timings, "load"):
             active.router.apply_sparse(patches)
         return self._report("load", ok=True)
@@ -327,11 +352,9 @@ class RankEngine:
             "coverage_hash": ledger.received_hash()
             if active.spec.mode is UpdateMode.SPARSE
             else ledger.required_hash(),
-            "digest": hashlib.sha256(
-                "".join(f"{m}:{d};" for m, d in sorted(digests.items())).encode()
-            ).hexdigest()
-            if digests
-            else "",
+            "digest": rank_digest(
+                active.source_hashes | {f"live:{m}": d for m, d in digests.items()}
+            ),
             "bytes_loaded": router.bytes_loaded,
             "manifest_digest": active.manifest_digest,
             "timings": active.timings | {k: round(v, 6) for k, v in router.timings.items()},

@@ -299,11 +299,10 @@ def _required_keys(entry: ModuleEntry) -> Iterator[ShardKey]:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """SHA-256 of a tensor's bytes (copied to host memory first when it lives on a device)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return hashlib.sha256(flat.contiguous().view(torch.uint8).numpy().data).hexdigest()
+    """Digest of a tensor's bytes where they live (BLAKE3 on host, a fingerprint on a device)."""
+    from engine_agent.reload.digest import tensor_digest as where_they_live
+
+    return where_they_live(tensor)
 
 
 def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
@@ -505,8 +504,6 @@ class LoadRouter:
             k: v for k, v in self._live.get(entry.name, module._parameters).items() if v is not None
         }
         live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
-        with self._timed("digest"):
-            self.module_digests[entry.name] = _digest_of(staged)
         try:
             for pname, tensor in staged.items():
                 _slots(module)[pname] = tensor

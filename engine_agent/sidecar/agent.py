@@ -23,6 +23,17 @@ Invariants:
       held) it pauses generation again and records why.
     * After a failure the open session is aborted on every rank (``weightroll_abort``: structural
       cleanup, never a rollback; a dirty engine becomes poisoned and needs a full update).
+    * **The fence holds after finish.** Once ``weightroll_finish`` was sent, any rejection (a
+      rank or agreement problem, a manifest re-published mid-update, a failed cache reset, a
+      timeout) aborts with ``poison: true``: ranks that committed a version the agent did not
+      accept are poisoned, not left clean at it.
+    * **Accepted is recorded outside the agent.** Before ``weightroll_begin`` the agent sets
+      vLLM's own weight version (``/update_weight_version``) to ``weightroll-unaccepted:<id>``
+      and only after every check passed to the update's version. An agent restarted without its
+      state file adopts the ranks' version only when vLLM's weight version names it (or is
+      vLLM's boot value ``default``: no agent ever touched this engine).
+    * **Partial and sparse build only on what was accepted.** They are refused (409) unless the
+      agent holds an accepted version and no hold: a sparse update's ``baseVersion`` must be it.
 
 Time is injected (``now`` for timestamps, ``monotonic`` for durations) for tests.
 """
@@ -77,6 +88,10 @@ LOAD: Final = "weightroll_load"
 FINISH: Final = "weightroll_finish"
 ABORT: Final = "weightroll_abort"
 STATE: Final = "weightroll_state"
+#: vLLM's weight version while an update has not been accepted (``/update_weight_version``).
+UNACCEPTED_PREFIX: Final = "weightroll-unaccepted:"
+#: vLLM's weight version before anything set it.
+VLLM_DEFAULT_VERSION: Final = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +163,19 @@ class _Observation:
     problems: list[Problem] = field(default_factory=list)
 
 
-def _abort_args(record: UpdateRecord, cause: Problem) -> str:
+def _abort_args(record: UpdateRecord, cause: Problem, finish_sent: bool = False) -> str:
     """``weightroll_abort`` argument: fence every rank when any rank may have written.
 
     A rank whose own call failed before writing returns to clean, but the replica is mixed if
     another rank wrote (or its state is unknown): then every rank must be poisoned, or a later
     partial update would be accepted by the "clean" ranks (docs/contracts.md, replica fence).
+    Once ``finish`` was sent, ranks may have committed a version the agent now rejects: always
+    poison then.
     """
-    written = not record.ranks or any(
-        report.state in (EngineState.DIRTY, EngineState.POISONED) for report in record.ranks
+    written = (
+        finish_sent
+        or not record.ranks
+        or any(report.state in (EngineState.DIRTY, EngineState.POISONED) for report in record.ranks)
     )
     if not written:
         return "{}"
@@ -266,6 +285,9 @@ class Agent:
             )
         if not self.recovered:
             raise UpdateConflict("the agent has not yet recovered the engine state; retry")
+        refusal = self._base_refusal(request)
+        if refusal is not None:
+            raise UpdateConflict(refusal)
         record = UpdateRecord(request=request, started_at=self._stamp())
         self.store.add(record)
         self.store.active_id = record.id
@@ -273,6 +295,23 @@ class Agent:
         logger.info("Accepted update %s to version %s", record.id, request.version)
         self._task = asyncio.create_task(self._run(record), name=f"weightroll-update-{record.id}")
         return True, record
+
+    def _base_refusal(self, request: UpdateRequest) -> str | None:
+        """Why a partial or sparse ``request`` may not build on this replica (None: it may)."""
+        if request.mode is UpdateMode.FULL:
+            return None
+        memory = self.store.memory
+        what = f"a {request.mode.value} update builds on the version this agent accepted"
+        if memory.hold is not None:
+            return f"{what}, but the replica is held ({memory.hold}); send a full update"
+        if memory.expected_version is None:
+            return f"{what}, and it has accepted none; send a full update"
+        if request.mode is UpdateMode.SPARSE and request.base_version != memory.expected_version:
+            return (
+                f"{what} ({memory.expected_version}), but the patch's baseVersion is "
+                f"{request.base_version}"
+            )
+        return None
 
     def get(self, update_id: str) -> UpdateRecord:
         record = self.store.records.get(update_id)
@@ -489,14 +528,32 @@ class Agent:
             and states.state is EngineState.CLEAN
             and len(states.versions) == 1
         ):
-            memory.expected_version = next(iter(states.versions))
-            logger.info("Adopted version %s reported by every rank", memory.expected_version)
+            await self._adopt(next(iter(states.versions)))
         faults = self._faults(observation)
         if faults and memory.hold is None:
             self._set_hold(faults[0])
         self.store.save()
         self._recovered.set()
         logger.info("Recovered engine state: %s", self._last_state or "unknown")
+
+    async def _adopt(self, version: str) -> None:
+        """Adopt the ranks' ``version`` only if an agent accepted it (restart without state)."""
+        try:
+            marker = await self.client.weight_version()
+        except EngineError as e:
+            self._set_hold(Problem("version_not_accepted", f"cannot read vLLM's version: {e}"))
+            return
+        if marker in (version, VLLM_DEFAULT_VERSION):
+            self.store.memory.expected_version = version
+            logger.info("Adopted version %s reported by every rank", version)
+            return
+        self._set_hold(
+            Problem(
+                "version_not_accepted",
+                f"the ranks serve {version}, which no agent accepted (vLLM's weight version is "
+                f"{marker!r}); a full update is required",
+            )
+        )
 
     # ------------------------------------------------------------------ the update
 
@@ -566,6 +623,7 @@ class Agent:
         started = self._monotonic()
         step_start = started
         drained = False
+        finish_sent = False
 
         def lap(name: str) -> None:
             nonlocal step_start
@@ -583,6 +641,7 @@ class Agent:
         try:
             world = await self.client.world_size()
             manifest_digest: str | None = None
+            manifest: Manifest | None = None
             manifest_path = request.source.manifest_path
             if manifest_path is not None:
                 try:
@@ -604,6 +663,8 @@ class Agent:
             lap("drain")
 
             self._enter(record, UpdatePhase.LOADING)
+            # Not accepted until every check passed: a restarted agent must not adopt it.
+            await self.client.set_weight_version(UNACCEPTED_PREFIX + request.id)
             spec = request.engine_spec().model_dump_json(by_alias=True)
             begin = check_session(
                 await self._call_ranks(record, BEGIN, spec, self.config.begin_timeout, world),
@@ -628,11 +689,15 @@ class Agent:
                 raise _Failed(load.problems)
 
             self._enter(record, UpdatePhase.VERIFYING)
+            finish_sent = True
             finish = check_commit(
                 await self._call_ranks(record, FINISH, "{}", self.config.finish_timeout, world),
                 request.id,
                 request.version,
                 manifest_digest,
+                expected_digest=None
+                if manifest is None or request.mode is UpdateMode.SPARSE
+                else manifest.rank_digest(),
             )
             lap("finish")
             if not finish.ok:
@@ -652,9 +717,12 @@ class Agent:
                 problems.append(
                     Problem("cache_reset_failed", "vLLM refused to reset the prefix cache")
                 )
+            if not problems and manifest_path is not None:
+                problems += await self._manifest_unchanged(request, manifest_path, manifest_digest)
             lap("verify")
             if problems:
                 raise _Failed(problems)
+            await self.client.set_weight_version(request.version)
 
             # Committed on every rank: adopt the version, clear the hold, then resume.
             memory = self.store.memory
@@ -675,19 +743,27 @@ class Agent:
                 if self._stopping
                 else Problem("aborted", f"update aborted by request during {during}")
             )
-            await asyncio.shield(self._cleanup(record, [problem], UpdatePhase.ABORTED, drained))
+            await asyncio.shield(
+                self._cleanup(record, [problem], UpdatePhase.ABORTED, drained, finish_sent)
+            )
             record.timings["total"] = round(self._monotonic() - started, 6)
         except _Failed as e:
-            await asyncio.shield(self._cleanup(record, e.problems, UpdatePhase.FAILED, drained))
+            await asyncio.shield(
+                self._cleanup(record, e.problems, UpdatePhase.FAILED, drained, finish_sent)
+            )
             record.timings["total"] = round(self._monotonic() - started, 6)
         except EngineError as e:
             problem = Problem(e.code, f"{record.phase.value}: {e}")
-            await asyncio.shield(self._cleanup(record, [problem], UpdatePhase.FAILED, drained))
+            await asyncio.shield(
+                self._cleanup(record, [problem], UpdatePhase.FAILED, drained, finish_sent)
+            )
             record.timings["total"] = round(self._monotonic() - started, 6)
         except Exception as e:  # a bug must still fail closed
             logger.exception("Update %s crashed", record.id)
             problem = Problem("agent_error", f"{record.phase.value}: {type(e).__name__}: {e}")
-            await asyncio.shield(self._cleanup(record, [problem], UpdatePhase.FAILED, drained))
+            await asyncio.shield(
+                self._cleanup(record, [problem], UpdatePhase.FAILED, drained, finish_sent)
+            )
         finally:
             self._observation = None
             self.store.save()
@@ -699,12 +775,32 @@ class Agent:
             await asyncio.sleep(0.2 * (attempt + 1))
         return False
 
+    async def _manifest_unchanged(
+        self, request: UpdateRequest, manifest_path: str, digest: str | None
+    ) -> list[Problem]:
+        """The manifest the ranks verified against is still the one published (not re-published
+        while the update ran); otherwise the replica holds bytes of a superseded checkpoint."""
+        try:
+            now = await asyncio.to_thread(load_manifest, self.config.local_path(manifest_path))
+        except ManifestError as e:
+            return [Problem("manifest_changed", f"the manifest cannot be read any more: {e}")]
+        if now.digest != digest:
+            return [
+                Problem(
+                    "manifest_changed",
+                    f"the manifest of {request.source.uri} was re-published during the update "
+                    f"(digest {str(digest)[:12]} -> {now.digest[:12]})",
+                )
+            ]
+        return []
+
     async def _cleanup(
         self,
         record: UpdateRecord,
         problems: list[Problem],
         phase: UpdatePhase,
         drained: bool,
+        finish_sent: bool = False,
     ) -> None:
         """Close the rank sessions, keep generation paused, record the verdict."""
         first = problems[0] if problems else Problem("failed", "update failed")
@@ -712,7 +808,7 @@ class Agent:
         if record.phase in (UpdatePhase.LOADING, UpdatePhase.VERIFYING):
             try:
                 results = await self.client.collective_rpc(
-                    ABORT, _abort_args(record, first), self.config.control_timeout
+                    ABORT, _abort_args(record, first, finish_sent), self.config.control_timeout
                 )
                 reports = [r for r in results if isinstance(r, dict)]
                 self._merge_ranks(record, collect_reports(ABORT, reports, len(reports)).reports)

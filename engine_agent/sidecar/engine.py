@@ -233,6 +233,24 @@ class VllmClient:
             raise EngineError(f"GET /is_paused: unexpected answer {data!r}")
         return paused
 
+    async def weight_version(self) -> str:
+        """vLLM's own weight-version label (``GET /weight_info``; ``"default"`` after start)."""
+        data = await self._json("GET", "/weight_info", timeout=CONTROL_TIMEOUT_SECONDS)
+        version = data.get("weight_version") if isinstance(data, dict) else None
+        if not isinstance(version, str):
+            raise EngineError(f"GET /weight_info: unexpected answer {data!r}")
+        return version
+
+    async def set_weight_version(self, version: str) -> None:
+        """``POST /update_weight_version``: the acceptance marker that outlives the agent."""
+        await self._request(
+            "POST",
+            "/update_weight_version",
+            body={"new_version": version},
+            timeout=CONTROL_TIMEOUT_SECONDS,
+            what="update_weight_version",
+        )
+
     async def reset_prefix_cache(self) -> bool:
         """``POST /reset_prefix_cache``; ``False`` while blocks are still held."""
         data = await self._json("POST", "/reset_prefix_cache", timeout=CONTROL_TIMEOUT_SECONDS)

@@ -15,8 +15,8 @@ Rules, in the order they are checked:
     5. At commit: every rank is ``clean``, has no missing or duplicate shard against its own
        required set, identity unchanged, a non-empty digest, and a coverage-set hash of a
        non-empty set of received shards; ranks that must hold the same shard keys report the
-       same coverage hash; and ranks that differ only in ``dp`` (replicas of the same shard)
-       report the same digest.
+       same coverage hash; ranks that differ only in ``dp`` (replicas of the same shard)
+       report the same digest; and with a manifest, every digest is the manifest's.
 
 Which ranks must hold the same shard keys (rule 5): those in the same pipeline stage (``pp``)
 with the same expert-parallel rank (``ep``), i.e. ranks that differ only in ``tp`` and/or ``dp``.
@@ -241,12 +241,20 @@ def check_session(round_: RankRound, update_id: str) -> RankRound:
 
 
 def check_commit(
-    round_: RankRound, update_id: str, version: str, manifest_digest: str | None = None
+    round_: RankRound,
+    update_id: str,
+    version: str,
+    manifest_digest: str | None = None,
+    *,
+    expected_digest: str | None = None,
 ) -> RankRound:
     """Rules 4-5 for ``weightroll_finish``: may this replica be declared committed?
 
     With ``manifest_digest``, every rank must also report that it verified its bytes against
-    exactly that manifest (a rank that skipped the check, or read another one, fails).
+    exactly that manifest (a rank that skipped the check, or read another one, fails). With
+    ``expected_digest`` (``Manifest.rank_digest()``: every rank reads the whole source), every
+    rank's ``digest`` — over the content hashes of the bytes its loaders consumed — must equal
+    it: a rank that read fewer, more or other tensors than the manifest lists fails.
     """
     round_ = check_session(round_, update_id)
     problems = list(round_.problems)
@@ -310,6 +318,16 @@ def check_commit(
     no_digest = ranks_where(lambda report: not report.digest)
     if no_digest:
         problems.append(Problem("digest_missing", f"ranks sent no digest: {_names(no_digest)}"))
+    if expected_digest is not None:
+        off = ranks_where(lambda report: report.digest and report.digest != expected_digest)
+        if off:
+            problems.append(
+                Problem(
+                    "digest_manifest_mismatch",
+                    f"ranks consumed other bytes than the manifest lists (digest is not "
+                    f"{expected_digest[:12]}): {_names(off)}",
+                )
+            )
     problems += _check_coverage(reports)
     replicas: dict[tuple[int, int, int], set[str]] = {}
     for report in reports:

@@ -6,16 +6,21 @@ conditional: the first on the ``resourceVersion`` the plan observed, each later 
 version the previous write produced. A pod that changed since it was observed (another
 WeightUpdate claimed it, another operator replica wrote it, the kubelet updated it) answers 409
 (``KubeConflict``): the chain stops and the next pass re-reads and re-plans, never overwriting.
-Pods run concurrently, bounded by ``concurrency``. Events are posted after the pod actions. A
-pod that disappeared (404) is not an error for the rollout: the next pass no longer sees it.
+Pods run concurrently, bounded by ``concurrency``. Events are posted after the pod actions: the
+plan's ``Emit`` on the WeightUpdate, and on each pod the Events its succeeded actions mean
+(``domain/pod_events.py``: drained, updating, verified, failed). A repeat of an Event already
+posted on a pod raises its ``count`` (:class:`EventCounts`) instead of adding one. A pod that
+disappeared (404) is not an error for the rollout: the next pass no longer sees it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -39,6 +44,7 @@ from weightroll_operator.domain.model import (
     OwnerKey,
     PodView,
 )
+from weightroll_operator.domain.pod_events import PodEvent, aggregate, pod_event
 from weightroll_operator.errors import (
     AgentUnavailable,
     KubeConflict,
@@ -47,7 +53,15 @@ from weightroll_operator.errors import (
 )
 from weightroll_operator.ports import AgentPort, AgentTarget, KubePort
 
-__all__ = ["ActionResult", "ApplyContext", "SKIPPED", "apply", "target_of", "write_gate"]
+__all__ = [
+    "ActionResult",
+    "ApplyContext",
+    "EventCounts",
+    "SKIPPED",
+    "apply",
+    "target_of",
+    "write_gate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +83,30 @@ class ActionResult:
         return self.error is None
 
 
+@dataclass
+class EventCounts:
+    """Pod Events already posted by this process, for aggregation across passes.
+
+    Keyed by what makes two Events the same (pod uid, reason, type, message); the value is the
+    Event's name and count. Bounded (oldest forgotten first); after an operator restart a
+    repeat is a new Event, as with client-go's in-memory correlator.
+    """
+
+    limit: int = 4096
+    posted: OrderedDict[tuple[str, ...], tuple[str, int]] = field(default_factory=OrderedDict)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
+
+    def name_for(self, pod: str, now: datetime) -> str:
+        """A new Event name, unique per process (kmock lacks ``generateName``)."""
+        return f"{pod}.{int(now.timestamp() * 1e9):x}{next(self._seq):x}"
+
+    def remember(self, key: tuple[str, ...], name: str, count: int) -> None:
+        self.posted[key] = (name, count)
+        self.posted.move_to_end(key)
+        while len(self.posted) > self.limit:
+            self.posted.popitem(last=False)
+
+
 @dataclass(frozen=True, slots=True)
 class ApplyContext:
     kube: KubePort
@@ -81,6 +119,8 @@ class ApplyContext:
     token: str | None
     now: datetime
     concurrency: int = 32
+    #: Aggregation of pod Events across passes (the reconciler keeps one); ``None``: none.
+    events: EventCounts | None = None
 
 
 def target_of(pod: PodView, token: str | None) -> AgentTarget:
@@ -207,23 +247,56 @@ async def _run_pod(actions: list[PodAction], ctx: ApplyContext) -> list[ActionRe
     return results
 
 
-def _event(emit: Emit, ctx: ApplyContext) -> dict[str, Any]:
+def _event_body(
+    involved: dict[str, Any], reason: str, message: str, warning: bool, now: datetime
+) -> dict[str, Any]:
+    """An Event about ``involved`` (an object reference), first and last seen ``now``."""
     return {
-        "involvedObject": {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "namespace": ctx.namespace,
-            "name": ctx.name,
-            **({"uid": ctx.uid} if ctx.uid else {}),
-        },
-        "reason": emit.reason,
-        "message": emit.message,
-        "type": "Warning" if emit.warning else "Normal",
+        "involvedObject": involved,
+        "reason": reason,
+        "message": message,
+        "type": "Warning" if warning else "Normal",
         "source": {"component": "weightroll-operator"},
-        "firstTimestamp": timestamp(ctx.now),
-        "lastTimestamp": timestamp(ctx.now),
+        "firstTimestamp": timestamp(now),
+        "lastTimestamp": timestamp(now),
         "count": 1,
     }
+
+
+def _event(emit: Emit, ctx: ApplyContext) -> dict[str, Any]:
+    involved = {"apiVersion": API_VERSION, "kind": KIND, "namespace": ctx.namespace}
+    involved |= {"name": ctx.name, **({"uid": ctx.uid} if ctx.uid else {})}
+    return _event_body(involved, emit.reason, emit.message, emit.warning, ctx.now)
+
+
+def _pod_event_body(event: PodEvent, ctx: ApplyContext, name: str) -> dict[str, Any]:
+    pod = event.pod
+    involved = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.name}
+    involved |= {"uid": pod.uid} if pod.uid else {}
+    body = _event_body(involved, str(event.reason), event.message, event.warning, ctx.now)
+    return {"metadata": {"name": name, "namespace": pod.namespace}, **body}
+
+
+async def _post_pod_event(event: PodEvent, ctx: ApplyContext) -> None:
+    """Post ``event``, or raise the count of the same Event posted before (then it is one)."""
+    pod = event.pod
+    counts = ctx.events if ctx.events is not None else EventCounts()
+    kind = "Warning" if event.warning else "Normal"
+    key = (pod.namespace, pod.name, pod.uid or "", str(event.reason), kind, event.message)
+    known = counts.posted.get(key)
+    if known is not None:
+        name, count = known
+        try:
+            await ctx.kube.patch_event(
+                pod.namespace, name, {"count": count + 1, "lastTimestamp": timestamp(ctx.now)}
+            )
+            counts.remember(key, name, count + 1)
+            return
+        except KubeNotFound:
+            pass  # expired: post it anew
+    name = counts.name_for(pod.name, ctx.now)
+    await ctx.kube.create_event(pod.namespace, _pod_event_body(event, ctx, name))
+    counts.remember(key, name, 1)
 
 
 async def apply(actions: Sequence[Action], ctx: ApplyContext) -> list[ActionResult]:
@@ -253,4 +326,16 @@ async def apply(actions: Sequence[Action], ctx: ApplyContext) -> list[ActionResu
             return ActionResult(emit, e)
 
     results.extend(await asyncio.gather(*(post(e) for e in emits)))
+    found = (
+        pod_event(r.action, ctx.owner) for r in results if r.ok and not isinstance(r.action, Emit)
+    )
+
+    async def post_on_pod(event: PodEvent) -> None:
+        try:
+            await _post_pod_event(event, ctx)
+        except WeightrollError as e:
+            # The pod's story is a courtesy: the rollout goes on without it.
+            log.info("Failed to post Event %s on Pod %s: %s", event.reason, event.pod.name, e)
+
+    await asyncio.gather(*(post_on_pod(e) for e in aggregate(e for e in found if e is not None)))
     return results

@@ -5,6 +5,10 @@ sidecar and ``weightroll agent`` never imports kopf. Subcommand modules expose
 ``main(argv: list[str]) -> int`` and own their ``--help``; the day-2 verbs ``pause``, ``resume``
 and ``promote`` share one module, whose ``main`` gets the verb as its first argument.
 
+The same ``main`` is installed twice (``pyproject.toml``): as ``weightroll`` and as
+``kubectl-weightroll``, which kubectl runs for ``kubectl weightroll ...`` (kubectl's plugin
+mechanism: an executable named ``kubectl-<name>`` on ``PATH``).
+
 ``weightroll demo`` and ``weightroll dev`` are development tools of a checkout: their code is in
 ``devtools/weightroll_dev``, outside the package. From a checkout the CLI puts ``devtools/`` on
 ``sys.path`` for them; an installed wheel neither lists them nor runs them (it says why).
@@ -32,11 +36,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "manifest": (
         "engine_agent.manifest",
-        "write a JSON manifest (sha256 per tensor) for a checkpoint",
+        "write a JSON manifest (BLAKE3 per tensor) for a checkpoint",
     ),
     "status": (
         "weightroll_operator.status_view",
-        "show a WeightUpdate NAME: phase, pods, conditions, events",
+        "show a WeightUpdate NAME (phase, pods, conditions, events; -o json|yaml); exit 0 "
+        "Succeeded, 3 Failed, 4 not finished; --watch waits for the end",
     ),
     "pause": (
         CONTROL,
@@ -58,6 +63,11 @@ DEV_COMMANDS: dict[str, tuple[str, str]] = {
         "weightroll_dev.demo_cluster",
         "roll a verified update through three vLLM pods on a local cluster (make demo); "
         "--engine: the failure modes on one vLLM engine, no cluster (make demo-engine)",
+    ),
+    "dev": (
+        "weightroll_dev.devcluster.dev",
+        "dev up|down: a local cluster (kube-apiserver, chart, operator, N vLLM pods) left "
+        "running in the background, described in DIR/cluster.json",
     ),
 }
 #: ``weightroll demo --engine``: the single-engine demo (it imports vLLM).
@@ -83,9 +93,18 @@ def _commands() -> dict[str, tuple[str, str]]:
     return {**SUBCOMMANDS, **DEV_COMMANDS} if devtools_dir() is not None else dict(SUBCOMMANDS)
 
 
+#: The console script kubectl runs as its ``weightroll`` plugin.
+KUBECTL_PLUGIN = "kubectl-weightroll"
+
+
+def _prog() -> str:
+    """``kubectl weightroll`` when run as the kubectl plugin, else ``weightroll``."""
+    return "kubectl weightroll" if Path(sys.argv[0]).name == KUBECTL_PLUGIN else "weightroll"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="weightroll",
+        prog=_prog(),
         description="Roll verified in-place weight updates through vLLM servers.",
         epilog="Run `weightroll COMMAND --help` for the options of one command. "
         "Docs: README.md, docs/architecture.md, docs/api.md.",

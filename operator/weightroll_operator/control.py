@@ -38,7 +38,12 @@ from weightroll_operator.api.v1alpha1 import ConditionType, Phase
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.errors import KubeConflict, KubeError
 from weightroll_operator.k8s.client import KubeApi
-from weightroll_operator.status_view import add_target_arguments, kube_error_line, load_config
+from weightroll_operator.status_view import (
+    add_target_arguments,
+    kube_error_line,
+    load_config,
+    target_namespace,
+)
 
 __all__ = ["VERBS", "Outcome", "Verb", "decide", "main"]
 
@@ -267,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(prog, args.kubeconfig, args.context)
     if config is None:
         return 2
-    ns, name = args.namespace, args.name
+    ns, name = target_namespace(args), args.name
     try:
         outcome = asyncio.run(
             _steer(

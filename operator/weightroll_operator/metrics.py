@@ -96,6 +96,14 @@ class Metrics:
             registry=r,
         )
 
+        self.pod_state = Gauge(
+            "weightroll_pod_state",
+            "1 for each selected pod's unit state and the version of its weight-state annotation",
+            [*wu, "pod", "state", "version"],
+            registry=r,
+        )
+        self._pod_states: dict[tuple[str, str], dict[str, tuple[str, str]]] = {}
+
         self.pods_admitted = Counter(
             "weightroll_pods_admitted",
             "Pods no WeightUpdate selects whose gate was set True on their boot weights",
@@ -125,6 +133,7 @@ class Metrics:
                     removed += 1
         self._drained.pop((namespace, name), None)
         self._unreachable.pop((namespace, name), None)
+        self._pod_states.pop((namespace, name), None)
         self._token_reasons.pop((namespace, name), None)
         return removed
 
@@ -141,6 +150,7 @@ class Metrics:
             self.last_success,
             self.drained_since,
             self.agent_unreachable,
+            self.pod_state,
             self.agent_token_unavailable,
         )
 
@@ -240,3 +250,22 @@ class Metrics:
                 with contextlib.suppress(KeyError):
                     gauge.remove(namespace, name, gone)
             seen[key] = set(values)
+
+    def observe_pod_states(
+        self, namespace: str, name: str, states: Mapping[str, tuple[str, str]]
+    ) -> None:
+        """One series per selected pod: ``pod -> (state, version)``, the previous one removed.
+
+        ``state`` is the unit state of the pod's weight-state annotation (``Pending`` for a pod
+        never touched), ``version`` that annotation's version (``""`` when none): bounded by the
+        fleet size, one series per pod at any time.
+        """
+        key = (namespace, name)
+        before = self._pod_states.get(key, {})
+        for pod, old in before.items():
+            if states.get(pod) != old:
+                with contextlib.suppress(KeyError):
+                    self.pod_state.remove(namespace, name, pod, *old)
+        for pod, (state, version) in states.items():
+            self.pod_state.labels(namespace, name, pod, state, version).set(1)
+        self._pod_states[key] = dict(states)

@@ -60,6 +60,8 @@ class KubePort(Protocol):
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None: ...
 
+    async def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None: ...
+
 
 class AgentPort(Protocol):
     """The sidecar HTTP API (docs/contracts.md), one call per method."""

@@ -36,6 +36,7 @@ from weightroll_operator.apply import (
     SKIPPED,
     ActionResult,
     ApplyContext,
+    EventCounts,
     apply,
     target_of,
     write_gate,
@@ -129,6 +130,8 @@ class Reconciler:
     token_ttl: float = 60.0
     poll_interval: float = 2.0
     idle_interval: float = 30.0
+    #: Pod Events posted so far (repeats raise a count; apply.py).
+    events: EventCounts = field(default_factory=EventCounts)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     #: Per pod (namespace, name): the :func:`_state_key` the answer is valid for, the answer
@@ -235,6 +238,7 @@ class Reconciler:
             token=token,
             now=now,
             concurrency=self.concurrency,
+            events=self.events,
         )
         results = await apply(the_plan.actions, ctx)
         notes = {
@@ -314,6 +318,7 @@ class Reconciler:
                 uid=meta.get("uid"),
                 token=token,
                 now=now,
+                events=self.events,
             )
             await apply(actions, ctx)
             self._locks.pop(owner, None)
@@ -564,6 +569,16 @@ class Reconciler:
                 if started is not None:
                     drained[pod.name] = started.timestamp()
         m.observe_pods(namespace, name, drained, {n: not a.reachable for n, a in agents.items()})
+        m.observe_pod_states(
+            namespace,
+            name,
+            {
+                pod.name: (
+                    (pod.state.state.value, pod.state.version) if pod.state else ("Pending", "")
+                )
+                for pod in the_plan.pods.values()
+            },
+        )
 
 
 def _state_key(pod: PodView) -> tuple[str, ...]:

@@ -1,28 +1,60 @@
 """``weightroll status NAME``: a WeightUpdate's phase, per-pod table, conditions and last events.
 
-Reads only (the WeightUpdate and its Events); :func:`render` is pure and tested on its own
-(``tests/unit/weightroll_operator/test_status_view.py`` holds golden texts for a running, a failed
-and a succeeded update).
+A CI pipeline can gate on it: the exit status says how the rollout ended (:class:`Exit`), and
+``--watch`` polls until it ends (a terminal phase for the spec's current generation) or
+``--timeout`` passes. ``-o json|yaml`` prints one document whose schema is :data:`VIEW_SCHEMA`
+(documented in docs/api.md, generated from it); without ``-o`` the text view.
+
+Fail closed: a phase counts only when ``status.observedGeneration`` equals
+``metadata.generation``. Right after ``kubectl apply`` of a new ``spec.version`` the status still
+describes the previous spec (``Succeeded`` for the old version); that is "not finished", never
+success.
+
+Reads only (the WeightUpdate and its Events); :func:`render`, :func:`view` and :func:`outcome` are
+pure and tested on their own (``tests/unit/weightroll_operator/test_status_view.py`` holds golden
+texts for a running, a failed and a succeeded update).
 
 Errors are one line on stderr that says how to fix them: exit 2 when no kubeconfig can be
 loaded, 1 when the API server cannot be reached or answers with an error (e.g. an unknown name).
-The target arguments, the kubeconfig loading and those error lines are shared with the
-``weightroll pause|resume|promote`` verbs (``control.py``), so every command names a cluster and
-explains a failure the same way.
+The target arguments (the namespace defaults to the kubeconfig context's, as kubectl's), the
+kubeconfig loading and those error lines are shared with the ``weightroll pause|resume|promote``
+verbs (``control.py``), so every command names a cluster and explains a failure the same way.
+
+Limitations: ``--watch`` polls (``--interval``, 2 s) instead of opening a watch stream; a phase
+that lasts less than one interval may not be printed as a progress line (the final one always is).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from enum import IntEnum
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from weightroll_operator.errors import KubeError, KubeNotFound, KubeUnavailable
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 
-__all__ = ["add_target_arguments", "kube_error_line", "load_config", "main", "render"]
+__all__ = [
+    "VIEW_SCHEMA",
+    "Exit",
+    "add_target_arguments",
+    "context_namespace",
+    "kube_error_line",
+    "load_config",
+    "main",
+    "outcome",
+    "render",
+    "target_namespace",
+    "view",
+]
 
 _DESCRIPTION = (
     "Show one WeightUpdate: phase, version, replica counts, conditions, the per-pod table "
@@ -30,9 +62,54 @@ _DESCRIPTION = (
 )
 _EPILOG = (
     "Credentials: --kubeconfig, else the ServiceAccount when run in a pod, else $KUBECONFIG or "
-    "~/.kube/config (as kubectl). Exit status: 0 shown, 1 the API server could not be reached "
-    "or answered with an error (e.g. no such WeightUpdate), 2 bad usage or no kubeconfig."
+    "~/.kube/config (as kubectl). Exit status: 0 Succeeded, 1 the API server could not be "
+    "reached or answered with an error (e.g. no such WeightUpdate), 2 bad usage or no "
+    "kubeconfig, 3 Failed or RolledBack, 4 not finished (any other phase, a status about an "
+    "older generation, or --watch timed out). A phase counts only once the operator has "
+    "reported on the current generation of the spec."
 )
+
+
+class Exit(IntEnum):
+    """Exit statuses of ``weightroll status`` (the epilog states them)."""
+
+    SUCCEEDED = 0
+    API_ERROR = 1
+    USAGE = 2
+    #: ``Failed`` (halted, deadline, invalid spec) or ``RolledBack``: the version is not served.
+    FAILED = 3
+    #: Not finished: Pending, Progressing, Paused, RollingBack, a stale status, or a timeout.
+    NOT_FINISHED = 4
+
+
+#: Phases that end a rollout, and the exit status each means.
+TERMINAL: dict[str, Exit] = {
+    "Succeeded": Exit.SUCCEEDED,
+    "Failed": Exit.FAILED,
+    "RolledBack": Exit.FAILED,
+}
+_COUNTS = ("total", "updated", "verified", "draining", "failed", "stale")
+
+
+def _current(body: Mapping[str, Any]) -> bool:
+    """Whether the status is about the spec as it is now (its generation was observed)."""
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    observed, generation = status.get("observedGeneration"), meta.get("generation")
+    return observed is not None and (generation is None or observed == generation)
+
+
+def outcome(body: Mapping[str, Any]) -> Exit:
+    """How the rollout of ``body`` stands for a pipeline: success, failure or not finished.
+
+    A terminal phase counts only when the status is about the current generation, so a status
+    left over from a previous ``spec.version`` never reads as this version's success.
+    """
+    if not _current(body):
+        return Exit.NOT_FINISHED
+    phase = str((body.get("status") or {}).get("phase") or "Pending")
+    return TERMINAL.get(phase, Exit.NOT_FINISHED)
+
+
 _FORBIDDEN = "; your user may not get weightupdates.weightroll.io or list events in this namespace"
 
 
@@ -99,6 +176,202 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
     return "\n".join(lines)
 
 
+def _str_or_null(description: str) -> dict[str, Any]:
+    return {"type": ["string", "null"], "description": description}
+
+
+_CONDITION_ITEM: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "status", "reason", "message"],
+    "properties": {
+        "type": {"type": "string", "description": "Progressing, Verified, Degraded, ..."},
+        "status": {"enum": ["True", "False", "Unknown"], "description": "The condition's state."},
+        "reason": {"type": "string", "description": "CamelCase reason (docs/api.md)."},
+        "message": {"type": "string", "description": "One line for humans."},
+        "lastTransitionTime": _str_or_null("RFC 3339; null when not reported."),
+    },
+}
+_POD_ITEM: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "state", "version", "reason", "unit"],
+    "properties": {
+        "name": {"type": "string", "description": "Pod name."},
+        "state": {"type": "string", "description": "Verified, Updating, Pending, Failed, ..."},
+        "version": _str_or_null("Version of the pod's weight-state annotation."),
+        "reason": _str_or_null("Why the pod failed or waits."),
+        "unit": _str_or_null("The unit (groupBy value); null without groupBy."),
+    },
+}
+_EVENT_ITEM: dict[str, Any] = {
+    "type": "object",
+    "required": ["time", "type", "reason", "message", "count"],
+    "properties": {
+        "time": _str_or_null("lastTimestamp of the Event (RFC 3339)."),
+        "type": {"type": "string", "description": "Normal or Warning."},
+        "reason": {"type": "string", "description": "CamelCase reason."},
+        "message": {"type": "string", "description": "The Event's message."},
+        "count": {"type": "integer", "description": "How often the Event occurred."},
+    },
+}
+#: JSON Schema of ``weightroll status -o json|yaml`` (docs/api.md renders it as a table; a
+#: test validates the command's output against it). Additive changes keep ``schemaVersion`` 1.
+VIEW_SCHEMA: dict[str, Any] = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "title": "weightroll status -o json",
+    "type": "object",
+    "additionalProperties": False,
+    "required": [
+        "schemaVersion",
+        "namespace",
+        "name",
+        "version",
+        "generation",
+        "observedGeneration",
+        "current",
+        "phase",
+        "result",
+        "exitCode",
+        "message",
+        "stableVersion",
+        "replicas",
+        "conditions",
+        "pods",
+        "events",
+    ],
+    "properties": {
+        "schemaVersion": {"const": 1, "description": "Version of this document's schema."},
+        "namespace": {"type": "string", "description": "Namespace of the WeightUpdate."},
+        "name": {"type": "string", "description": "Name of the WeightUpdate."},
+        "version": _str_or_null("spec.version: the version being rolled out."),
+        "generation": {
+            "type": ["integer", "null"],
+            "description": "metadata.generation of the spec.",
+        },
+        "observedGeneration": {
+            "type": ["integer", "null"],
+            "description": "The generation the status is about; null before the first pass.",
+        },
+        "current": {
+            "type": "boolean",
+            "description": "observedGeneration equals generation: the phase is about this spec.",
+        },
+        "phase": {
+            "enum": [
+                "Pending",
+                "Progressing",
+                "Paused",
+                "Succeeded",
+                "Failed",
+                "RollingBack",
+                "RolledBack",
+            ],
+            "description": "status.phase (Pending when there is no status yet).",
+        },
+        "result": {
+            "enum": ["Succeeded", "Failed", "NotFinished"],
+            "description": "What the exit status means: the rollout's outcome for a pipeline.",
+        },
+        "exitCode": {
+            "enum": [0, 3, 4],
+            "description": "The command's exit status: 0 Succeeded, 3 Failed, 4 not finished.",
+        },
+        "message": {"type": "string", "description": "status.message: one line."},
+        "stableVersion": _str_or_null("What the fleet served before this rollout."),
+        "replicas": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": list(_COUNTS),
+            "properties": {
+                k: {"type": "integer", "minimum": 0, "description": f"Pods {k} (status.replicas)."}
+                for k in _COUNTS
+            },
+            "description": "Pods by state (status.replicas; 0 when absent).",
+        },
+        "conditions": {
+            "type": "array",
+            "items": _CONDITION_ITEM,
+            "description": "status.conditions.",
+        },
+        "pods": {"type": "array", "items": _POD_ITEM, "description": "status.pods."},
+        "events": {
+            "type": "array",
+            "items": _EVENT_ITEM,
+            "description": "The most recent Events of the WeightUpdate, oldest first (--events).",
+        },
+    },
+}
+_RESULT = {Exit.SUCCEEDED: "Succeeded", Exit.FAILED: "Failed", Exit.NOT_FINISHED: "NotFinished"}
+
+
+def view(
+    body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: int = 10
+) -> dict[str, Any]:
+    """The document ``weightroll status -o json|yaml`` prints (schema :data:`VIEW_SCHEMA`)."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    status = body.get("status") or {}
+    replicas = status.get("replicas") or {}
+    code = outcome(body)
+    recent = sorted(events, key=lambda e: str(e.get("lastTimestamp") or ""))[-last:] if last else []
+    return {
+        "schemaVersion": 1,
+        "namespace": str(meta.get("namespace") or ""),
+        "name": str(meta.get("name") or ""),
+        "version": spec.get("version"),
+        "generation": meta.get("generation"),
+        "observedGeneration": status.get("observedGeneration"),
+        "current": _current(body),
+        "phase": str(status.get("phase") or "Pending"),
+        "result": _RESULT[code],
+        "exitCode": int(code),
+        "message": str(status.get("message") or ""),
+        "stableVersion": status.get("stableVersion"),
+        "replicas": {k: int(replicas.get(k) or 0) for k in _COUNTS},
+        "conditions": [
+            {
+                "type": str(c.get("type") or ""),
+                "status": str(c.get("status") or "Unknown"),
+                "reason": str(c.get("reason") or ""),
+                "message": str(c.get("message") or ""),
+                "lastTransitionTime": c.get("lastTransitionTime"),
+            }
+            for c in status.get("conditions") or []
+        ],
+        "pods": [
+            {
+                "name": str(p.get("name") or ""),
+                "state": str(p.get("state") or ""),
+                "version": p.get("version"),
+                "reason": p.get("reason"),
+                "unit": p.get("unit"),
+            }
+            for p in status.get("pods") or []
+        ],
+        "events": [
+            {
+                "time": e.get("lastTimestamp"),
+                "type": str(e.get("type") or ""),
+                "reason": str(e.get("reason") or ""),
+                "message": str(e.get("message") or ""),
+                "count": int(e.get("count") or 1),
+            }
+            for e in recent
+        ],
+    }
+
+
+def progress_line(body: Mapping[str, Any]) -> str:
+    """One line per observed change while ``--watch`` waits: phase, counts, message."""
+    status = body.get("status") or {}
+    replicas = status.get("replicas") or {}
+    stale = "" if _current(body) else " (status of an older generation)"
+    return (
+        f"{status.get('phase') or 'Pending'}{stale}: "
+        f"{replicas.get('updated', 0)}/{replicas.get('total', 0)} updated, "
+        f"{replicas.get('verified', 0)} verified, {replicas.get('failed', 0)} failed"
+        f"{' - ' + status['message'] if status.get('message') else ''}"
+    )
+
+
 def _no_status(status: Mapping[str, Any]) -> str:
     return "" if status else "no status yet: is the weightroll operator running?"
 
@@ -108,6 +381,50 @@ async def _fetch(api: KubeApi, namespace: str, name: str) -> tuple[Any, list[Any
         body = await api.get_weightupdate(namespace, name)
         events = await api.list_events(namespace, name)
         return body, events
+    finally:
+        await api.close()
+
+
+async def _watch(
+    api: KubeApi,
+    namespace: str,
+    name: str,
+    *,
+    timeout: float | None,
+    interval: float,
+    report: Callable[[str], None],
+) -> tuple[Any, list[Any], bool]:
+    """Poll until :func:`outcome` is final or ``timeout`` seconds pass.
+
+    Each change of what :func:`progress_line` shows is reported as one line. The API server
+    being briefly unreachable does not end the watch (reported, retried); any other API error
+    does.
+
+    Returns:
+        The last object read, its Events, and whether the watch timed out.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seen: str | None = None
+    body: Any = None
+    try:
+        while True:
+            try:
+                body = await api.get_weightupdate(namespace, name)
+            except KubeUnavailable as e:
+                if body is None:
+                    raise
+                report(f"API server unreachable, retrying: {e}")
+            else:
+                line = progress_line(body)
+                if line != seen:
+                    seen = line
+                    report(line)
+                if outcome(body) is not Exit.NOT_FINISHED:
+                    return body, await api.list_events(namespace, name), False
+            if deadline is not None and time.monotonic() >= deadline:
+                return body, await api.list_events(namespace, name), True
+            pause = interval if deadline is None else min(interval, deadline - time.monotonic())
+            await asyncio.sleep(max(pause, 0.0))
     finally:
         await api.close()
 
@@ -174,14 +491,56 @@ def load_config(prog: str, kubeconfig: str | None, context: str | None) -> KubeC
         return None
 
 
+_SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def context_namespace(kubeconfig: str | None, context: str | None) -> str:
+    """The namespace kubectl would use without ``-n``: the context's, else ``default``.
+
+    In a pod (no ``--kubeconfig``, ``KUBERNETES_SERVICE_HOST`` set) it is the ServiceAccount's
+    namespace, as for :meth:`KubeConfig.load`.
+
+    Args:
+        kubeconfig: ``--kubeconfig``; ``None`` for in-cluster, then ``$KUBECONFIG``.
+        context: ``--context``; ``None`` for the current context.
+    """
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            return _SA_NAMESPACE.read_text().strip() or "default"
+        except OSError:
+            return "default"
+    from kubernetes import config  # deferred: only needed for kubeconfig parsing
+
+    try:
+        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    except Exception:  # the kubeconfig was loadable a moment ago; "default" as kubectl would
+        return "default"
+    chosen = (
+        active if context is None else next((c for c in contexts if c["name"] == context), None)
+    )
+    namespace = ((chosen or {}).get("context") or {}).get("namespace")
+    return str(namespace) if namespace else "default"
+
+
+def target_namespace(args: argparse.Namespace) -> str:
+    """``-n`` if given, else :func:`context_namespace` of ``--kubeconfig``/``--context``."""
+    if args.namespace:
+        return str(args.namespace)
+    return context_namespace(args.kubeconfig, args.context)
+
+
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    """``NAME``, ``-n/--namespace``, ``--kubeconfig`` and ``--context``: which WeightUpdate."""
+    """``NAME``, ``-n/--namespace``, ``--kubeconfig`` and ``--context``: which WeightUpdate.
+
+    The namespace is resolved with :func:`target_namespace` (``-n`` is ``None`` when omitted).
+    """
     parser.add_argument("name", metavar="NAME", help="name of the WeightUpdate (kubectl get wu)")
     parser.add_argument(
         "-n",
         "--namespace",
-        default="default",
-        help="namespace of the WeightUpdate (default: default)",
+        default=None,
+        help="namespace of the WeightUpdate (default: the kubeconfig context's namespace, "
+        "else default; in a pod, the ServiceAccount's)",
     )
     parser.add_argument(
         "--kubeconfig",
@@ -191,26 +550,95 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", help="kubeconfig context (default: the current context)")
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightroll status", description=_DESCRIPTION, epilog=_EPILOG)
     add_target_arguments(p)
     p.add_argument(
         "--events", type=int, default=10, metavar="N", help="how many recent Events to show (10)"
     )
+    p.add_argument(
+        "-w",
+        "--watch",
+        action="store_true",
+        help="poll until the rollout ends (Succeeded, Failed or RolledBack for the current "
+        "generation), printing one line per change; then show it and exit by its outcome",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive,
+        metavar="S",
+        help="with --watch: give up after S seconds (exit 4); implies --watch (default: no limit)",
+    )
+    p.add_argument(
+        "--interval",
+        type=_positive,
+        default=2.0,
+        metavar="S",
+        help="with --watch: seconds between polls (2)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=("text", "json", "yaml"),
+        default="text",
+        help="text (default), or one json/yaml document (schema: docs/api.md, "
+        "'weightroll status -o json'); with --watch the progress lines go to stderr",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the view of one WeightUpdate; see the module docstring for exit statuses."""
+    """Print the view of one WeightUpdate; the exit status is :class:`Exit` (see the epilog)."""
     args = _parser().parse_args(list(argv or []))
     config = load_config("weightroll status", args.kubeconfig, args.context)
     if config is None:
-        return 2
+        return Exit.USAGE
+    namespace = target_namespace(args)
+    machine = args.output != "text"
+
+    def report(line: str) -> None:
+        print(line, file=sys.stderr if machine else sys.stdout, flush=True)
+
+    timed_out = False
     try:
-        body, events = asyncio.run(_fetch(KubeApi(config), args.namespace, args.name))
+        if args.watch or args.timeout is not None:
+            body, events, timed_out = asyncio.run(
+                _watch(
+                    KubeApi(config),
+                    namespace,
+                    args.name,
+                    timeout=args.timeout,
+                    interval=args.interval,
+                    report=report,
+                )
+            )
+        else:
+            body, events = asyncio.run(_fetch(KubeApi(config), namespace, args.name))
     except KubeError as e:
-        line = kube_error_line(e, config.server, args.namespace, args.name, forbidden=_FORBIDDEN)
+        line = kube_error_line(e, config.server, namespace, args.name, forbidden=_FORBIDDEN)
         print(f"weightroll status: {line}", file=sys.stderr)
-        return 1
-    print(render(body, events, last=args.events))
-    return 0
+        return Exit.API_ERROR
+    if args.output == "json":
+        print(json.dumps(view(body, events, last=args.events), indent=2))
+    elif args.output == "yaml":
+        print(yaml.safe_dump(view(body, events, last=args.events), sort_keys=False), end="")
+    else:
+        if args.watch or args.timeout is not None:
+            print()
+        print(render(body, events, last=args.events))
+    code = outcome(body)
+    if timed_out:
+        phase = (body.get("status") or {}).get("phase") or "Pending"
+        print(
+            f"weightroll status: timed out after {args.timeout:g} s; {namespace}/{args.name} "
+            f"is still {phase} (exit {int(Exit.NOT_FINISHED)})",
+            file=sys.stderr,
+        )
+    return int(code)

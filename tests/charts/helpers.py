@@ -27,6 +27,7 @@ ALERTS = (
     "WeightFleetStale",
     "WeightReplicaLeftDrained",
     "WeightAgentUnreachable",
+    "WeightrollOperatorDown",
     "WeightAgentTokenUnavailable",
 )
 NO_CRD_REASON = (
@@ -85,3 +86,28 @@ def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
     hits = [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])]
     assert len(hits) == 1, f"expected one {kind} {name or ''}, got {len(hits)}"
     return hits[0]
+
+
+#: Test-only rule overrides (chart values) for a live Prometheus: every alert's `for` cut to
+#: 2 s and the drained threshold to 5 s, so the e2e tier sees alerts fire within seconds. Only the
+#: timing differs from the shipped rules; the expressions are the chart's.
+FAST_RULES: dict[str, Any] = {
+    "prometheusRule": {
+        "enabled": True,
+        "customRules": {
+            "WeightUpdateFailed": {"for": "2s"},
+            "WeightUpdateStuck": {"for": "2s"},
+            "WeightFleetStale": {"for": "2s"},
+            "WeightReplicaLeftDrained": {"for": "2s", "thresholdSeconds": 5},
+            "WeightAgentUnreachable": {"for": "2s"},
+            "WeightrollOperatorDown": {"for": "2s"},
+        },
+    }
+}
+
+
+def rule_groups(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The rule groups of the rendered PrometheusRule (what Prometheus loads from it)."""
+    pr = find(objects(render(values or FAST_RULES)), "PrometheusRule")
+    groups: list[dict[str, Any]] = pr["spec"]["groups"]
+    return groups

@@ -240,6 +240,49 @@ def test_crd_installed_and_established(installed: KubeCluster) -> None:
     assert ann == "keep"
 
 
+def test_kubectl_explain_shows_every_field_description(installed: KubeCluster) -> None:
+    """``kubectl explain`` reads the CRD's descriptions (the models' attribute docstrings) as
+    published by the real API server, for a nested spec field and a status field."""
+    if not crd_available():
+        pytest.skip("the generated CRD file does not exist yet")
+    from weightroll_operator.api.crdgen import build_crd
+
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    strategy = schema["properties"]["spec"]["properties"]["strategy"]["properties"]
+    status = schema["properties"]["status"]["properties"]
+    for path, node in (
+        ("weightupdates.spec.strategy.maxUnavailable", strategy["maxUnavailable"]),
+        ("weightupdates.status.abortReason", status["abortReason"]),
+    ):
+        deadline = time.monotonic() + 30  # the OpenAPI document is published asynchronously
+        while True:
+            out = kubectl(installed, "explain", path, check=False).stdout
+            if "DESCRIPTION" in out or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        # kubectl wraps the text; compare it word by word
+        assert " ".join(node["description"].split()) in " ".join(out.split()), out
+
+    # the printer columns, as `kubectl get wu` shows them
+    wu = {
+        "apiVersion": "weightroll.io/v1alpha1",
+        "kind": "WeightUpdate",
+        "metadata": {"name": "columns", "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": "nothing-selects-this"}},
+            "version": "v2",
+            "source": {"uri": "/models/v2"},
+            "paused": True,
+        },
+    }
+    kubectl(installed, "apply", "-f", "-", input_=yaml.safe_dump(wu))
+    try:
+        header = kubectl(installed, "get", "wu", "columns", "-n", NAMESPACE).stdout.splitlines()[0]
+        assert header.split() == ["NAME", "PHASE", "VERSION", "UPDATED", "TOTAL", "AGE", "MESSAGE"]
+    finally:
+        kubectl(installed, "delete", "wu", "columns", "-n", NAMESPACE, "--wait=false", check=False)
+
+
 def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) -> None:
     """`weightroll operator` authenticated as the chart's ServiceAccount reads the fleet, the token
     Secret and writes status and Events without a single 403 (the full rollout under this

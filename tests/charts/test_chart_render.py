@@ -428,7 +428,8 @@ def test_alerts_can_be_disabled_and_overridden() -> None:
     assert "for more than 45m" in rules["WeightFleetStale"]["annotations"]["description"]
     assert rules["WeightReplicaLeftDrained"]["expr"].endswith("> 600")
     for rule in rules.values():
-        selectors = re.findall(r"weightroll_[a-z_]+(\{[^}]*\})?", rule["expr"])
+        # WeightrollOperatorDown reads `up` of the operator's job; the others our own metrics
+        selectors = re.findall(r"(?:\bweightroll_[a-z_]+|\bup)(\{[^}]*\})?", rule["expr"])
         assert selectors and all('job="weightroll-metrics"' in s for s in selectors), rule["expr"]
     all_off = {"prometheusRule": {"enabled": True, "disabled": dict.fromkeys(ALERTS, True)}}
     pr = find(objects(render(all_off)), "PrometheusRule")

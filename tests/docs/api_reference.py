@@ -3,13 +3,13 @@
 Run ``python tests/docs/api_reference.py --write`` after changing
 ``operator/weightroll_operator/api/v1alpha1.py``; ``tests/docs/test_api_reference.py`` fails when
 the tables in ``docs/api.md`` differ from what the models generate, or when a field has no
-meaning written here (or a meaning names a field the models no longer have).
+description.
 
 Type, default and the schema-level validation (bounds, patterns, enums, required) come from the
-models' JSON schema, so they cannot drift. The *meaning* of each field is prose kept in
-:data:`SPEC_MEANINGS` / :data:`STATUS_MEANINGS` below (the models document fields with ``#:``
-comments, which pydantic does not expose); rules the schema cannot express (sparse needs
-``baseVersion``, percentages bounded to 100 %) are stated there.
+models' JSON schema, so they cannot drift. The *meaning* of each WeightUpdate field is its
+attribute docstring in the models (``use_attribute_docstrings``): the same text is the CRD's
+description and so what ``kubectl explain`` shows. The agent wire models
+(``engine_agent/protocol.py``) still keep their meanings here, in :data:`WIRE_MEANINGS`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from weightroll_operator.api import v1alpha1 as api
+from weightroll_operator.api.crdgen import one_line
 
 from engine_agent import protocol
 from engine_agent.protocol import VERSION_PATTERN
@@ -34,123 +35,8 @@ NONE = "-"
 #: Objects whose fields get rows of their own; any other object is one row.
 _RECURSE = frozenset({"SourceSpec", "StrategySpec", "DrainSpec", "AgentSpec"})
 
-SPEC_MEANINGS: dict[str, str] = {
-    "selector": (
-        "The vLLM pods (`matchLabels` and/or `matchExpressions`, Kubernetes semantics); must not "
-        "be empty. Pods being deleted are left out."
-    ),
-    "version": (
-        "The weight version to serve; also written to the pod label "
-        "`weightroll.io/weight-version` when a pod is restored."
-    ),
-    "source.uri": (
-        "Where the agents read the weights: an absolute path or `file://` URI inside the pod "
-        "(other schemes are reported as `InvalidSpec`). A directory of safetensors files, or "
-        "one patch file for `sparse`."
-    ),
-    "source.manifest": (
-        "Checkpoint manifest (`weightroll manifest`), path or `file://` URI; every byte each rank "
-        "reads is checked against it before it reaches a live tensor."
-    ),
-    "source.mode": "`sparse` = a patch against `source.baseVersion` (required then).",
-    "source.baseVersion": (
-        "The version a sparse patch was computed against; required with `sparse`, refused with "
-        "`full`."
-    ),
-    "groupBy": (
-        "Pods sharing this label's value (e.g. a LeaderWorkerSet group) form one *unit*: "
-        "drained, updated, verified and restored together. Without it each pod is a unit."
-    ),
-    "strategy.maxUnavailable": (
-        'Units unavailable at once: an integer ≥ 1 or `"N%"` with 0 < N ≤ 100 (rounded down, '
-        "at least 1), **counting units already not ready**. Starting a unit that is already not "
-        "ready is free."
-    ),
-    "strategy.canary": (
-        "Units updated first; the rest waits until every canary unit has a verdict."
-    ),
-    "strategy.pauseAfterCanary": (
-        "Hold after the canary (phase `Paused`, reason `CanaryComplete`); set it to `false` to "
-        "promote."
-    ),
-    "strategy.drain.mode": (
-        "How the agent pauses generation before the reload: `wait` lets running requests "
-        "finish (up to the timeout, then aborts them), `abort` aborts them at once."
-    ),
-    "strategy.drain.timeoutSeconds": "How long the agent waits for in-flight requests.",
-    "strategy.trafficLabel": (
-        "Also removed from a pod while it is drained and restored afterwards, for routers that "
-        "ignore Pod readiness. Keep it out of your workload's own selector."
-    ),
-    "strategy.updateTimeoutSeconds": (
-        "Limit per unit from its drain to the agents' verdict; past it the update is aborted "
-        "and the unit fails (it stays drained)."
-    ),
-    "strategy.progressDeadlineSeconds": (
-        "No unit transition for this long while work is left → phase `Failed` (reason "
-        "`ProgressDeadlineExceeded`). Not counted while paused."
-    ),
-    "strategy.onFailure": (
-        "When more than `maxFailedReplicas` units have failed: `Halt` stops starting units "
-        "(failed units stay drained); `Rollback` reloads every touched unit in place to the "
-        "version and source it served before."
-    ),
-    "strategy.maxFailedReplicas": (
-        "Failed units tolerated before `onFailure` applies. Failed units stay drained and count "
-        "as unavailable."
-    ),
-    "paused": "Hold new units; units in flight finish (phase `Paused`, reason `PausedBySpec`).",
-    "agent.port": (
-        "Deprecated check: the operator only calls the container port named `weightroll` of a "
-        "selected pod; when set, every selected pod's `weightroll` port must equal it "
-        "(`InvalidSpec` otherwise)."
-    ),
-    "agent.tokenSecretRef": (
-        "Secret (in the WeightUpdate's namespace) holding the agents' bearer token (first line "
-        "sent; see the threat model for rotation); it must carry the label "
-        '`weightroll.io/agent-token: "true"` (`InvalidSpec` otherwise). Without it no token is '
-        "sent and agents answer 401."
-    ),
-}
-
-STATUS_MEANINGS: dict[str, str] = {
-    "phase": "Where the rollout stands (see below).",
-    "observedGeneration": "`metadata.generation` of the spec this status is about.",
-    "targetVersion": (
-        "The `spec.version` the persisted fields belong to; a new `spec.version` resets them."
-    ),
-    "replicas": (
-        "Pods by state: `total`, `updated` (serving the version), `verified` (updated and "
-        "traffic restored), `draining` (in flight), `failed`, `stale` (not at the version and "
-        "not being worked on: paused, halted, blocked, superseded, agent unreachable)."
-    ),
-    "stableVersion": (
-        "What the fleet served before (when every touched pod served the same version); the "
-        "version itself after success."
-    ),
-    "conditions": (
-        "`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked`, `InvalidSpec`, each with a "
-        "reason (see below)."
-    ),
-    "pods": (
-        "Up to 50 pods (failed pods always listed, even past 50) with `name`, `state` "
-        "(`Verified`, `Updating`, `Pending`, `Failed`, `RolledBack`, `Blocked`, `Superseded`, "
-        "`Unknown`), the `version` of the pod's weight-state annotation, a `reason` and, with "
-        "`groupBy`, the `unit`."
-    ),
-    "startTime": "When the first unit was claimed (RFC 3339).",
-    "completionTime": (
-        "When every selected pod first served the version; stays set (convergence of later pods "
-        "does not clear it)."
-    ),
-    "lastProgressTime": "Last unit transition (for `progressDeadlineSeconds`).",
-    "abortedAt": (
-        "Persisted halt intent (failure budget or deadline). Clear it and `abortReason` with a "
-        "status patch, or change `spec.version`, to retry."
-    ),
-    "abortReason": "`FailureBudgetExceeded` or `ProgressDeadlineExceeded`.",
-    "message": "One line, e.g. `Progressing: 37/100 pods verified at v2; 10 updating`.",
-}
+#: Table cell of a field without a description (the tests fail on it).
+UNDOCUMENTED = "**undocumented**"
 
 
 def _resolve(node: Mapping[str, Any], defs: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -248,6 +134,29 @@ def model_rows(
     yield from walk(schema, "")
 
 
+def field_descriptions(
+    model: type[BaseModel], recurse: frozenset[str] = frozenset(), mode: str = "validation"
+) -> dict[str, str]:
+    """``path -> description`` (the attribute docstring, one line) for every row of ``model``."""
+    schema = model.model_json_schema(by_alias=True, mode=mode)  # type: ignore[arg-type]
+    defs = schema.get("$defs", {})
+    out: dict[str, str] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, raw in node["properties"].items():
+            prop, name = _resolve(raw, defs)
+            path = f"{prefix}{key}"
+            if name in recurse:
+                walk(prop, f"{path}.")
+                continue
+            text = raw.get("description") or prop.get("description")
+            if text:
+                out[path] = one_line(str(text))
+
+    walk(schema, "")
+    return out
+
+
 def spec_rows() -> Iterator[tuple[str, str, str, str]]:
     """Rows of the spec table (the nested strategy, source, drain and agent fields flattened)."""
     return model_rows(api.WeightUpdateSpec, _RECURSE)
@@ -265,18 +174,30 @@ def status_rows() -> Iterator[tuple[str, str]]:
         yield key, type_text
 
 
+def spec_meanings() -> dict[str, str]:
+    """The description of every spec row (the models' attribute docstrings)."""
+    return field_descriptions(api.WeightUpdateSpec, _RECURSE)
+
+
+def status_meanings() -> dict[str, str]:
+    """The description of every top-level status field."""
+    return field_descriptions(api.WeightUpdateStatus, mode="serialization")
+
+
 def spec_table() -> str:
+    meanings = spec_meanings()
     lines = ["| Field | Type | Default | Validation | Meaning |", "|---|---|---|---|---|"]
     for path, type_text, default, validation in spec_rows():
-        meaning = SPEC_MEANINGS.get(path, "**undocumented**")
+        meaning = meanings.get(path, UNDOCUMENTED)
         lines.append(f"| `{path}` | {type_text} | {default} | {validation} | {meaning} |")
     return "\n".join(lines)
 
 
 def status_table() -> str:
+    meanings = status_meanings()
     lines = ["| Field | Type | Meaning |", "|---|---|---|"]
     for key, type_text in status_rows():
-        meaning = STATUS_MEANINGS.get(key, "**undocumented**")
+        meaning = meanings.get(key, UNDOCUMENTED)
         lines.append(f"| `{key}` | {type_text} | {meaning} |")
     return "\n".join(lines)
 
@@ -369,10 +290,43 @@ def wire_table(name: str) -> str:
     return "\n".join(lines)
 
 
+def view_rows() -> Iterator[tuple[str, str, str]]:
+    """``(path, type, description)`` of every field of ``weightroll status -o json``."""
+    from weightroll_operator.status_view import VIEW_SCHEMA
+
+    def kind(node: Mapping[str, Any]) -> str:
+        if "const" in node:
+            return f"`{node['const']}`"
+        if "enum" in node:
+            return " \\| ".join(f"`{v}`" for v in node["enum"])
+        types = node.get("type")
+        names = types if isinstance(types, list) else [types]
+        return " or ".join(str(n) for n in names)
+
+    def walk(node: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, str, str]]:
+        for key, prop in node["properties"].items():
+            path = f"{prefix}{key}"
+            yield path, kind(prop), str(prop.get("description", "**undocumented**"))
+            if prop.get("type") == "object" and "properties" in prop:
+                yield from walk(prop, f"{path}.")
+            items = prop.get("items")
+            if isinstance(items, Mapping) and "properties" in items:
+                yield from walk(items, f"{path}[].")
+
+    yield from walk(VIEW_SCHEMA, "")
+
+
+def view_table() -> str:
+    lines = ["| Field | Type | Meaning |", "|---|---|---|"]
+    lines += [f"| `{path}` | {type_text} | {text} |" for path, type_text, text in view_rows()]
+    return "\n".join(lines)
+
+
 #: Generated blocks of docs/api.md: marker name -> renderer.
 BLOCKS: dict[str, Callable[[], str]] = {
     "spec-fields": spec_table,
     "status-fields": status_table,
+    "status-view": view_table,
     **{f"wire-{name}": functools.partial(wire_table, name) for name in WIRE_MODELS},
 }
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from weightroll_dev.devcluster.workload import TOKEN_SECRET, WORKLOAD
 
-from tests.e2e.conftest import (
+from tests.e2e.tls_fleet import (
     FIRST_UPDATE,
     NAMESPACE,
     WORKLOAD_VALUES,

@@ -290,6 +290,12 @@ def test_rollout_under_the_chart_serviceaccount_succeeds(light: Light) -> None:
             time.sleep(0.5)
         for i in range(2):
             light.wait(f"p-{i}", Ready="True", timeout=60)
+            # each pod's own Events, as `kubectl describe pod` finds them (by kind, name, uid)
+            described = light.kubectl("describe", "pod", f"p-{i}")
+            events = described.split("Events:", 1)[1]
+            for reason in ("WeightsDrained", "WeightsUpdating", "WeightsVerified"):
+                assert reason in events, described
+            assert "Verified weights v2 on every rank" in " ".join(events.split()), described
         light.kubectl("delete", "wu", "wu", "--timeout=30s")
     finally:
         stop_process(proc)

@@ -2,7 +2,8 @@
 
 This is **not** vLLM. It serves the few dev-mode routes the sidecar uses (``/health``,
 ``/get_world_size``, ``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``,
-``/collective_rpc``, ``/metrics``) plus a toy ``/v1/completions``, and plays N ranks of the
+``/collective_rpc``, ``/metrics``, ``/weight_info``, ``/update_weight_version``) plus a toy
+``/v1/completions``, and plays N ranks of the
 weightroll worker extension with the state machine of ``engine_agent/reload/session.py``
 (clean → open → dirty → clean(v'), dirty --abort--> poisoned).
 
@@ -13,7 +14,11 @@ draining), restart (all ranks back to the boot version, unpaused).
 
 Loading is realistic enough for the contract: the path must exist, and when a manifest is given
 each rank compares the checkpoint on disk with it (``engine_agent.manifest``), failing with
-``manifest_mismatch`` as the real extension does.
+``manifest_mismatch`` as the real extension does. Like the real extension, a rank's ``digest``
+is ``rank_digest`` over the content hashes of the tensors it read (the manifest's algorithm,
+else BLAKE3), so with a manifest it equals ``Manifest.rank_digest()``; a sparse ``begin``
+needs ``clean`` at exactly ``baseVersion``; ``abort {poison: true}`` poisons a clean rank too.
+vLLM's own weight version (``/weight_info``) starts as ``"default"`` and resets on restart.
 
 Completions answer ``"weights=<version>"`` with the version the ranks held when the request
 was admitted, or ``"mixed"`` if it changed while the request ran, so tests can prove that no
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -64,6 +68,9 @@ class FakeRank:
     identity_problems: list[str] = field(default_factory=list)
     #: report this update id instead of the session's.
     wrong_update_id: str | None = None
+    #: finish reports this digest instead of the one of the bytes read.
+    digest: str | None = None
+    source_digest: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)
     loaded_bytes: int = 0
 
@@ -76,6 +83,7 @@ class FakeRank:
         self.poison_reason = None
         self.loaded_bytes = 0
         self.manifest_digest = ""
+        self.source_digest = ""
 
     def _report(
         self, call: str, ok: bool = True, error: dict[str, Any] | None = None
@@ -118,6 +126,10 @@ class FakeRank:
                 return self._error(call, "update_conflict", f"update {self.update_id} is active")
             if self.state == "poisoned" and body.get("mode", "full") != "full":
                 return self._error(call, "wrong_state", "engine is poisoned")
+            if body.get("mode") == "sparse" and body.get("baseVersion") != self.version:
+                return self._error(
+                    call, "wrong_state", f"sparse update is based on {body.get('baseVersion')!r}"
+                )
             self.update_id, self.target = body["updateId"], body["version"]
             self.state = "open"
             self.manifest_digest = ""
@@ -135,11 +147,19 @@ class FakeRank:
                     actual = build_manifest(path)
                 except ManifestError as e:
                     return self._error(call, e.code, str(e))
+                if pinned.algorithm != actual.algorithm:
+                    actual = build_manifest(path, algorithm=pinned.algorithm)
                 if pinned.digest != actual.digest:
                     return self._error(
                         call, "manifest_mismatch", "checkpoint bytes differ from the manifest"
                     )
                 self.manifest_digest = pinned.digest
+            else:
+                try:
+                    actual = build_manifest(path)
+                except ManifestError as e:
+                    return self._error(call, "source_unavailable", str(e))
+            self.source_digest = actual.rank_digest()
             files = (
                 [path]
                 if os.path.isfile(path)
@@ -166,7 +186,7 @@ class FakeRank:
                     "required": 21,
                     "received": 21,
                     "coverageHash": self.coverage_hash or "cov-" + self.target,
-                    "digest": hashlib.sha256(f"{self.target}:{self.tp}".encode()).hexdigest(),
+                    "digest": self.digest or self.source_digest,
                     "identityOk": not self.identity_problems,
                     "identityProblems": self.identity_problems,
                     "manifestDigest": self.manifest_digest,
@@ -215,6 +235,8 @@ class FakeVllm:
         self.cache_resets = 0
         self.cache_reset_ok = True
         self.restarts = 0
+        #: vLLM's own weight version (``/weight_info``); ``"default"`` after (re)start.
+        self.weight_version = "default"
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._aborted = asyncio.Event()
@@ -259,6 +281,8 @@ class FakeVllm:
         app.router.add_post("/collective_rpc", self._rpc)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_post("/update_weight_version", self._update_weight_version)
         return app
 
     async def start(self, port: int = 0) -> str:
@@ -287,6 +311,7 @@ class FakeVllm:
         self.paused = False
         self._resumed.set()
         self.restarts += 1
+        self.weight_version = "default"
         await self.start(self.port)
 
     # ---------------------------------------------------------------- routes
@@ -320,6 +345,17 @@ class FakeVllm:
     async def _reset_cache(self, _: web.Request) -> web.Response:
         self.cache_resets += 1
         return web.json_response({"success": self.cache_reset_ok})
+
+    async def _weight_info(self, _: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):  # FastAPI's answer to a missing body field
+            return web.json_response({"detail": [{"loc": ["body", "new_version"]}]}, status=422)
+        self.weight_version = version
+        return web.json_response({"success": True, "new_version": version})
 
     async def _metrics(self, _: web.Request) -> web.Response:
         text = (

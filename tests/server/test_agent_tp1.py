@@ -175,6 +175,39 @@ async def test_corrupt_manifest_is_refused(sc: Scenario) -> None:
     await sc.recover("tp1-after-bad-manifest")
 
 
+async def test_a_replica_rejected_after_finish_is_fenced(sc: Scenario) -> None:
+    """Issue 10 item 4 on a real server: the rank committed, the agent rejected the replica (its
+    manifest was re-published while finish ran); the rank ends poisoned, not clean at the
+    rejected version, and a sparse patch based on that version is refused."""
+    from engine_agent.manifest import build_manifest, write_manifest
+
+    source = sc.models.root / "c-republished"
+    shutil.copytree(sc.models.c, source)
+    sc.set_failpoints("finish=hang:2")  # holds finish (below the agent's 5 s timeout)
+    await sc.post_update("tp1-republished", "v2", source)
+    await sc.wait_phase("tp1-republished", "Verifying")
+    write_manifest(build_manifest(source, algorithm="sha256"), source / MANIFEST)
+    status = await sc.wait_phase("tp1-republished")
+    sc.set_failpoints("")
+    assert status["phase"] == "Failed", status
+    (rank,) = status["ranks"]
+    assert rank["call"] == "abort" and rank["state"] == "poisoned", rank
+    assert any(r.startswith("manifest_changed:") for r in status["verdict"]["reasons"]), status
+    state = await sc.state()
+    assert {(r["state"], r["version"]) for r in state["ranks"]} == {("poisoned", "v2")}, state
+    assert await sc.vllm_paused()
+    patch = {
+        "id": "tp1-on-rejected",
+        "version": "v3",
+        "mode": "sparse",
+        "baseVersion": "v2",
+        "source": {"uri": f"file://{source}"},
+    }
+    response = await sc.http.post(f"{sc.agent.url}/v1/updates", json=patch, headers=sc.headers)
+    assert response.status == 409, await response.text()
+    await sc.recover("tp1-after-republished")
+
+
 def _sample(text: str, line_start: str) -> float:
     for line in text.splitlines():
         if line.startswith(line_start + " "):

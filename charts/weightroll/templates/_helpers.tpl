@@ -67,7 +67,8 @@ operator.watchNamespaces lists plain names, else in the ClusterRole):
 - pods: observed through @kopf.index (list/watch), annotations/labels patched (weight-state,
   owner, weight-version, trafficLabel).
 - pods/status: the `weightroll.io/weights-ready` condition, strategic merge patch (never Ready).
-- events: kopf posts Events for every unit transition and phase change.
+- events: Events for every unit transition and phase change (on the WeightUpdate) and on each
+  pod (drained, updating, verified, failed); `patch` raises the count of a repeated pod Event.
 - secrets: `get` of the agent token Secret named in the spec (never list/watch); limited to
   rbac.agentTokenSecretNames when set. RBAC cannot select by label: the operator itself refuses
   Secrets without `weightroll.io/agent-token: "true"`.

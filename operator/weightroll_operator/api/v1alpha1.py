@@ -8,6 +8,9 @@ Invariants:
     * JSON is camelCase (Kubernetes style); attributes are snake_case; both parse.
     * Validation messages name the field by its JSON path (``spec.strategy.maxUnavailable``), so
       the same text reads well in an ``InvalidSpec`` condition and in a CLI error.
+    * One text per field: each field's attribute docstring (``use_attribute_docstrings``) is its
+      description in the CRD (so ``kubectl explain``) and its meaning in docs/api.md; docstrings
+      are user-facing Markdown (single backticks). A test fails when a CRD property has none.
 
 Limitations:
     * The CRD schema cannot express every rule here (sparse needs ``baseVersion``, percentages
@@ -107,6 +110,7 @@ class Model(BaseModel):
         extra="forbid",
         frozen=True,
         use_enum_values=False,
+        use_attribute_docstrings=True,
     )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -127,11 +131,14 @@ class SelectorOperator(StrEnum):
 
 
 class LabelSelectorRequirement(Model):
-    """One ``matchExpressions`` entry of a Kubernetes label selector."""
+    """One `matchExpressions` entry of a Kubernetes label selector."""
 
     key: LabelKey
+    """The label key the requirement applies to."""
     operator: SelectorOperator
+    """`In`, `NotIn`, `Exists` or `DoesNotExist` (Kubernetes semantics)."""
     values: list[str] = Field(default_factory=list)
+    """Label values: non-empty for `In` and `NotIn`, empty for `Exists` and `DoesNotExist`."""
 
     @model_validator(mode="after")
     def _values_match_operator(self) -> Self:
@@ -144,10 +151,12 @@ class LabelSelectorRequirement(Model):
 
 
 class LabelSelector(Model):
-    """Label selector of the vLLM pods (``matchLabels`` and/or ``matchExpressions``)."""
+    """Label selector of the vLLM pods (`matchLabels` and/or `matchExpressions`)."""
 
     match_labels: dict[str, str] = Field(default_factory=dict)
+    """Labels a pod must carry, each with exactly this value (ANDed with `matchExpressions`)."""
     match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+    """Label requirements a pod must meet, all of them (ANDed with `matchLabels`)."""
 
     @model_validator(mode="after")
     def _not_empty(self) -> Self:
@@ -169,14 +178,21 @@ class SourceMode(StrEnum):
 
 
 class SourceSpec(Model):
-    """Where the new weights are, as the agents see it (an absolute path or ``file://`` URI)."""
+    """Where the new weights are, as the agents see it (an absolute path or `file://` URI)."""
 
     uri: str = Field(min_length=1)
-    #: Optional checkpoint manifest (``weightroll manifest``); every byte is checked against it.
+    """Where the agents read the weights: an absolute path or `file://` URI inside the pod
+    (other schemes are reported as `InvalidSpec`). A directory of safetensors files, or one
+    patch file for `sparse`."""
     manifest: str | None = None
+    """Checkpoint manifest (`weightroll manifest`), path or `file://` URI; every byte each rank
+    reads is checked against it before it reaches a live tensor."""
     mode: SourceMode = SourceMode.FULL
-    #: Required for ``sparse``: the version the patch was computed against.
+    """`full`: every tensor of the model; `sparse`: a patch against `source.baseVersion`
+    (required then)."""
     base_version: Version | None = None
+    """The version a sparse patch was computed against; required with `sparse`, refused with
+    `full`."""
 
     @field_validator("uri", "manifest")
     @classmethod
@@ -207,9 +223,13 @@ class DrainMode(StrEnum):
 
 
 class DrainSpec(Model):
+    """How the agent stops generation on a pod before its reload (traffic is already away)."""
+
     mode: DrainMode = DrainMode.WAIT
-    #: Seconds the agent waits for in-flight requests before aborting them.
+    """How the agent pauses generation before the reload: `wait` lets running requests finish
+    (up to the timeout, then aborts them), `abort` aborts them at once."""
     timeout_seconds: int = Field(default=60, ge=0, le=3600)
+    """How long the agent waits for in-flight requests (seconds)."""
 
 
 class OnFailure(StrEnum):
@@ -224,23 +244,33 @@ class OnFailure(StrEnum):
 class StrategySpec(Model):
     """How the rollout moves through the fleet."""
 
-    #: Units (pods, or groups with ``groupBy``) that may be unavailable at once, counting units
-    #: already not ready: an integer >= 1 or a percentage in (0%, 100%] (rounded down, min 1).
     max_unavailable: int | str = 1
-    #: Units updated first; the rest waits until all of them are verified.
+    """Units (pods, or groups with `groupBy`) unavailable at once: an integer >= 1 or `"N%"`
+    with 0 < N <= 100 (rounded down, at least 1), **counting units already not ready**.
+    Starting a unit that is already not ready is free."""
     canary: int | None = Field(default=None, ge=1)
-    #: Hold after the canary until this is set to false (the promote step).
+    """Units updated first; the rest waits until every canary unit has a verdict."""
     pause_after_canary: bool = False
+    """Hold after the canary (phase `Paused`, reason `CanaryComplete`); set it to `false` to
+    promote (`weightroll promote`)."""
     drain: DrainSpec = Field(default_factory=DrainSpec)
-    #: Label removed from a pod while it is drained, for routers that ignore Pod readiness.
+    """How the agent stops generation on a pod before its reload."""
     traffic_label: LabelKey | None = None
-    #: Seconds one unit may take from drain to verdict before it counts as failed.
+    """Also removed from a pod while it is drained and restored afterwards, for routers that
+    ignore Pod readiness. Keep it out of your workload's own selector."""
     update_timeout_seconds: int = Field(default=600, ge=1)
-    #: Seconds without progress before the rollout is Failed.
+    """Limit per unit from its drain to the agents' verdict (seconds); past it the update is
+    aborted and the unit fails (it stays drained)."""
     progress_deadline_seconds: int = Field(default=1800, ge=1)
+    """No unit transition for this long (seconds) while work is left: phase `Failed` (reason
+    `ProgressDeadlineExceeded`). Not counted while paused."""
     on_failure: OnFailure = OnFailure.HALT
-    #: Failed units tolerated before ``onFailure`` applies.
+    """When more than `maxFailedReplicas` units have failed: `Halt` stops starting units
+    (failed units stay drained); `Rollback` reloads every touched unit in place to the version
+    and source it served before."""
     max_failed_replicas: int = Field(default=0, ge=0)
+    """Failed units tolerated before `onFailure` applies. Failed units stay drained and count
+    as unavailable."""
 
     @field_validator("max_unavailable")
     @classmethod
@@ -262,32 +292,44 @@ class SecretKeyRef(Model):
     """A key of a Secret in the WeightUpdate's namespace."""
 
     name: str = Field(min_length=1)
+    """Name of the Secret (in the WeightUpdate's namespace)."""
     key: str = Field(default="token", min_length=1)
+    """Key of the Secret's `data` holding the value."""
 
 
 class AgentSpec(Model):
     """How the operator reaches the pod agents."""
 
-    #: Deprecated check: the operator only ever calls the container port named ``weightroll``
-    #: of a selected pod. When set, every selected pod's ``weightroll`` port must equal it.
     port: int | None = Field(default=None, ge=1, le=65535)
-    #: Bearer token for the agent's ``/v1`` routes; no token is sent without it. The Secret must
-    #: carry the label ``weightroll.io/agent-token: "true"`` (it opts in to being sent).
+    """Deprecated check: the operator only calls the container port named `weightroll` of a
+    selected pod; when set, every selected pod's `weightroll` port must equal it (`InvalidSpec`
+    otherwise)."""
     token_secret_ref: SecretKeyRef | None = None
+    """Secret (in the WeightUpdate's namespace) holding the agents' bearer token (its first line
+    is sent); it must carry the label `weightroll.io/agent-token: "true"` (`InvalidSpec`
+    otherwise). Without it no token is sent and agents answer 401."""
 
 
 class WeightUpdateSpec(Model):
-    """What the platform team asks for: this version on every selected pod."""
+    """What to roll out: this version on every selected pod."""
 
     selector: LabelSelector
+    """The vLLM pods (`matchLabels` and/or `matchExpressions`, Kubernetes semantics); must not
+    be empty. Pods being deleted are left out."""
     version: Version
+    """The weight version to serve; also written to the pod label
+    `weightroll.io/weight-version` when a pod is restored."""
     source: SourceSpec
-    #: Pods sharing this label's value are updated and verified as one unit (LWS groups).
+    """Where the new weights are, as the agents see it."""
     group_by: LabelKey | None = None
+    """Pods sharing this label's value (e.g. a LeaderWorkerSet group) form one *unit*: drained,
+    updated, verified and restored together. Without it each pod is a unit."""
     strategy: StrategySpec = Field(default_factory=StrategySpec)
-    #: Hold new units (in-flight ones finish).
+    """How the rollout moves through the fleet."""
     paused: bool = False
+    """Hold new units; units in flight finish (phase `Paused`, reason `PausedBySpec`)."""
     agent: AgentSpec = Field(default_factory=AgentSpec)
+    """How the operator reaches the pod agents."""
 
 
 def format_validation_error(error: ValidationError, prefix: str = "spec") -> str:
@@ -364,54 +406,94 @@ class ConditionStatus(StrEnum):
 
 
 class Condition(Model):
+    """One condition of the rollout (Kubernetes style)."""
+
     type: ConditionType
+    """`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked`, `InvalidSpec` or
+    `AgentTokenAvailable`."""
     status: ConditionStatus
+    """`True`, `False` or `Unknown`."""
     reason: str = ""
+    """CamelCase reason, also an Event reason (docs/api.md, "Condition reasons")."""
     message: str = ""
+    """One line for humans."""
     last_transition_time: str | None = None
+    """When `status` last changed (RFC 3339)."""
 
 
 class ReplicaCounts(Model):
     """Pods by state (a pod is in exactly one of updated/draining/failed/stale or none)."""
 
     total: int = 0
+    """Pods the selector selects."""
     updated: int = 0
+    """Pods serving the version."""
     verified: int = 0
+    """Updated pods whose traffic is restored (their gate is True)."""
     draining: int = 0
+    """Pods in flight: drained, reloading or verifying."""
     failed: int = 0
+    """Pods whose update failed (they stay drained)."""
     stale: int = 0
+    """Pods not at the version and not being worked on: paused, halted, blocked, superseded,
+    agent unreachable."""
 
 
 class PodResult(Model):
     """One pod's outcome; failed pods are always listed, others while the list has room."""
 
     name: str
+    """Pod name."""
     state: str
+    """`Verified`, `Updating`, `Pending`, `Failed`, `RolledBack`, `Blocked`, `Superseded` or
+    `Unknown`."""
     version: str | None = None
+    """The version of the pod's weight-state annotation."""
     reason: str | None = None
+    """Why the pod failed or waits."""
     unit: str | None = None
+    """The unit the pod belongs to (its `groupBy` label value); absent without `groupBy`."""
 
 
 class WeightUpdateStatus(Model):
-    """The aggregate the operator recomputes every pass (plus the few persisted intents)."""
+    """Aggregate state recomputed by the operator every pass (plus the few persisted intents)."""
 
     phase: Phase = Phase.PENDING
+    """Where the rollout stands: `Pending`, `Progressing`, `Paused`, `Succeeded`, `Failed`,
+    `RollingBack` or `RolledBack`."""
     observed_generation: int | None = None
-    #: The version the persisted fields below belong to; a new spec.version resets them.
+    """`metadata.generation` of the spec this status is about."""
     target_version: str | None = None
+    """The `spec.version` the persisted fields belong to; a new `spec.version` resets them."""
     replicas: ReplicaCounts = Field(default_factory=ReplicaCounts)
-    #: The version the fleet served before this rollout (the rollback target when uniform).
+    """Pods by state: `total`, `updated` (serving the version), `verified` (updated and traffic
+    restored), `draining` (in flight), `failed`, `stale` (not at the version and not being
+    worked on: paused, halted, blocked, superseded, agent unreachable)."""
     stable_version: str | None = None
+    """What the fleet served before (when every touched pod served the same version); the
+    version itself after success."""
     conditions: list[Condition] = Field(default_factory=list)
+    """`Progressing`, `Verified`, `Degraded`, `Paused`, `Blocked`, `InvalidSpec`,
+    `AgentTokenAvailable`, each with a reason (listed in docs/api.md, "Condition reasons")."""
     pods: list[PodResult] = Field(default_factory=list)
+    """Up to 50 pods (failed pods always listed, even past 50) with `name`, `state`
+    (`Verified`, `Updating`, `Pending`, `Failed`, `RolledBack`, `Blocked`, `Superseded`,
+    `Unknown`), the `version` of the pod's weight-state annotation, a `reason` and, with
+    `groupBy`, the `unit`."""
     start_time: str | None = None
+    """When the first unit was claimed (RFC 3339)."""
     completion_time: str | None = None
-    #: Persisted: last time a unit changed state (for progressDeadlineSeconds).
+    """When every selected pod first served the version (RFC 3339); stays set (convergence of
+    later pods does not clear it)."""
     last_progress_time: str | None = None
-    #: Persisted intent: the rollout was halted (failure budget or deadline) and why.
+    """Last unit transition (RFC 3339; for `progressDeadlineSeconds`)."""
     aborted_at: str | None = None
+    """Persisted halt intent (failure budget or deadline; RFC 3339). Clear it and `abortReason`
+    with a status patch, or change `spec.version`, to retry."""
     abort_reason: str | None = None
+    """Why the rollout halted: `FailureBudgetExceeded` or `ProgressDeadlineExceeded`."""
     message: str = ""
+    """One line, e.g. `Progressing: 37/100 pods verified at v2; 10 updating`."""
 
 
 class WeightUpdate(Model):

@@ -215,3 +215,5 @@ class PodView:
     resource_version: str | None = None
     #: Changes whenever the pod's containers restart (cache key for agent observations).
     incarnation: str = ""
+    #: ``metadata.uid``: names the pod in its Events (``kubectl describe pod`` matches on it).
+    uid: str | None = None

@@ -372,6 +372,20 @@ class KubeApi:
         body.setdefault("metadata", {"name": f"{involved}.{stamp}", "namespace": namespace})
         await self._call("POST", f"/api/v1/namespaces/{namespace}/events", body=body, kind="event")
 
+    async def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """Merge-patch an Event the operator posted (``count``/``lastTimestamp`` of a repeat).
+
+        Raises:
+            KubeNotFound: the Event expired (the API server drops Events after ``--event-ttl``).
+        """
+        await self._call(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/events/{name}",
+            body=dict(patch),
+            content_type=MERGE,
+            kind="event",
+        )
+
     async def list_events(self, namespace: str, involved_name: str) -> list[Any]:
         params = {"fieldSelector": f"involvedObject.name={involved_name}"}
         data = await self._call("GET", f"/api/v1/namespaces/{namespace}/events", params=params)

@@ -47,12 +47,17 @@ def _tamper_checkpoint(_: FakeVllm, checkpoints: dict[str, Path]) -> None:
     path.write_bytes(bytes(raw))
 
 
+def manifest_hash_key(document: dict[str, Any]) -> str:
+    """The content-hash field of this manifest's entries (``blake3`` in v2, ``sha256`` in v1)."""
+    return "sha256" if document["format"].endswith("/v1") else "blake3"
+
+
 def _tamper_manifest(_: FakeVllm, checkpoints: dict[str, Path]) -> None:
     """Edit one tensor hash in the manifest without updating its digest."""
     path = checkpoints["v2"] / "manifest.json"
     document = json.loads(path.read_text())
     entry = document["tensors"]["lm_head.weight"]
-    entry["sha256"] = "0" * 64
+    entry[manifest_hash_key(document)] = "0" * 64
     path.write_text(json.dumps(document))
 
 
@@ -112,12 +117,13 @@ CASES: list[tuple[str, int, Script, str, str, str]] = [
         "clean",
     ),
     (
+        # Both ranks committed, the agent rejects the replica: the fence poisons both.
         "coverage-hash-disagrees",
         2,
         _rank(1, coverage_hash="cov-other"),
         "coverage_hash_mismatch",
         "disagree on the plan",
-        "clean",
+        "poisoned",
     ),
     (
         "identity-changed",
@@ -125,7 +131,7 @@ CASES: list[tuple[str, int, Script, str, str, str]] = [
         _rank(0, identity_problems=["model.layers.0.mlp: data_ptr moved"]),
         "identity_changed",
         "data_ptr moved",
-        "clean",
+        "poisoned",
     ),
     (
         "wrong-update-id",
@@ -178,7 +184,7 @@ async def test_fault_fails_closed(
     assert any(code in reason for reason in ready["reasons"]), ready
     assert harness.fake.cache_resets == 0
     if rank_state:
-        assert {rank.state for rank in harness.fake.ranks if rank.tp == 0} <= {rank_state}
+        assert {rank.state for rank in harness.fake.ranks} <= {rank_state}
     state = await (await harness.get("/v1/state")).json()
     assert state["ready"] is False
     assert state["version"] == "v0"

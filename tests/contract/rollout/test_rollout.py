@@ -45,10 +45,11 @@ async def test_full_rollout_of_8_pods(h: Harness) -> None:
     assert h.max_drained_at_once() <= 2
     updates = h.metrics.updates_total.labels(NS, "wu", "succeeded")._value.get()
     assert updates == 1
-    # 2 pod-status + 2 pod-metadata writes per pod, 2 Events per pod, amortised status writes
+    # 2 pod-status + 2 pod-metadata writes per pod, 2 Events per pod on the WeightUpdate and 3
+    # on the pod itself (drained, updating, verified), amortised status writes
     per_pod = (h.kube.writes["pod-status"] + h.kube.writes["pod-metadata"]) / 8
     assert per_pod == 4
-    assert sum(h.kube.writes.values()) / 8 <= 8
+    assert sum(h.kube.writes.values()) / 8 <= 11
 
 
 async def test_idle_pass_writes_nothing(h: Harness) -> None:

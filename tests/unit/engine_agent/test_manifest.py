@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -64,8 +65,24 @@ def _stored_bytes(path: Path, name: str) -> bytes:
     return raw[8 + length + begin : 8 + length + end]
 
 
-def test_build_lists_every_tensor_with_raw_byte_hashes(checkpoint: Path) -> None:
-    manifest = mf.build_manifest(checkpoint, version="v2")
+def _hash(algorithm: str, data: bytes) -> str:
+    return (
+        blake3.blake3(data).hexdigest()
+        if algorithm == "blake3"
+        else hashlib.sha256(data).hexdigest()
+    )
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "fmt"),
+    [("blake3", "weightroll.manifest/v2"), ("sha256", "weightroll.manifest/v1")],
+)
+def test_build_lists_every_tensor_with_raw_byte_hashes(
+    checkpoint: Path, algorithm: Any, fmt: str
+) -> None:
+    manifest = mf.build_manifest(checkpoint, version="v2", algorithm=algorithm)
+    assert manifest.format == fmt
+    assert manifest.algorithm == algorithm
 
     assert sorted(manifest.tensors) == [
         "lm_head.weight",
@@ -79,9 +96,10 @@ def test_build_lists_every_tensor_with_raw_byte_hashes(checkpoint: Path) -> None
         "dtype": "BF16",
         "shape": [16, 8],
         "nbytes": 256,
-        "sha256": hashlib.sha256(
-            _stored_bytes(checkpoint / "model-00002-of-00002.safetensors", "lm_head.weight")
-        ).hexdigest(),
+        algorithm: _hash(
+            algorithm,
+            _stored_bytes(checkpoint / "model-00002-of-00002.safetensors", "lm_head.weight"),
+        ),
     }
     assert manifest.tensors["model.scalar"].shape == ()
     assert manifest.total_bytes == 16 * 8 * 4 + 8 * 4 + 256 + 8
@@ -97,12 +115,13 @@ def test_digest_is_sha256_of_canonical_tensors_json(checkpoint: Path) -> None:
     assert manifest.digest == hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def test_write_then_load_round_trips(checkpoint: Path, tmp_path: Path) -> None:
-    manifest = mf.build_manifest(checkpoint, version="v2", base_version="v1")
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_write_then_load_round_trips(checkpoint: Path, tmp_path: Path, algorithm: Any) -> None:
+    manifest = mf.build_manifest(checkpoint, version="v2", base_version="v1", algorithm=algorithm)
     out = tmp_path / "m.json"
     mf.write_manifest(manifest, out)
     document = json.loads(out.read_text())
-    assert document["format"] == "weightroll.manifest/v1"
+    assert document["format"] == {"blake3": mf.FORMAT_V2, "sha256": mf.FORMAT_V1}[algorithm]
     assert document["baseVersion"] == "v1"
     assert set(document) == {"format", "version", "baseVersion", "tensors", "totalBytes", "digest"}
     assert mf.load_manifest(out) == manifest
@@ -122,7 +141,7 @@ def test_entry_returns_none_for_unknown(checkpoint: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d["tensors"]["model.norm.weight"].update(sha256="0" * 64), "digest mismatch"),
+        (lambda d: d["tensors"]["model.norm.weight"].update(blake3="0" * 64), "digest mismatch"),
         (lambda d: d.update(digest="f" * 64), "digest mismatch"),
         (lambda d: d.update(totalBytes=1), "totalBytes"),
         (lambda d: d.update(format="other/v9"), "format"),
@@ -131,7 +150,9 @@ def test_entry_returns_none_for_unknown(checkpoint: Path) -> None:
         (lambda d: d["tensors"]["model.norm.weight"].update(file="../x"), "relative"),
         (lambda d: d["tensors"]["model.norm.weight"].update(dtype="F7"), "unknown safetensors"),
         (lambda d: d["tensors"]["model.norm.weight"].update(nbytes=3), "nbytes"),
-        (lambda d: d["tensors"]["model.norm.weight"].update(sha256="XYZ"), "sha256"),
+        (lambda d: d["tensors"]["model.norm.weight"].update(blake3="XYZ"), "blake3"),
+        (lambda d: d["tensors"]["model.norm.weight"].update(sha256="0" * 64), "exactly one"),
+        (lambda d: d.update(format=mf.FORMAT_V1), "carry sha256"),
         (lambda d: d.pop("tensors"), "tensors"),
     ],
 )
@@ -148,7 +169,7 @@ def test_load_rejects_bad_manifests_naming_the_problem(
 
 def test_digest_mismatch_is_a_mismatch_error(checkpoint: Path, tmp_path: Path) -> None:
     document = mf.build_manifest(checkpoint).to_json()
-    document["tensors"]["model.norm.weight"]["sha256"] = "0" * 64
+    document["tensors"]["model.norm.weight"]["blake3"] = "0" * 64
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(document))
     with pytest.raises(mf.ManifestMismatch) as info:
@@ -164,8 +185,9 @@ def test_load_missing_and_non_json(tmp_path: Path) -> None:
         mf.load_manifest(tmp_path / "x.json")
 
 
-def test_verify_checks_name_dtype_shape_size_and_hash(checkpoint: Path) -> None:
-    manifest = mf.build_manifest(checkpoint)
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_verify_checks_name_dtype_shape_size_and_hash(checkpoint: Path, algorithm: Any) -> None:
+    manifest = mf.build_manifest(checkpoint, algorithm=algorithm)
     file = checkpoint / "model-00001-of-00002.safetensors"
     good = _stored_bytes(file, "model.norm.weight")
     entry = manifest.verify("model.norm.weight", good, dtype="F32", shape=[8])
@@ -180,7 +202,7 @@ def test_verify_checks_name_dtype_shape_size_and_hash(checkpoint: Path) -> None:
     with pytest.raises(mf.ManifestMismatch, match="4 bytes"):
         manifest.verify("model.norm.weight", good[:4])
     flipped = bytes([good[0] ^ 1]) + good[1:]
-    with pytest.raises(mf.ManifestMismatch, match="sha256"):
+    with pytest.raises(mf.ManifestMismatch, match=algorithm):
         manifest.verify("model.norm.weight", flipped)
 
 

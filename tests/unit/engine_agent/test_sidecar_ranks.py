@@ -261,3 +261,32 @@ def test_worst_state_orders_by_severity() -> None:
     assert worst_state([]) is None
     assert worst_state([EngineState.OPEN, EngineState.CLEAN]) is EngineState.OPEN
     assert worst_state([EngineState.DIRTY, EngineState.POISONED]) is EngineState.POISONED
+
+
+def test_with_a_manifest_every_rank_digest_must_be_the_manifests() -> None:
+    from engine_agent.sidecar.ranks import check_commit, collect_reports
+
+    reports = [report(0, dp=0, digest="m"), report(0, dp=1, digest="m")]
+    round_ = collect_reports("weightroll_finish", reports, 2)
+    assert check_commit(round_, "u-1", "v2", expected_digest="m").ok
+    wrong = check_commit(round_, "u-1", "v2", expected_digest="other")
+    assert [p.code for p in wrong.problems] == ["digest_manifest_mismatch"]
+
+
+def test_the_data_parallel_rank_comes_from_vllm_032s_parallel_config() -> None:
+    """vLLM 0.32 has no get_data_parallel_rank: without the config every replica was dp0, two
+    replicas collided as rank_duplicate and the cross-replica digest comparison never ran."""
+    pytest.importorskip("vllm")
+    from vllm.config import ParallelConfig
+
+    from engine_agent.sidecar.ranks import check_commit, collect_reports
+    from engine_agent.vllm_extension import _rank_id
+
+    ranks = [
+        _rank_id(parallel_config=ParallelConfig(data_parallel_size=2, data_parallel_rank=dp))
+        for dp in (0, 1)
+    ]
+    assert [rank.dp for rank in ranks] == [0, 1]
+    reports = [report(0, dp=rank.dp, digest=f"bytes-{rank.dp}") for rank in ranks]
+    verdict = check_commit(collect_reports("weightroll_finish", reports, 2), "u-1", "v2")
+    assert [p.code for p in verdict.problems] == ["digest_mismatch"]

@@ -75,7 +75,7 @@ def test_crd_shape() -> None:
     assert crd["spec"]["names"]["shortNames"] == ["wu"]
     assert version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert cols == ["Phase", "Version", "Verified", "Total", "Age"]
+    assert cols == ["Phase", "Version", "Updated", "Total", "Age", "Message"]
     schema = version["schema"]["openAPIV3Schema"]
     spec = schema["properties"]["spec"]
     assert set(spec["required"]) == {"selector", "version", "source"}

@@ -264,7 +264,8 @@ def test_a_refusal_carries_no_patch() -> None:
         (
             "pause",
             ["llama-v2"],
-            {"name": "llama-v2", "namespace": "default", "kubeconfig": None, "context": None},
+            # no -n: None, resolved from the kubeconfig context (status_view.target_namespace)
+            {"name": "llama-v2", "namespace": None, "kubeconfig": None, "context": None},
         ),
         (
             "resume",

@@ -26,6 +26,7 @@ def test_metric_names_match_the_contract() -> None:
     m.observe_transition("ns", "wu", Phase.PROGRESSING, Phase.SUCCEEDED, 12.0)
     m.observe_units("ns", "wu", {"p0": "failed"}, {"p0": 3.0}, {"p0": "UpdateFailed: digest"})
     m.observe_pods("ns", "wu", {"p0": 1.0}, {"p0": True})
+    m.observe_pod_states("ns", "wu", {"p0": ("Failed", "v2")})
     m.observe_admitted("ns")
     exposed = generate_latest(m.registry).decode()
     names = {f.name + "_total" if f.type == "counter" else f.name for f in m.registry.collect()}
@@ -47,11 +48,24 @@ def test_per_pod_series_are_removed_when_no_longer_reported() -> None:
     assert 'pod="p1"' in exposed and 'pod="p0"' not in exposed
 
 
+def test_pod_state_keeps_one_series_per_pod() -> None:
+    m = Metrics()
+    m.observe_pod_states("ns", "wu", {"p0": ("Pending", ""), "p1": ("Verified", "v1")})
+    m.observe_pod_states("ns", "wu", {"p0": ("Draining", "v2"), "p1": ("Verified", "v1")})
+    m.observe_pod_states("ns", "wu", {"p0": ("Verified", "v2")})
+    exposed = generate_latest(m.registry).decode()
+    series = sorted(line for line in exposed.splitlines() if line.startswith("weightroll_pod_"))
+    assert series == [
+        'weightroll_pod_state{name="wu",namespace="ns",pod="p0",state="Verified",version="v2"} 1.0'
+    ]
+
+
 def _fill(m: Metrics, name: str) -> None:
     m.observe_status("ns", name, Phase.FAILED, ReplicaCounts(total=3, failed=1), 600, 1.0)
     m.observe_transition("ns", name, Phase.PROGRESSING, Phase.FAILED, 12.0)
     m.observe_units("ns", name, {"p0": "failed"}, {"p0": 3.0}, {"p0": "UpdateFailed: digest"})
     m.observe_pods("ns", name, {"p0": 1.0}, {"p0": True})
+    m.observe_pod_states("ns", name, {"p0": ("Failed", "v2")})
 
 
 def test_forget_removes_every_series_of_a_deleted_weightupdate_and_only_those() -> None:

@@ -282,6 +282,8 @@ CASES = {
     "failed": (FAILED, FAILED_EVENTS, FAILED_TEXT),
     "succeeded": (SUCCEEDED, SUCCEEDED_EVENTS, SUCCEEDED_TEXT),
 }
+#: Exit status of ``weightroll status`` per case: 0 Succeeded, 3 Failed, 4 not finished.
+EXIT = {"running": 4, "failed": 3, "succeeded": 0}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -334,7 +336,7 @@ async def test_command_against_kmock(
         argv = [name, "-n", NS, "--kubeconfig", str(config)]
         rc = await asyncio.to_thread(main, argv)
         out = capsys.readouterr()
-        assert (rc, out.err) == (0, "")
+        assert (rc, out.err) == (EXIT[case], "")
         assert out.out == expected + "\n"
 
         rc = await asyncio.to_thread(main, ["nope", "-n", NS, "--kubeconfig", str(config)])
