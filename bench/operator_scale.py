@@ -136,7 +136,7 @@ class MemKube:
             else:
                 status[k] = v
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
+    async def read_agent_token(self, namespace: str, name: str, key: str) -> str:
         return "token"
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
@@ -213,7 +213,12 @@ def make_fleet(n: int) -> dict[str, dict[str, Any]]:
                 "labels": {"app": "llm"},
                 "annotations": {},
             },
-            "spec": {"readinessGates": [{"conditionType": CONDITION_WEIGHTS_READY}]},
+            "spec": {
+                "readinessGates": [{"conditionType": CONDITION_WEIGHTS_READY}],
+                "containers": [
+                    {"name": "agent", "ports": [{"name": "weightroll", "containerPort": 8470}]}
+                ],
+            },
             "status": {
                 "podIP": f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
                 "conditions": [

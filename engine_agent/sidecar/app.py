@@ -8,6 +8,9 @@ Invariants:
     * Every ``/v1`` route needs ``Authorization: Bearer <token>``; the token is compared with
       :func:`hmac.compare_digest` and read from a file (a mounted Secret), re-read when the file
       changes so a rotated Secret takes effect without a restart. It is never logged.
+    * The file may hold several tokens, one per line, all accepted: a rotation adds the new token
+      as a second line, makes it the first (the operator sends the first line), then drops the old
+      one, so no request fails while kubelet propagates each step to the pods.
     * Every error is an :class:`~engine_agent.protocol.ErrorBody` JSON: 400 for bodies that are
       not a JSON object, 422 for validation errors (naming the field), 401, 404, 409 (naming the
       active update id in ``field``).
@@ -44,7 +47,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class TokenFile:
-    """A bearer token read from a file and re-read when the file's mtime or size changes.
+    """Bearer tokens (one per line) read from a file, re-read when its mtime or size changes.
 
     Raises:
         ValueError: at construction, when the file is missing or empty (the agent must not
@@ -54,9 +57,9 @@ class TokenFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._stamp: tuple[float, int] | None = None
-        self._token = b""
+        self._tokens: tuple[bytes, ...] = ()
         self._load()
-        if not self._token:
+        if not self._tokens:
             raise ValueError(f"token file {str(self.path)!r} is empty")
 
     def _load(self) -> None:
@@ -64,7 +67,8 @@ class TokenFile:
             stat = self.path.stat()
             stamp = (stat.st_mtime, stat.st_size)
             if stamp != self._stamp:
-                self._token = self.path.read_bytes().strip()
+                lines = self.path.read_bytes().splitlines()
+                self._tokens = tuple(t.strip() for t in lines if t.strip())
                 self._stamp = stamp
         except OSError as e:
             if self._stamp is None:
@@ -72,8 +76,10 @@ class TokenFile:
             logger.error("Kept the previous token: cannot read %s: %s", self.path, e)
 
     def matches(self, presented: bytes) -> bool:
+        """Whether ``presented`` is one of the tokens (each compared in constant time)."""
         self._load()
-        return bool(self._token) and hmac.compare_digest(presented, self._token)
+        hits = [hmac.compare_digest(presented, token) for token in self._tokens]
+        return bool(presented) and any(hits)
 
 
 def _error(

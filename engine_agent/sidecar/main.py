@@ -3,6 +3,10 @@
 Every flag has an environment variable (``WEIGHTROLL_AGENT_*``) so the Helm chart can configure
 the container without templating the command line; a flag wins over its variable. The process
 refuses to start without a readable, non-empty token file or with a non-loopback vLLM URL.
+
+It listens on the pod IP only (``--host``, default ``$POD_IP`` from the downward API), never on a
+wildcard address, and serves TLS when given a certificate and key (a mounted Secret, e.g. from
+cert-manager or the chart's self-signed CA); the certificate is re-read when its file changes.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +27,7 @@ from engine_agent.sidecar.agent import Agent, AgentConfig
 from engine_agent.sidecar.app import TokenFile, create_app
 from engine_agent.sidecar.engine import require_loopback
 
-__all__ = ["DEFAULT_PORT", "build_config", "main"]
+__all__ = ["DEFAULT_PORT", "ReloadingTLS", "build_config", "listen_host", "main", "tls_context"]
 
 #: Agent port (container port name ``weightroll``, docs/contracts.md).
 DEFAULT_PORT: Final = 8470
@@ -39,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve the pod sidecar that drives one vLLM replica through verified updates.",
     )
     add = parser.add_argument
-    add("--host", default=_env("HOST", "0.0.0.0"), help="listen address [HOST]")
+    add(
+        "--host",
+        default=_env("HOST", os.environ.get("POD_IP")),
+        help="listen address: the pod IP, never a wildcard [HOST; default $POD_IP]",
+    )
+    add("--tls-cert-file", default=_env("TLS_CERT_FILE"), help="serve TLS: certificate (PEM)")
+    add("--tls-key-file", default=_env("TLS_KEY_FILE"), help="serve TLS: private key (PEM)")
     add(
         "--port",
         type=int,
@@ -133,9 +144,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"weightroll agent: {e}", file=sys.stderr)
         return 2
+    try:
+        host = listen_host(args.host)
+        tls = tls_context(args.tls_cert_file, args.tls_key_file)
+    except (ValueError, OSError) as e:
+        print(f"weightroll agent: {e}", file=sys.stderr)
+        return 2
     app = create_app(Agent(config), tokens)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    ssl_context = None if tls is None else tls.context
+    web.run_app(
+        app, host=host, port=args.port, ssl_context=ssl_context, print=None, access_log=None
+    )
     return 0
+
+
+_WILDCARDS: Final = frozenset({"0.0.0.0", "::", "[::]", "*", ""})
+
+
+def listen_host(host: str | None) -> str:
+    """The address to listen on: an explicit host or the pod IP, never a wildcard.
+
+    Raises:
+        ValueError: no address given, or a wildcard (which would also expose the agent on
+            every other interface of the pod).
+    """
+    if host is None or host.strip() in _WILDCARDS:
+        raise ValueError(
+            f"--host {host!r}: listen on the pod IP (set POD_IP from the downward API, "
+            "fieldRef status.podIP), never on a wildcard address"
+        )
+    return host.strip()
+
+
+class ReloadingTLS:
+    """A server TLS context whose certificate is reloaded when the files change (cert-manager
+    renews certificates in place); new handshakes use the new certificate.
+
+    Raises:
+        ValueError: only one of the two files is given.
+        OSError, ssl.SSLError: at construction, when the pair cannot be loaded.
+    """
+
+    def __init__(self, cert_file: str, key_file: str) -> None:
+        self.cert_file, self.key_file = cert_file, key_file
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._stamp: tuple[float, float] | None = None
+        self.reload()
+        self.context.sni_callback = lambda *_: self.reload()
+
+    def reload(self) -> None:
+        try:
+            stamp = (os.stat(self.cert_file).st_mtime, os.stat(self.key_file).st_mtime)
+            if stamp != self._stamp:
+                self.context.load_cert_chain(self.cert_file, self.key_file)
+                self._stamp = stamp
+        except (OSError, ssl.SSLError):
+            if self._stamp is None:
+                raise
+            logging.getLogger(__name__).exception("Kept the previous TLS certificate")
+
+
+def tls_context(cert_file: str | None, key_file: str | None) -> ReloadingTLS | None:
+    """TLS for the agent port when both files are given; plain HTTP when neither is."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    return ReloadingTLS(cert_file, key_file)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
 """Async client of the pod sidecar's HTTP API (``engine_agent.protocol``; docs/contracts.md).
 
 Every ``/v1`` call sends ``Authorization: Bearer <token>`` when the spec names a token Secret.
+
+With a CA bundle (``ca_file``) every call is HTTPS and the agent's certificate must chain to that
+CA and carry the server name ``server_name`` (``{namespace}`` is the pod's namespace, so a
+certificate issued to one namespace's agents is refused for another's). There is no fallback to
+plain HTTP: the token is never sent to an agent that did not prove its identity. The CA file is
+re-read when it changes (a rotated CA).
 HTTP answers map to :mod:`weightroll_operator.errors` classes by status code; a connection error,
 a timeout or a 5xx is :class:`AgentUnavailable` (the agent may come back), a 4xx is
 :class:`AgentRejected` or one of its subclasses.
@@ -9,7 +15,9 @@ a timeout or a 5xx is :class:`AgentUnavailable` (the agent may come back), a 4xx
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+import os
+import ssl
+from typing import Any, Final, TypeVar
 
 import aiohttp
 from pydantic import ValidationError
@@ -25,7 +33,10 @@ from weightroll_operator.errors import (
 )
 from weightroll_operator.ports import AgentTarget
 
-__all__ = ["AgentClient"]
+__all__ = ["DEFAULT_SERVER_NAME", "AgentClient"]
+
+#: The name an agent's certificate must carry (``{namespace}``: the pod's namespace).
+DEFAULT_SERVER_NAME: Final = "weightroll-agent.{namespace}.svc"
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +50,30 @@ class AgentClient:
         concurrency: open connections at most.
     """
 
-    def __init__(self, *, timeout: float = 5.0, concurrency: int = 64) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float = 5.0,
+        concurrency: int = 64,
+        ca_file: str | None = None,
+        server_name: str = DEFAULT_SERVER_NAME,
+    ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._limit = concurrency
         self._session: aiohttp.ClientSession | None = None
+        self._ca_file = ca_file or None
+        self._server_name = server_name
+        self._ssl: tuple[float, ssl.SSLContext] | None = None
+
+    def _tls(self) -> ssl.SSLContext:
+        """The verifying client context, rebuilt when the CA file changes."""
+        assert self._ca_file is not None
+        stamp = os.stat(self._ca_file).st_mtime
+        if self._ssl is None or self._ssl[0] != stamp:
+            ctx = ssl.create_default_context(cafile=self._ca_file)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            self._ssl = (stamp, ctx)
+        return self._ssl[1]
 
     async def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -62,14 +93,21 @@ class AgentClient:
         session = await self._sess()
         headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
         url = target.base_url.rstrip("/") + path
+        extra: dict[str, Any] = {}
         try:
-            async with session.request(method, url, json=body, headers=headers) as resp:
+            if self._ca_file is not None:
+                url = "https://" + url.removeprefix("http://").removeprefix("https://")
+                extra = {
+                    "ssl": self._tls(),
+                    "server_hostname": self._server_name.format(namespace=target.namespace),
+                }
+            async with session.request(method, url, json=body, headers=headers, **extra) as resp:
                 try:
                     data: Any = await resp.json(content_type=None)
                 except ValueError:
                     data = None
                 status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, TimeoutError, OSError, ssl.SSLError) as e:
             raise AgentUnavailable(f"{target.pod}: {method} {path}: {e!r}") from e
         if status < 400:
             return status, data

@@ -45,7 +45,12 @@ from weightroll_operator.domain.model import (
     PodView,
 )
 from weightroll_operator.domain.pod_events import PodEvent, aggregate, pod_event
-from weightroll_operator.errors import KubeConflict, KubeNotFound, WeightrollError
+from weightroll_operator.errors import (
+    AgentUnavailable,
+    KubeConflict,
+    KubeNotFound,
+    WeightrollError,
+)
 from weightroll_operator.ports import AgentPort, AgentTarget, KubePort
 
 __all__ = [
@@ -119,9 +124,16 @@ class ApplyContext:
 
 
 def target_of(pod: PodView, token: str | None) -> AgentTarget:
-    host = pod.ip or "0.0.0.0"
-    host = f"[{host}]" if ":" in host else host
-    return AgentTarget(pod=pod.name, base_url=f"http://{host}:{pod.port}", token=token)
+    """The agent of ``pod``: its IP and its container port named ``weightroll``, nothing else.
+
+    Raises:
+        AgentUnavailable: the pod has no IP or no such port (no request is made).
+    """
+    if pod.ip is None or pod.port is None:
+        raise AgentUnavailable(f"{pod.name}: no pod IP or no container port named 'weightroll'")
+    host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
+    base_url = f"http://{host}:{pod.port}"
+    return AgentTarget(pod=pod.name, base_url=base_url, token=token, namespace=pod.namespace)
 
 
 async def write_gate(

@@ -27,6 +27,7 @@ from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from weightroll_operator.domain.admission import awaits_admission
 from weightroll_operator.domain.fleet import trim_pod, trim_weightupdate
 from weightroll_operator.errors import InvalidSpec, WeightrollError
+from weightroll_operator.liveness import Liveness, Stalled
 from weightroll_operator.loop import Wakeups, drive
 from weightroll_operator.reconcile import PassResult, Reconciler, backoff_delay
 from weightroll_operator.settings import OperatorConfig, configure_kopf
@@ -42,10 +43,16 @@ class Runtime:
 
     reconciler: Reconciler
     config: OperatorConfig
-    #: Monotonic time of the last finished pass (liveness).
-    last_pass: float = field(default_factory=time.monotonic)
+    #: The namespaces watched (``-n``); empty: every namespace.
+    namespaces: tuple[str, ...] = ()
     #: The wake-up events of the running WeightUpdate loops.
     wakeups: Wakeups = field(default_factory=Wakeups)
+    #: Finished passes, for the liveness probe (``liveness.py``).
+    liveness: Liveness = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.liveness = Liveness(c.interval, c.liveness_stall_intervals, time.monotonic())
 
 
 def _of(index: kopf.Index[str, Any], namespace: str | None) -> Iterable[Mapping[str, Any]]:
@@ -73,7 +80,7 @@ def register(
 
     @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings, rt.config)
+        configure_kopf(settings, rt.config, rt.namespaces)
 
     @kopf.index("pods", id="pods_by_namespace", registry=registry)
     def pods_by_namespace(namespace: str | None, body: kopf.Body, **_: Any) -> dict[str, Any]:
@@ -96,7 +103,7 @@ def register(
         except WeightrollError as e:
             raise kopf.TemporaryError(str(e), delay=retry_in(indices)) from e
         finally:
-            rt.last_pass = time.monotonic()
+            rt.liveness.passed(time.monotonic())
 
     # Explicit ids: they become annotation keys (weightroll.io/<id>) of kopf's progress storage.
     @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", registry=registry)
@@ -157,6 +164,12 @@ def register(
     async def admit_pod(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
         await rt.reconciler.admit(body, _of(kw["updates_by_namespace"], namespace))
 
+    # A stall raises PermanentError: kopf's /healthz then answers 500 and the kubelet restarts us.
     @kopf.on.probe(id="lastPassAgeSeconds", registry=registry)
-    def liveness(**_: Any) -> float:
-        return round(time.monotonic() - rt.last_pass, 1)
+    def liveness(**kw: Any) -> float:
+        updates: kopf.Index[str, Any] = kw["updates_by_namespace"]
+        active = any(len(updates.get(ns, [])) for ns in updates)
+        try:
+            return rt.liveness.check(active=active, now=time.monotonic())
+        except Stalled as e:
+            raise kopf.PermanentError(str(e)) from e

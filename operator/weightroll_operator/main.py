@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -71,25 +72,43 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None) -> Runtime:
-    agents = AgentClient(timeout=config.agent_timeout, concurrency=config.concurrency)
+def build_runtime(
+    config: OperatorConfig,
+    kube: KubeApi,
+    metrics: Metrics | None,
+    namespaces: Sequence[str] = (),
+) -> Runtime:
+    agents = AgentClient(
+        timeout=config.agent_timeout,
+        concurrency=config.concurrency,
+        ca_file=config.agent_ca_file or None,
+        server_name=config.agent_server_name,
+    )
     reconciler = Reconciler(
         kube=kube,
         agents=agents,
         metrics=metrics,
         concurrency=config.concurrency,
         state_ttl=config.state_ttl,
+        token_ttl=config.token_ttl,
         poll_interval=config.poll_interval,
         idle_interval=config.interval,
     )
-    return Runtime(reconciler=reconciler, config=config)
+    return Runtime(reconciler=reconciler, config=config, namespaces=tuple(namespaces))
 
 
-def _login(cfg: KubeConfig) -> kopf.ConnectionInfo:
-    """kopf's credentials: the same server and identity as the operator's own API client."""
+#: kopf re-asks for credentials this often, so a rotated token file reaches its watches too.
+LOGIN_TTL = timedelta(minutes=5)
+
+
+def _login(cfg: KubeConfig, kube: KubeApi) -> kopf.ConnectionInfo:
+    """kopf's credentials: the same server and identity as the operator's own API client, with
+    the token read now (a token file is re-read; kopf logs in again on expiry or a 401)."""
+    expiration = datetime.now(tz=UTC) + LOGIN_TTL if cfg.token_file else None
     return kopf.ConnectionInfo(
         server=cfg.server,
-        token=cfg.token,
+        token=kube.current_token(),
+        expiration=expiration,
         ca_path=cfg.ca_file,
         certificate_path=cfg.cert_file,
         private_key_path=cfg.key_file,
@@ -190,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.metrics_port:
         metrics.serve(config.metrics_port, addr=config.metrics_addr)
     registry = kopf.OperatorRegistry()
-    register(registry, build_runtime(config, kube, metrics), login=lambda: _login(kube_config))
+    runtime = build_runtime(config, kube, metrics, args.namespace)
+    register(registry, runtime, login=lambda: _login(kube_config, kube))
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
     return asyncio.run(
         _serve(

@@ -23,6 +23,8 @@ class AgentTarget:
     pod: str
     base_url: str
     token: str | None = None
+    #: The pod's namespace: part of the TLS server name the agent's certificate must carry.
+    namespace: str = ""
 
     def __repr__(self) -> str:
         return f"AgentTarget(pod={self.pod!r}, base_url={self.base_url!r})"
@@ -54,7 +56,7 @@ class KubePort(Protocol):
         self, namespace: str, name: str, patch: Mapping[str, Any]
     ) -> None: ...
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str: ...
+    async def read_agent_token(self, namespace: str, name: str, key: str) -> str: ...
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None: ...
 

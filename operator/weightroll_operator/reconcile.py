@@ -47,7 +47,12 @@ from weightroll_operator.credentials import token_problem, with_token_condition
 from weightroll_operator.domain import admission
 from weightroll_operator.domain.actions import Action, Claim, Emit, GateOff, GateOn, Settle
 from weightroll_operator.domain.conditions import Reason, timestamp
-from weightroll_operator.domain.fleet import pod_view, select_pods
+from weightroll_operator.domain.fleet import (
+    AGENT_PORT_NAME,
+    agent_port_mismatch,
+    pod_view,
+    select_pods,
+)
 from weightroll_operator.domain.model import (
     CONDITION_WEIGHTS_READY,
     AgentView,
@@ -163,7 +168,7 @@ class Reconciler:
     _states: dict[tuple[str, str], tuple[tuple[str, ...], AgentView, float]] = field(
         default_factory=dict
     )
-    _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, int, PodView]] = field(
+    _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, PodView]] = field(
         default_factory=dict
     )
     #: Entries of each cache before it is emptied (pods that vanished leave theirs behind).
@@ -184,7 +189,7 @@ class Reconciler:
         if self.started is None:
             self.started = self.clock()
 
-    def _view(self, pod: Mapping[str, Any], group_by: str | None, port: int) -> PodView:
+    def _view(self, pod: Mapping[str, Any], group_by: str | None) -> PodView:
         """:func:`pod_view`, reused while the *same* pod object is passed again.
 
         The kopf index (like a watch) hands over a new object for every change and never
@@ -196,12 +201,12 @@ class Reconciler:
         meta = pod.get("metadata") or {}
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         cached = self._views.get(key)
-        if cached is not None and cached[0] is pod and cached[1:3] == (group_by, port):
-            return cached[3]
+        if cached is not None and cached[0] is pod and cached[1] == group_by:
+            return cached[2]
         if cached is None and len(self._views) >= self.cache_limit:
             self._views.clear()
-        result = pod_view(pod, group_by=group_by, default_port=port)
-        self._views[key] = (pod, group_by, port, result)
+        result = pod_view(pod, group_by=group_by)
+        self._views[key] = (pod, group_by, result)
         return result
 
     def _mark_stale(self, views: tuple[PodView, ...]) -> tuple[PodView, ...]:
@@ -283,18 +288,28 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec"))
             _check_wire(spec, name)
+            pods = list(pods)
+            selected = select_pods(pods, spec, namespace, self._view)
+            mismatch = agent_port_mismatch(spec, selected)
+            if mismatch is not None:
+                raise ValueError(mismatch)
         except ValueError as e:
+            # Nothing was sent to any pod: a refused spec reaches no agent (no confused deputy).
             status = invalid_status(old_status, str(e), generation, now)
             await self._write_status(namespace, name, raw_status, status)
             raise InvalidSpec(str(e)) from e
 
-        pods = list(pods)
         self._sweep_left_drained(namespace, pods)
-        views = self._mark_stale(select_pods(pods, spec, namespace, self._view))
+        views = self._mark_stale(selected)
         try:
+            # The token Secret's opt-in label is checked on read (InvalidSpec below).
             token = await self._token(namespace, spec)
         except KubeError as e:
             await self._token_unavailable(namespace, name, spec, raw_status, old_status, e, now)
+            raise
+        except InvalidSpec as e:
+            status = invalid_status(old_status, str(e), generation, now)
+            await self._write_status(namespace, name, raw_status, status)
             raise
         persisted = Persisted.from_status(old_status, spec.version)
         persisted = replace(persisted, clock_floor=timestamp(self.started or now))
@@ -374,13 +389,15 @@ class Reconciler:
                 spec: WeightUpdateSpec | None = parse_spec(body.get("spec"))
             except ValueError:
                 spec = None
-            port = spec.agent.port if spec is not None else 8470
             token = None
             if spec is not None:
                 try:
                     token = await self._token(namespace, spec)
                 except KubeError as e:
                     raise ReleaseIncomplete(f"cannot read the agent token: {e}") from e
+                except InvalidSpec:
+                    # The Secret does not opt in: no token is sent anywhere (no confused deputy).
+                    token = None
             ctx = ApplyContext(
                 kube=self.kube,
                 agents=self.agents,
@@ -393,7 +410,7 @@ class Reconciler:
                 events=self.events,
             )
             views = [
-                pod_view(raw, group_by=None, default_port=port)
+                pod_view(raw, group_by=None)
                 for raw in pods
                 if (raw.get("metadata") or {}).get("namespace") == namespace
             ]
@@ -572,7 +589,7 @@ class Reconciler:
         cached = self._tokens.get(key)
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
-        value = await self.kube.read_secret_key(namespace, ref.name, ref.key)
+        value = await self.kube.read_agent_token(namespace, ref.name, ref.key)
         self._tokens[key] = (value, time.monotonic() + self.token_ttl)
         return value
 
@@ -630,6 +647,9 @@ class Reconciler:
         (``full``: always), since only the live state can vouch for an attempt."""
         if pod.ip is None:
             return AgentView(reachable=False, error="pod has no IP yet")
+        if pod.port is None:
+            missing = f"pod has no container port named {AGENT_PORT_NAME!r}"
+            return AgentView(reachable=False, error=missing)
         target = target_of(pod, token)
         if query.update_id is not None:
             try:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import kopf
 
-__all__ = ["FINALIZER", "PREFIX", "OperatorConfig", "configure_kopf"]
+__all__ = ["FINALIZER", "PREFIX", "OperatorConfig", "configure_kopf", "is_pattern"]
 
 #: Annotation prefix of kopf's progress and diff-base storage on WeightUpdates.
 PREFIX = "weightroll.io"
@@ -37,6 +37,9 @@ class OperatorConfig:
     concurrency: int = 32
     #: Seconds an agent's ``/v1/state`` answer is reused for an unchanged pod.
     state_ttl: float = 30.0
+    #: Seconds an agent token read from its Secret is reused (a rotation's new first line is
+    #: sent at most this long after the Secret changed).
+    token_ttl: float = 60.0
     #: Port of the Prometheus metrics endpoint (0 disables it).
     metrics_port: int = 8080
     #: Address the metrics endpoint binds to (``127.0.0.1`` for a local run).
@@ -70,6 +73,14 @@ class OperatorConfig:
     #: ready, so they serve their boot weights (``domain/admission.py``). Off: such pods stay
     #: NotReady until a WeightUpdate verifies them.
     admit_unmanaged_pods: bool = True
+    #: Liveness fails when WeightUpdates exist and no reconcile pass finished for longer than
+    #: this many ``interval`` s (a stalled loop, kopf#1276, is restarted); 0 disables the check.
+    liveness_stall_intervals: float = 12.0
+    #: CA bundle (PEM) that agents' TLS certificates must chain to; empty: plain HTTP to agents.
+    #: Set, every agent call is HTTPS and verified (no fallback).
+    agent_ca_file: str = ""
+    #: TLS server name an agent's certificate must carry; ``{namespace}`` is the pod's namespace.
+    agent_server_name: str = "weightroll-agent.{namespace}.svc"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
@@ -107,8 +118,22 @@ def _parse(var: str, raw: str, kind: type) -> Any:
         raise ValueError(f"{var}={raw!r}: not a valid {kind.__name__}") from e
 
 
-def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
-    """Progress in annotations under ``weightroll.io``, our finalizer, quiet kopf Events."""
+def is_pattern(namespace: str) -> bool:
+    """A kopf namespace pattern (glob or exclusion) rather than one plain namespace name."""
+    return any(ch in namespace for ch in "*?[]!,")
+
+
+def configure_kopf(
+    settings: kopf.OperatorSettings, config: OperatorConfig, namespaces: Sequence[str] = ()
+) -> None:
+    """Progress in annotations under ``weightroll.io``, our finalizer, quiet kopf Events.
+
+    Watching plain namespaces only, cluster scanning is off: kopf then neither lists namespaces
+    nor watches CRDs (it discovers the WeightUpdate API once, through API discovery), so the
+    operator needs no cluster-scoped permission at all (the chart's per-namespace Roles).
+    """
+    if namespaces and not any(is_pattern(ns) for ns in namespaces):
+        settings.scanning.disabled = True
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=PREFIX, key="last-handled-configuration"

@@ -59,7 +59,6 @@ NEEDED = {
     *(("", "events", v) for v in ("create", "patch")),
     ("", "secrets", "get"),
     *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")),
-    *(("", "namespaces", v) for v in ("list", "watch")),
 }
 #: Granted to every authenticated user by the default system:basic-user role.
 BASELINE = {
@@ -78,6 +77,8 @@ FORBIDDEN = [
     ("apiextensions.k8s.io", "customresourcedefinitions", "create"),
     ("kopf.dev", "kopfpeerings", "list"),
     ("coordination.k8s.io", "leases", "create"),
+    # Clusterwide kopf never lists namespaces (only to resolve a glob in watchNamespaces).
+    ("", "namespaces", "list"),
 ]
 
 

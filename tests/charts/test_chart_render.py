@@ -19,6 +19,7 @@ from tests.charts.helpers import (
     ALERTS,
     CHART,
     CRD_FILE,
+    NAMESPACE,
     REPO,
     SCENARIOS,
     find,
@@ -119,27 +120,75 @@ def test_every_value_has_a_doc_comment() -> None:
     assert missing == []
 
 
-def test_rbac_is_least_privilege() -> None:
-    objs = objects(render())
-    role = find(objs, "ClusterRole", "weightroll-operator")
-    granted = {
+#: What the operator does inside each namespace it handles (weightroll.rbacNamespacedRules).
+NAMESPACED = {
+    *(("weightroll.io", "weightupdates", v) for v in ("get", "list", "watch", "patch")),
+    *(("weightroll.io", "weightupdates/status", v) for v in ("get", "patch")),
+    *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
+    *(("", "pods/status", v) for v in ("get", "patch")),
+    *(("", "events", v) for v in ("create", "patch")),
+    ("", "secrets", "get"),
+}
+CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+NAMESPACE_READ = {("", "namespaces", v) for v in ("list", "watch")}
+
+
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
         (group, resource, verb)
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    expected = {
-        *(("weightroll.io", "weightupdates", v) for v in ("get", "list", "watch", "patch")),
-        *(("weightroll.io", "weightupdates/status", v) for v in ("get", "patch")),
-        *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
-        *(("", "pods/status", v) for v in ("get", "patch")),
-        *(("", "events", v) for v in ("create", "patch")),
-        ("", "secrets", "get"),
-        *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")),
-        *(("", "namespaces", v) for v in ("list", "watch")),
-    }
-    assert granted == expected
+
+
+@pytest.mark.parametrize(
+    ("watch", "cluster", "roles"),
+    [
+        ([], NAMESPACED | CRD_READ, []),
+        (["ml", "team-b"], None, ["ml", "team-b"]),
+        (["ml-*"], NAMESPACED | CRD_READ | NAMESPACE_READ, []),
+        (["ml", "!kube-system"], NAMESPACED | CRD_READ | NAMESPACE_READ, []),
+    ],
+)
+def test_rbac_is_per_namespace_when_namespaces_are_named(
+    watch: list[str], cluster: set[tuple[str, str, str]] | None, roles: list[str]
+) -> None:
+    """Issue 14 A: plain watched namespaces get a Role + RoleBinding each and no ClusterRole
+    (kopf's scanning is off then); a glob keeps the rules cluster-wide plus namespaces."""
+    objs = objects(render({"operator": {"watchNamespaces": watch}}))
+    if cluster is None:
+        assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    else:
+        assert _granted(find(objs, "ClusterRole", "weightroll-operator")) == cluster
+    found = [
+        o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == "weightroll-operator"
+    ]
+    assert sorted(o["metadata"]["namespace"] for o in found) == roles
+    for role in found:
+        assert _granted(role) == NAMESPACED
+        (binding,) = [
+            o
+            for o in objs
+            if o["kind"] == "RoleBinding"
+            and o["metadata"]["namespace"] == role["metadata"]["namespace"]
+            and o["metadata"]["name"] == "weightroll-operator"
+        ]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": OPERATOR_SERVICEACCOUNT, "namespace": NAMESPACE}
+        ]
+
+
+def test_rbac_is_least_privilege() -> None:
+    objs = objects(render())
+    role = find(objs, "ClusterRole", "weightroll-operator")
+    assert _granted(role) == NAMESPACED | CRD_READ
     assert not any("*" in str(rule) for rule in role["rules"])
     assert not any("kopf" in str(rule) for rule in role["rules"]), "no peering objects"
     binding = find(objs, "ClusterRoleBinding", "weightroll-operator")

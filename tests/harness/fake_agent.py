@@ -40,6 +40,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
@@ -103,6 +104,9 @@ class FakeAgent:
     active: str | None = None
     paused: bool = False
     engine: EngineState = EngineState.CLEAN
+    #: When set, every ``/v1`` request is appended here as ``METHOD PATH`` (one line each), so a
+    #: test in another process can tell whether the operator called this agent at all.
+    request_log: Path | None = None
     _runner: web.AppRunner | None = None
     _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
@@ -146,7 +150,7 @@ class FakeAgent:
         self.starting = False
 
     async def appear(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._record])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -175,6 +179,14 @@ class FakeAgent:
         await self.disappear()
 
     # ---- HTTP ----------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.request_log is not None and request.path.startswith("/v1"):
+            with self.request_log.open("a") as log:
+                log.write(f"{request.method} {request.path}\n")
+        response: web.StreamResponse = await handler(request)
+        return response
 
     def _authorized(self, request: web.Request) -> bool:
         if self.token is None:

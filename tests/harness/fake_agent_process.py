@@ -27,6 +27,7 @@ async def _serve(args: argparse.Namespace) -> None:
         source=args.initial_source,
         step=args.step,
         scripts=dict.fromkeys(args.fail, "fail"),
+        request_log=Path(args.request_log) if args.request_log else None,
     )
     await agent.appear()
     stop = asyncio.Event()
@@ -47,6 +48,7 @@ def main() -> None:
     p.add_argument("--initial-source", default="file:///models/v1")
     p.add_argument("--step", type=float, default=0.05)
     p.add_argument("--fail", action="append", default=[], help="versions whose update fails")
+    p.add_argument("--request-log", help="append every /v1 request to this file")
     asyncio.run(_serve(p.parse_args()))
 
 

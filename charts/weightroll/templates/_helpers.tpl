@@ -58,8 +58,10 @@ app.kubernetes.io/part-of: weightroll
 {{- end }}
 
 {{/*
-The operator's ClusterRole rules: exactly the verbs it uses, no more. tests/charts checks this
-list against the set the operator needs, and tests/cluster (RBAC) against a real apiserver.
+The operator's RBAC rules: exactly the verbs it uses, no more. tests/charts checks this list
+against the set the operator needs, and removes each rule on a real apiserver to prove it is.
+Namespaced (weightroll.rbacNamespacedRules; a Role per watched namespace when
+operator.watchNamespaces lists plain names, else in the ClusterRole):
 - weightupdates: kopf watches them and patches finalizers/progress annotations.
 - weightupdates/status: the aggregate status, written only when it changed.
 - pods: observed through @kopf.index (list/watch), annotations/labels patched (weight-state,
@@ -67,11 +69,16 @@ list against the set the operator needs, and tests/cluster (RBAC) against a real
 - pods/status: the `weightroll.io/weights-ready` condition, strategic merge patch (never Ready).
 - events: Events for every unit transition and phase change (on the WeightUpdate) and on each
   pod (drained, updating, verified, failed); `patch` raises the count of a repeated pod Event.
-- secrets: `get` of the agent token Secret named in the spec (never list/watch).
-- customresourcedefinitions, namespaces: kopf's resource and namespace discovery.
+- secrets: `get` of the agent token Secret named in the spec (never list/watch); limited to
+  rbac.agentTokenSecretNames when set. RBAC cannot select by label: the operator itself refuses
+  Secrets without `weightroll.io/agent-token: "true"`.
+Cluster-scoped (weightroll.rbacClusterRules, in the ClusterRole unless every watched namespace
+is a plain name: then kopf's cluster scanning is off and no cluster-scoped rule is needed):
+- customresourcedefinitions: kopf's resource discovery (it watches CRDs while scanning).
+- namespaces: only when a watched namespace is a glob (kopf lists namespaces to resolve it).
 No kopf peering objects: the operator runs standalone (one replica, Recreate).
 */}}
-{{- define "weightroll.rbacRules" -}}
+{{- define "weightroll.rbacNamespacedRules" -}}
 - apiGroups: ["weightroll.io"]
   resources: ["weightupdates"]
   verbs: ["get", "list", "watch", "patch"]
@@ -93,15 +100,33 @@ No kopf peering objects: the operator runs standalone (one replica, Recreate).
 {{- with .Values.rbac.agentTokenSecretNames }}
   resourceNames: {{ toJson . }}
 {{- end }}
+{{- end }}
+
+{{- define "weightroll.rbacClusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- if (include "weightroll.watchGlobs" .) }}
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
-{{- with .Values.rbac.extraRules }}
-{{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+Watched namespaces that are kopf patterns (globs, negations, lists) rather than plain names:
+non-empty output means "some". A pattern cannot be bound per namespace, so its rules stay
+cluster-wide.
+*/}}
+{{- define "weightroll.watchGlobs" -}}
+{{- range .Values.operator.watchNamespaces }}{{ if regexMatch "[*?!]" . }}{{ . }} {{ end }}{{ end }}
+{{- end }}
+
+{{/*
+"true" when the namespaced rules are granted per namespace (Role + RoleBinding each).
+*/}}
+{{- define "weightroll.rbacPerNamespace" -}}
+{{- if and .Values.operator.watchNamespaces (not (include "weightroll.watchGlobs" .)) }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -162,8 +187,10 @@ readinessGates:
 {{- end }}
 
 {{/*
-3. weightroll.workload.agentContainer: the agent sidecar on port 8470 (name `weightroll`); its
-   /readyz is the pod's readiness probe (it fails while the engine is paused, dirty or poisoned).
+3. weightroll.workload.agentContainer: the agent sidecar on port 8470 (name `weightroll`, the
+   only port the operator calls); its /readyz is the pod's readiness probe (it fails while the
+   engine is paused, dirty or poisoned). It listens on the pod IP (POD_IP from the downward API),
+   never on 0.0.0.0, and serves TLS with the mounted certificate when agentTLS.enabled.
 */}}
 {{- define "weightroll.workload.agentContainer" -}}
 {{- $w := .Values.workloadExample -}}
@@ -174,9 +201,19 @@ readinessGates:
     - --vllm-url=http://127.0.0.1:{{ $w.vllm.port }}
     - --token-file=/var/run/weightroll/token
     - --state-dir=/var/lib/weightroll
+    {{- if .Values.agentTLS.enabled }}
+    - --tls-cert-file=/var/run/weightroll-tls/tls.crt
+    - --tls-key-file=/var/run/weightroll-tls/tls.key
+    {{- end }}
     {{- range $w.agent.extraArgs }}
     - {{ . | quote }}
     {{- end }}
+  env:
+    # The agent binds to the pod IP only.
+    - name: POD_IP
+      valueFrom:
+        fieldRef:
+          fieldPath: status.podIP
   ports:
     - name: weightroll
       containerPort: 8470
@@ -184,18 +221,29 @@ readinessGates:
     httpGet:
       path: /readyz
       port: weightroll
+      {{- if .Values.agentTLS.enabled }}
+      scheme: HTTPS
+      {{- end }}
     periodSeconds: 5
     failureThreshold: 2
   livenessProbe:
     httpGet:
       path: /healthz
       port: weightroll
+      {{- if .Values.agentTLS.enabled }}
+      scheme: HTTPS
+      {{- end }}
     periodSeconds: 15
     failureThreshold: 4
   volumeMounts:
     - name: weightroll-token
       mountPath: /var/run/weightroll
       readOnly: true
+    {{- if .Values.agentTLS.enabled }}
+    - name: weightroll-tls
+      mountPath: /var/run/weightroll-tls
+      readOnly: true
+    {{- end }}
     - name: weightroll-state
       mountPath: /var/lib/weightroll
     - name: models
@@ -226,6 +274,17 @@ readinessGates:
     items:
       - key: token
         path: token
+{{- if .Values.agentTLS.enabled }}
+- name: weightroll-tls
+  secret:
+    secretName: {{ .Values.workloadExample.name }}-weightroll-tls
+    defaultMode: 0400
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
 - name: weightroll-state
   emptyDir: {}
 - name: models

@@ -221,6 +221,12 @@ class PodSimulator:
     def pod_ip(self, name: str) -> str:
         return self.pods[name].ip
 
+    async def refresh_secret_volumes(self, name: str) -> None:
+        """Rewrite the ``secret`` volumes of ``name`` from the Secrets as they are now, each file
+        replaced atomically: what kubelet's sync loop does some time after a Secret changes (the
+        caller decides when, to play that propagation delay)."""
+        await self._write_secret_volumes(self.pods[name])
+
     def pod_dir(self, name: str) -> Path:
         return self.pods[name].dir
 
@@ -470,10 +476,12 @@ class PodSimulator:
             port = named.get(port)
         if port is None:
             return False
-        url = f"http://{pod.ip}:{port}{probe.get('path', '/')}"
+        # Like kubelet: `scheme: HTTPS` probes without verifying the certificate.
+        scheme = str(probe.get("scheme", "HTTP")).lower()
+        url = f"{scheme}://{pod.ip}:{port}{probe.get('path', '/')}"
         try:
             timeout = aiohttp.ClientTimeout(total=float(spec.get("timeoutSeconds") or 1))
-            async with http.get(url, timeout=timeout) as resp:
+            async with http.get(url, timeout=timeout, ssl=False) as resp:
                 return 200 <= resp.status < 400
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -523,19 +531,8 @@ class PodSimulator:
         base.mkdir(parents=True, exist_ok=True)
         for vol in pod.spec.get("volumes") or []:
             target = base / str(vol["name"])
-            if "emptyDir" in vol:
+            if "emptyDir" in vol or "secret" in vol:
                 target.mkdir(exist_ok=True)
-            elif "secret" in vol:
-                data = await self._secret(str(vol["secret"]["secretName"]))
-                items = vol["secret"].get("items") or [{"key": k, "path": k} for k in data]
-                target.mkdir(exist_ok=True)
-                for item in items:
-                    if item["key"] not in data:
-                        raise PodSpecError(f"secret key {item['key']!r} not found")
-                    out = target / item["path"]
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    out.write_bytes(data[item["key"]])
-                    out.chmod(0o600)
             elif "persistentVolumeClaim" in vol:
                 claim = str(vol["persistentVolumeClaim"]["claimName"])
                 if claim not in self.config.volumes:
@@ -546,7 +543,25 @@ class PodSimulator:
                     f"volume {vol['name']!r}: only secret, emptyDir and "
                     "persistentVolumeClaim are simulated"
                 )
+        await self._write_secret_volumes(pod)
         self._link_claims(pod)
+
+    async def _write_secret_volumes(self, pod: _Pod) -> None:
+        for vol in pod.spec.get("volumes") or []:
+            if "secret" not in vol:
+                continue
+            target = pod.dir / "volumes" / str(vol["name"])
+            data = await self._secret(str(vol["secret"]["secretName"]))
+            items = vol["secret"].get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                if item["key"] not in data:
+                    raise PodSpecError(f"secret key {item['key']!r} not found")
+                out = target / item["path"]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_name(f".{out.name}.tmp")
+                tmp.write_bytes(data[item["key"]])
+                tmp.chmod(0o600)
+                tmp.replace(out)
 
     def _link_claims(self, pod: _Pod) -> None:
         for vol in pod.spec.get("volumes") or []:

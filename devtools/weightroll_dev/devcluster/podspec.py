@@ -182,11 +182,17 @@ def build_env(
 ) -> dict[str, str]:
     """``base`` plus the container's literal ``env`` values, rewritten like ``args``.
 
+    The downward API's ``fieldRef: status.podIP`` is the pod IP (the agent binds to it).
+
     Raises:
-        PodSpecError: an ``env`` entry with ``valueFrom`` (not simulated).
+        PodSpecError: any other ``env`` entry with ``valueFrom`` (not simulated).
     """
     env = dict(base)
     for item in container.get("env") or []:
+        field_path = ((item.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        if field_path == "status.podIP":
+            env[str(item["name"])] = pod_ip
+            continue
         if "valueFrom" in item:
             raise PodSpecError(
                 f"containers[{container.get('name')}].env[{item.get('name')}].valueFrom is "

@@ -300,11 +300,14 @@ class SecretKeyRef(Model):
 class AgentSpec(Model):
     """How the operator reaches the pod agents."""
 
-    port: int = Field(default=8470, ge=1, le=65535)
-    """Agent port, used when the pod has no container port named `weightroll`."""
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """Deprecated check: the operator only calls the container port named `weightroll` of a
+    selected pod; when set, every selected pod's `weightroll` port must equal it (`InvalidSpec`
+    otherwise)."""
     token_secret_ref: SecretKeyRef | None = None
-    """Secret (in the WeightUpdate's namespace) holding the agents' bearer token; without it no
-    token is sent and agents answer 401."""
+    """Secret (in the WeightUpdate's namespace) holding the agents' bearer token (its first line
+    is sent); it must carry the label `weightroll.io/agent-token: "true"` (`InvalidSpec`
+    otherwise). Without it no token is sent and agents answer 401."""
 
 
 class WeightUpdateSpec(Model):

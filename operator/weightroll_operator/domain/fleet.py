@@ -23,6 +23,7 @@ from weightroll_operator.domain.model import (
 __all__ = [
     "AGENT_PORT_NAME",
     "Unit",
+    "agent_port_mismatch",
     "group_units",
     "matches",
     "pod_view",
@@ -31,7 +32,8 @@ __all__ = [
     "trim_weightupdate",
 ]
 
-#: Container port name that overrides ``spec.agent.port`` (docs/contracts.md).
+#: The one container port the operator calls (and sends a token to): no other port of a pod, and
+#: no port a WeightUpdate names, is ever a target (no confused deputy; docs/architecture.md).
 AGENT_PORT_NAME = "weightroll"
 
 
@@ -65,15 +67,34 @@ def _state(text: str) -> WeightState | None:
     return WeightState.from_json(text)
 
 
-def _port(pod: Mapping[str, Any], default: int) -> int:
+def _port(pod: Mapping[str, Any]) -> int | None:
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
             if port.get("name") == AGENT_PORT_NAME and port.get("containerPort"):
                 return int(port["containerPort"])
-    return default
+    return None
 
 
-def pod_view(pod: Mapping[str, Any], *, group_by: str | None, default_port: int) -> PodView:
+def agent_port_mismatch(spec: WeightUpdateSpec, pods: Iterable[PodView]) -> str | None:
+    """Why ``spec.agent.port`` (when set) does not name the ``weightroll`` port of every pod.
+
+    Returns:
+        ``None`` when it is unset or matches; otherwise a message naming the field.
+    """
+    want = spec.agent.port
+    if want is None:
+        return None
+    for pod in pods:
+        if pod.port != want:
+            got = "none" if pod.port is None else str(pod.port)
+            return (
+                f"spec.agent.port: {want} is not the container port named {AGENT_PORT_NAME!r} "
+                f"of Pod {pod.name} ({got}); the operator calls only that port (remove the field)"
+            )
+    return None
+
+
+def pod_view(pod: Mapping[str, Any], *, group_by: str | None) -> PodView:
     """Build the view of one pod object."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -97,7 +118,7 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None, default_port: int)
         owner=OwnerKey(owner) if owner else None,
         state=_state(raw_state) if raw_state else None,
         ip=(pod.get("status") or {}).get("podIP"),
-        port=_port(pod, default_port),
+        port=_port(pod),
         labels=labels,
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion"),
@@ -107,11 +128,11 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None, default_port: int)
 
 
 #: Signature of :func:`pod_view` (a caller may pass a caching wrapper to :func:`select_pods`).
-ViewFn = Callable[[Mapping[str, Any], str | None, int], PodView]
+ViewFn = Callable[[Mapping[str, Any], str | None], PodView]
 
 
-def _view(pod: Mapping[str, Any], group_by: str | None, default_port: int) -> PodView:
-    return pod_view(pod, group_by=group_by, default_port=default_port)
+def _view(pod: Mapping[str, Any], group_by: str | None) -> PodView:
+    return pod_view(pod, group_by=group_by)
 
 
 def select_pods(
@@ -131,7 +152,7 @@ def select_pods(
             continue
         if not matches(spec.selector, meta.get("labels") or {}):
             continue
-        views.append(view(pod, spec.group_by, spec.agent.port))
+        views.append(view(pod, spec.group_by))
     return tuple(sorted(views, key=lambda v: v.name))
 
 

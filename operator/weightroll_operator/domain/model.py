@@ -40,6 +40,8 @@ CONDITION_WEIGHTS_READY = "weightroll.io/weights-ready"
 ANNOTATION_WEIGHT_STATE = "weightroll.io/weight-state"
 ANNOTATION_OWNER = "weightroll.io/owner"
 LABEL_WEIGHT_VERSION = "weightroll.io/weight-version"
+#: A Secret opts in to being sent to agents as a bearer token only with this label set to "true".
+LABEL_AGENT_TOKEN = "weightroll.io/agent-token"
 
 #: ``namespace/name`` of a WeightUpdate.
 OwnerKey = NewType("OwnerKey", str)

@@ -13,6 +13,8 @@ Invariants:
       of writes on one pod stays conditional from the observation to the last write (issue 11
       finding 6: two WeightUpdates, or two operator replicas, never both claim a pod).
     * ``writes`` counts every write by kind, for the benchmark and the tests.
+    * A token file (the projected ServiceAccount token in a pod) is re-read whenever it changes:
+      kubelet rotates bound tokens by swapping the file, and the next request sends the new one.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from typing import Any
 import aiohttp
 
 from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
-from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
-from weightroll_operator.errors import KubeUnavailable, kube_error
+from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY, LABEL_AGENT_TOKEN
+from weightroll_operator.errors import InvalidSpec, KubeUnavailable, kube_error
 
 __all__ = ["KubeApi", "KubeConfig"]
 
@@ -51,6 +53,8 @@ class KubeConfig:
 
     server: str
     token: str | None = None
+    #: File holding the bearer token, re-read when it changes (wins over ``token``).
+    token_file: str | None = None
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
@@ -68,7 +72,7 @@ class KubeConfig:
             host = f"[{host}]" if ":" in host else host
             return cls(
                 server=f"https://{host}:{port}",
-                token=(_SA_DIR / "token").read_text().strip(),
+                token_file=str(_SA_DIR / "token"),
                 ca_file=str(_SA_DIR / "ca.crt"),
             )
         from kubernetes import client, config  # deferred: only needed for kubeconfig parsing
@@ -103,6 +107,27 @@ class KubeApi:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._event_seq = itertools.count()
+        self._token_stamp: tuple[int, int, int] | None = None
+        self._token = config.token
+
+    def current_token(self) -> str | None:
+        """The bearer token to send now: the token file's content, re-read when its inode, size
+        or mtime changed (kubelet replaces a projected token atomically), else ``config.token``.
+
+        An unreadable file keeps the last token (logged); the API answers 401 if it expired.
+        """
+        path = self.config.token_file
+        if path is None:
+            return self._token
+        try:
+            st = os.stat(path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if stamp != self._token_stamp:
+                self._token = Path(path).read_text().strip() or None
+                self._token_stamp = stamp
+        except OSError as e:
+            log.error("Kept the previous API token: cannot read %s: %s", path, e)
+        return self._token
 
     def _ssl(self) -> ssl.SSLContext | bool:
         if not self.config.server.startswith("https"):
@@ -117,8 +142,6 @@ class KubeApi:
     async def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Accept": "application/json"}
-            if self.config.token:
-                headers["Authorization"] = f"Bearer {self.config.token}"
             self._session = aiohttp.ClientSession(
                 base_url=self.config.server,
                 headers=headers,
@@ -145,6 +168,9 @@ class KubeApi:
         if kind is not None:
             self.writes[kind] += 1
         headers = {"Content-Type": content_type} if body is not None else {}
+        token = self.current_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         try:
             async with session.request(
                 method, path, json=body, headers=headers, params=params
@@ -311,12 +337,32 @@ class KubeApi:
 
     # ---- secrets and events -------------------------------------------------------------------
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
+    async def read_agent_token(self, namespace: str, name: str, key: str) -> str:
+        """The bearer token to send to agents: the first non-empty line of the Secret's key.
+
+        Only a Secret labelled ``weightroll.io/agent-token: "true"`` is ever sent, so a
+        WeightUpdate cannot make the operator forward an arbitrary Secret (confused deputy).
+        The other lines are tokens the agents still accept during a rotation.
+
+        Raises:
+            InvalidSpec: the Secret lacks the opt-in label or the key is empty (names the field).
+            KubeError: by status code (``KubeNotFound`` for a missing Secret or key).
+        """
         data = await self._call("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        labels = ((data or {}).get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_AGENT_TOKEN) != "true":
+            raise InvalidSpec(
+                f"spec.agent.tokenSecretRef: Secret {namespace}/{name} does not carry the label "
+                f'{LABEL_AGENT_TOKEN}: "true"; only such Secrets are sent to agents'
+            )
         raw = ((data or {}).get("data") or {}).get(key)
         if raw is None:
             raise kube_error(404, f"secret {namespace}/{name} has no key {key!r}")
-        return base64.b64decode(raw).decode().strip()
+        lines = [t.strip() for t in base64.b64decode(raw).decode().splitlines() if t.strip()]
+        if not lines:
+            where = f"key {key!r} of Secret {namespace}/{name}"
+            raise InvalidSpec(f"spec.agent.tokenSecretRef: {where} is empty")
+        return lines[0]
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """Create an Event; the name is unique per process (kmock lacks ``generateName``)."""

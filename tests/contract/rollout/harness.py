@@ -85,7 +85,11 @@ class Harness:
             {
                 "apiVersion": "v1",
                 "kind": "Secret",
-                "metadata": {"name": "agent-token", "namespace": NS},
+                "metadata": {
+                    "name": "agent-token",
+                    "namespace": NS,
+                    "labels": {"weightroll.io/agent-token": "true"},
+                },
                 "data": {"token": base64.b64encode(b"s3cret").decode()},
             },
         )

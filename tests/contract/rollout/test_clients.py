@@ -4,6 +4,8 @@ condition)."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from weightroll_operator.agent_client import AgentClient
 from weightroll_operator.errors import (
@@ -11,6 +13,7 @@ from weightroll_operator.errors import (
     AgentRejected,
     AgentUnauthorized,
     AgentUnavailable,
+    InvalidSpec,
     KubeNotFound,
 )
 from weightroll_operator.ports import AgentTarget
@@ -78,4 +81,28 @@ async def test_pod_condition_is_a_strategic_merge_of_our_condition_only(h: Harne
         await h.kube.patch_pod_condition(NS, "pod-0", {"type": "Ready", "status": "True"})
     with pytest.raises(KubeNotFound):
         await h.kube.patch_pod_metadata(NS, "gone", annotations={"a": "b"})
-    assert await h.kube.read_secret_key(NS, "agent-token", "token") == "s3cret"
+    assert await h.kube.read_agent_token(NS, "agent-token", "token") == "s3cret"
+
+
+async def test_agent_token_needs_the_opt_in_label_and_sends_the_first_line(h: Harness) -> None:
+    """Issue 14 B/C: an unlabelled Secret is InvalidSpec naming the field; a rotating Secret
+    (several lines) yields its first line, the token the operator sends."""
+    await h.add_pods(1)  # also creates the labelled `agent-token`
+    for name, labels, value in (
+        ("plain", {}, b"s3cret"),
+        ("rotating", {"weightroll.io/agent-token": "true"}, b"new-token\nold-token\n"),
+    ):
+        await h._post(
+            f"/api/v1/namespaces/{NS}/secrets",
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": name, "namespace": NS, "labels": labels},
+                "data": {"token": base64.b64encode(value).decode()},
+            },
+        )
+    with pytest.raises(
+        InvalidSpec, match=r"^spec\.agent\.tokenSecretRef: .*weightroll\.io/agent-token"
+    ):
+        await h.kube.read_agent_token(NS, "plain", "token")
+    assert await h.kube.read_agent_token(NS, "rotating", "token") == "new-token"

@@ -91,7 +91,7 @@ async def test_a_failed_pod_says_why_and_is_never_verified(h: Harness) -> None:
 async def test_a_repeated_event_raises_its_count(h: Harness) -> None:
     """The same GateOff applied in two passes: one Event, count 2, lastTimestamp moved on."""
     await h.add_pods(1)
-    pod = pod_view(await h.pod("pod-0"), group_by=None, default_port=8470)
+    pod = pod_view(await h.pod("pod-0"), group_by=None)
     counts = EventCounts()
     start = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
     for minute in (0, 1):

@@ -59,7 +59,8 @@ async def test_unreadable_token_secret_is_reported_and_nothing_moves(
         async with h.http.patch(f"{path}/agent-token", json={"data": data}, headers=headers) as r:
             assert r.status < 400
     else:
-        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": ref["name"]}}
+        meta = {"name": ref["name"], "labels": {"weightroll.io/agent-token": "true"}}
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": meta}
         async with h.http.post(path, json={**body, "data": data}) as r:
             assert r.status < 400
     h.rec.token_ttl = 0.0

@@ -58,7 +58,7 @@ def test_valid_spec_defaults() -> None:
     spec = parse_spec(_with("strategy.maxUnavailable", "10%"))
     assert resolve_max_unavailable(spec.strategy.max_unavailable, 1000) == 100
     assert spec.strategy.on_failure.value == "Halt"
-    assert spec.agent.port == 8470
+    assert spec.agent.port is None  # the `weightroll` container port is the only target
     sparse = parse_spec(_with("source", {"uri": "/w", "mode": "sparse", "baseVersion": "v1"}))
     assert sparse.source.base_version == "v1"
 

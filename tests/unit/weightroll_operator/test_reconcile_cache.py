@@ -13,12 +13,12 @@ from tests.harness.kube_fleet import make_pod
 def test_view_cache_is_keyed_by_object_identity() -> None:
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
-    first = rec._view(pod, None, 8470)
-    assert rec._view(pod, None, 8470) is first
-    assert rec._view(pod, "group", 8470) is not first  # other arguments, other view
+    first = rec._view(pod, None)
+    assert rec._view(pod, None) is first
+    assert rec._view(pod, "group") is not first  # other arguments, other view
     changed = copy.deepcopy(pod)
     changed["status"]["conditions"][0]["status"] = "False"
-    assert rec._view(changed, None, 8470).ready is False
+    assert rec._view(changed, None).ready is False
     assert first.ready is True
 
 
@@ -32,14 +32,14 @@ def test_a_view_older_than_our_own_write_is_stale_until_a_newer_one_arrives() ->
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
     pod["metadata"]["resourceVersion"] = "7"
-    before = pod_view(pod, group_by=None, default_port=8470)
+    before = pod_view(pod, group_by=None)
     assert rec._mark_stale((before,)) == (before,)  # nothing written yet
     rec._remember_writes([ActionResult(GateOff(before))])
     (seen,) = rec._mark_stale((before,))
     assert seen.stale  # the write has not reached the index
     newer = copy.deepcopy(pod)
     newer["metadata"]["resourceVersion"] = "8"
-    (seen,) = rec._mark_stale((pod_view(newer, group_by=None, default_port=8470),))
+    (seen,) = rec._mark_stale((pod_view(newer, group_by=None),))
     assert not seen.stale
     (seen,) = rec._mark_stale((before,))
     assert not seen.stale  # the mark is gone once a newer view was seen
@@ -66,11 +66,11 @@ def test_view_cache_keeps_no_superseded_pod_object() -> None:
     """Issue 11 finding 7: one entry per pod, the newest object only."""
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
-    rec._view(pod, None, 8470)
+    rec._view(pod, None)
     versions = [pod]
     for _ in range(50):  # every change of the pod arrives as a new object
         versions.append(copy.deepcopy(versions[-1]))
-        rec._view(versions[-1], None, 8470)
+        rec._view(versions[-1], None)
     assert len(rec._views) == 1
     ((held, *_),) = rec._views.values()
     assert held is versions[-1]
@@ -80,5 +80,5 @@ def test_view_cache_keeps_no_superseded_pod_object() -> None:
 def test_view_cache_is_bounded() -> None:
     rec = Reconciler(kube=object(), agents=object(), cache_limit=10)  # type: ignore[arg-type]
     for i in range(25):
-        rec._view(make_pod(f"p{i}", "10.0.0.1", 8470), None, 8470)
+        rec._view(make_pod(f"p{i}", "10.0.0.1", 8470), None)
     assert len(rec._views) <= 10
