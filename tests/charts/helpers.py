@@ -27,6 +27,8 @@ ALERTS = (
     "WeightFleetStale",
     "WeightReplicaLeftDrained",
     "WeightAgentUnreachable",
+    "WeightTrainerPushFailed",
+    "WeightReplicaBehindFleet",
 )
 NO_CRD_REASON = (
     "charts/weightroll/files/crds/weightupdates.weightroll.io.yaml is not generated yet "
