@@ -199,7 +199,7 @@ def create_app(agent: Agent, tokens: TokenFile, *, manage_agent: bool = True) ->
     app.router.add_post("/v1/updates/{id}/abort", _abort_update)
     app.router.add_route("*", "/v1/{tail:.*}", _not_found)
     # vLLM's native weight-transfer routes for trainers, fronted (transfer_routes.py).
-    add_transfer_routes(app, agent, tokens.matches)
+    add_transfer_routes(app, agent, lambda presented: tokens.matches(presented))
     if manage_agent:
 
         async def lifecycle(_: web.Application) -> Any:

@@ -125,17 +125,22 @@ class _CommitCollector(Collector):
         self._last_commit = last_commit
         self._now = now
 
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples (so registering reads nothing from the agent)."""
+        yield from self._families(None, None)
+
     def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._version(), self._last_commit())
+
+    def _families(self, version: str | None, at: float | None) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "weightroll_agent_committed_version_info",
             "1 for the weight version the last verified commit set",
             labels=["version"],
         )
-        version = self._version()
         if version:
             info.add_metric([version], 1)
         yield info
-        at = self._last_commit()
         stamp = GaugeMetricFamily(
             "weightroll_agent_last_commit_timestamp_seconds",
             "Unix time of the last verified commit (file update or trainer push)",

@@ -355,7 +355,8 @@ class TransferCoordinator:
         """Add every rank's own reason to a failed step (vLLM's 500 names only the first)."""
         with contextlib.suppress(EngineError):
             round_ = await self._ranks(push, REPORT, "{}", self.agent.config.control_timeout)
-            failed.problems.extend(round_.problems)
+            # The ranks' own reasons first: they name the shard; vLLM's 500 only says it failed.
+            failed.problems[:0] = round_.problems
 
     async def _fail(self, push: Push, failed: PushFailed) -> None:
         """Fence every rank, keep generation paused and the replica held; record the cause."""

@@ -11,6 +11,10 @@ backend) or, with vLLM's own layerwise ``nccl``-style lifecycle, a half push fin
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +36,7 @@ from tests.server.trainer_scenario import (
     stop_replica,
     wait_ready,
 )
-from tests.server.vllm_server import VllmServer
+from tests.server.vllm_server import ROOT, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
 
@@ -113,6 +117,59 @@ async def test_full_push_commits_and_serves_the_new_weights(sc: Sc) -> None:
     assert 'weightroll_agent_trainer_pushes_total{outcome="committed"} 1.0' in metrics
     assert 'weightroll_agent_committed_version_info{version="step-1"} 1.0' in metrics
     assert "weightroll_agent_seconds_since_last_commit " in metrics
+
+
+def _documented_trainer(agent: str, token: Path, checkpoint: Path) -> str:
+    """The trainer of docs/trainer.md, with this scenario's addresses substituted."""
+    text = (ROOT / "docs" / "trainer.md").read_text()
+    code = re.search(r"## A trainer\n\n```python\n(.*?)```", text, re.S)
+    assert code is not None, "docs/trainer.md lost its trainer example"
+    source = code.group(1)
+    for name, value in (
+        ("AGENT", agent),
+        ("TOKEN_FILE", str(token)),
+        ("CHECKPOINT", str(checkpoint)),
+    ):
+        source, count = re.subn(rf'^{name} = "[^"]*"', f"{name} = {value!r}", source, flags=re.M)
+        assert count == 1, name
+    return source
+
+
+async def test_the_documented_trainer_and_the_example_script_commit(sc: Sc) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    example = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(ROOT / "examples" / "05-trainer" / "push.py"),
+        "--agent",
+        sc.replica.url,
+        "--token-file",
+        str(sc.token),
+        "--checkpoint",
+        str(sc.models.b),
+        "--version",
+        "step-ex",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(example.communicate(), 300)
+    assert example.returncode == 0, err.decode()[-3000:]
+    assert [r["outcome"] for r in json.loads(out)] == ["committed"]
+    await wait_ready(sc.http, sc.replica.url)
+    assert (await call(sc.http, sc.replica.url, "/weight_info"))[1]["weight_version"] == "step-ex"
+    documented = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _documented_trainer(sc.replica.url, sc.token, sc.models.b),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(documented.communicate(), 300)
+    assert documented.returncode == 0, err.decode()[-3000:]
+    assert "'weight_version': 'step-3'" in out.decode(), out
+    await wait_ready(sc.http, sc.replica.url)
+    assert await outputs(sc.http, sc.replica.server) == sc.notes["warm_b"]
 
 
 async def _assert_fenced(sc: Sc, result: dict[str, Any], code: str, text: str) -> None:
