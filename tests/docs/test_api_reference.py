@@ -57,7 +57,6 @@ def test_spec_table_covers_the_crd() -> None:
 
 def test_agent_route_table_matches_the_sidecar() -> None:
     from engine_agent.sidecar.app import create_app
-
     from engine_agent.sidecar.metrics import AgentMetrics
 
     class _Agent:
