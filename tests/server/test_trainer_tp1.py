@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from engine_agent.sidecar.transfer_routes import ROUTES
 from tests.server.conftest import Scenario, build_models, stop_scenario
 from tests.server.trainer_scenario import (
     call,
@@ -35,15 +36,6 @@ from tests.server.trainer_scenario import (
 from tests.server.vllm_server import ROOT, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
-
-ROUTES = (
-    "/init_weight_transfer_engine",
-    "/start_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-    "/shutdown_weight_transfer_engine",
-    "/weight_info",
-)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
