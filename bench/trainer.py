@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# One JSON object on stdout: everything else (vLLM logs to stdout) goes to stderr.
+_STDOUT = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "devtools"))  # tiny models
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -146,15 +149,23 @@ def main() -> None:
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Cached(a))
     counter = iter(range(10_000))
 
+    breakdowns: list[dict[str, float]] = []
+
     def push(path: Path, stock: bool) -> float:
         MODE["stock"] = stock
         trainer.source = Cached(path)
         started = time.perf_counter()
         trainer.send_weights(weight_version=f"bench-{next(counter)}")  # type: ignore[call-arg]
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if not stock:
+            (report,) = engine.rpc("weightroll_transfer_report")
+            assert report["ok"] and report["call"] == "finish", report
+            breakdowns.append(report["timings"])
+        return elapsed
 
     for path in (b, a):  # warm-up: allocator, first-call costs, both lifecycles
         push(path, stock=True), push(path, stock=False)
+    breakdowns.clear()
     results: dict[str, list[float]] = {"stock": [], "verified": []}
     for i in range(args.rounds * 2):
         path = b if i % 2 == 0 else a
@@ -165,6 +176,7 @@ def main() -> None:
     serves = bool(engine.outputs().tokens)
     engine.close()
     median = {k: statistics.median(v) for k, v in results.items()}
+    steps = {k: statistics.median(t.get(k, 0.0) for t in breakdowns) for k in breakdowns[0]}
     report: dict[str, Any] = {
         "model": {"params": n_params, "bytes": n_params * 2, **shape},
         "rounds": args.rounds * 2,
@@ -172,6 +184,9 @@ def main() -> None:
         "median_seconds": {k: round(v, 4) for k, v in median.items()},
         "all_seconds": {k: [round(x, 4) for x in v] for k, v in results.items()},
         "ratios": {"verified_vs_stock": round(median["verified"] / median["stock"], 3)},
+        # Per-step seconds of the verified session on the rank (medians; steps overlap the
+        # receive, so they do not add up to the push).
+        "verified_breakdown_seconds": {k: round(v, 4) for k, v in sorted(steps.items())},
         "goals": {"verified_vs_stock": "<= 1.1"},
         "final_rank_state": {"state": state["state"], "version": state["version"]},
         "engine_serves_after": serves,
@@ -181,7 +196,7 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
-    print(text)
+    print(text, file=_STDOUT, flush=True)
 
 
 if __name__ == "__main__":

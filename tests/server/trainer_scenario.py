@@ -24,6 +24,7 @@ AGENT_ARGS = ("--finish-timeout", "60", "--load-timeout", "120")
 
 async def start_replica(root: Path, models: Models, *, tp: int = 1) -> Scenario:
     """A replica on ``models.a`` (boot version v0) with the Gloo backend, ready."""
+    root.mkdir(parents=True, exist_ok=True)
     return await start_scenario(root, tp, models=models, server_args=GLOO, agent_args=AGENT_ARGS)
 
 
