@@ -132,7 +132,8 @@ class TransferCoordinator:
         self.last_commit_at: float | None = None
         self._wall = wall
         self._monotonic = monotonic
-        self._lock = asyncio.Lock()
+        #: One step at a time (the trainer calls are sequential; a second caller waits).
+        self.lock = asyncio.Lock()
         self._counter = itertools.count(1)
         agent.metrics.track_commits(self._version, self._last_commit, wall)
 
@@ -435,7 +436,7 @@ def add_transfer_routes(
                     return _error(400, "malformed_json", f"body is not valid JSON: {e}")
             if not isinstance(document, dict):
                 return _error(400, "malformed_json", "body must be a JSON object")
-            async with coordinator._lock:
+            async with coordinator.lock:
                 try:
                     answer = await step(document)
                 except PushFailed as e:
