@@ -29,6 +29,7 @@ ALERTS = (
     "WeightAgentUnreachable",
     "WeightTrainerPushFailed",
     "WeightReplicaBehindFleet",
+    "WeightAgentTokenUnavailable",
 )
 NO_CRD_REASON = (
     "charts/weightroll/files/crds/weightupdates.weightroll.io.yaml is not generated yet "
