@@ -34,6 +34,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 import engine_agent.transfer as transfer
+from engine_agent.trainer import AgentSyncClient, PushRejected, push_fleet
 from engine_agent.transfer.backend import Feeder, same_metadata
 from engine_agent.transfer.cuda import WeightrollIPCEngine, WeightrollNCCLEngine
 from engine_agent.transfer.gloo import (
@@ -246,3 +247,59 @@ def test_describe_names_the_missing_and_duplicated_shards() -> None:
         "rank dp0:pp0:tp1:ep0: coverage_incomplete: 2 required shard(s) never arrived; "
         "missing l0.qkv_proj.weight[k], l0.qkv_proj.weight[v]; duplicate l0.qkv_proj.weight[q]"
     )
+
+
+class Replica(LocalClient):
+    """A local Gloo worker that answers like an agent: ``last_finish`` on commit, or the
+    agent's refusal (``PushRejected`` with its ``ErrorBody``) when its rank refuses."""
+
+    def __init__(self, url: str, refuse: bool) -> None:
+        worker = GlooWeightTransferEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+        self.recorder = Recorder()
+        worker._weightroll_receiver = self.recorder  # type: ignore[assignment]
+        super().__init__(worker)
+        self.base_url = url
+        self.refuse = refuse
+        self.last_finish: dict[str, Any] | None = None
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        super().finish_weight_update(weight_version)
+        if self.refuse:
+            error = {"code": "coverage_incomplete", "message": "1 required shard(s) never arrived"}
+            raise PushRejected("/finish_weight_update", 422, error)
+        self.last_finish = {"weight_version": weight_version, "ranks": [{"ok": True}]}
+
+
+def test_push_fleet_returns_one_result_per_replica_in_order() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    replicas = [
+        Replica("http://r0", False),
+        Replica("http://r1", True),
+        Replica("http://r2", False),
+    ]
+    nowhere = AgentSyncClient(f"http://127.0.0.1:{free_port()}", token="t", timeout=5)
+
+    def init_info(_: Any) -> GlooTrainerInitInfo:
+        if _ is nowhere:
+            nowhere.weight_info()  # what gloo_init_info asks first: unreachable
+        return GlooTrainerInitInfo(
+            master_address="127.0.0.1", master_port=free_port(), world_size=2, timeout_s=30, rank=0
+        )
+
+    results = push_fleet(
+        [*replicas, nowhere],  # type: ignore[list-item]
+        ModuleSource(model),
+        weight_version="v2",
+        init_info=init_info,
+    )
+    assert [(r.url, r.outcome) for r in results] == [
+        ("http://r0", "committed"),
+        ("http://r1", "failed"),
+        ("http://r2", "committed"),
+        (nowhere.base_url, "unreachable"),
+    ]
+    assert results[0].version == "v2" and results[0].ranks == ({"ok": True},)
+    assert results[1].code == "coverage_incomplete" and "never arrived" in results[1].reason
+    for replica in (replicas[0], replicas[2]):
+        assert [name for name, _ in replica.recorder.fed] == ["weight", "bias"]
