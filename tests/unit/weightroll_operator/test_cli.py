@@ -60,6 +60,7 @@ EXPECTED_OPTIONS = {
         "CanaryComplete",
     ],
     "demo": ["--scenario", "--workdir"],
+    "dev": ["up", "down"],
 }
 
 
@@ -74,7 +75,7 @@ def test_subcommands_are_the_documented_ones() -> None:
         "promote",
     ]
     # Checkout-only (devtools/): listed where devtools/ is found, as in this checkout.
-    assert list(cli.DEV_COMMANDS) == ["demo"]
+    assert list(cli.DEV_COMMANDS) == ["demo", "dev"]
     assert cli.devtools_dir() is not None
 
 
@@ -130,7 +131,7 @@ def test_every_option_has_a_help_text(module: str, args: tuple[str, ...]) -> Non
 def test_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["stauts"]) == 2
     err = capsys.readouterr().err.splitlines()
-    choices = "operator, agent, manifest, status, pause, resume, promote, demo"
+    choices = "operator, agent, manifest, status, pause, resume, promote, demo, dev"
     assert err[-1] == f"weightroll: unknown command 'stauts'; choose one of {choices}"
 
 

@@ -1,0 +1,95 @@
+"""``weightroll dev up`` / ``weightroll dev down``: a local dev cluster from a checkout.
+
+``up`` starts the one bring-up of :mod:`.bringup` (shared by ``make demo`` and the e2e tier) in
+the background and returns when the pods are Ready, printing how to reach it; ``down`` stops
+everything it started. Both take ``--dir`` (default ``.cache/dev`` in the checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from weightroll_dev.devcluster.apiserver import REPO
+from weightroll_dev.devcluster.bringup import CLUSTER_JSON, DevError, Options, down, up
+
+__all__ = ["DEFAULT_DIR", "main"]
+
+DEFAULT_DIR = REPO / ".cache" / "dev"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="weightroll dev",
+        description="A local dev cluster (from a checkout): kube-apiserver + etcd, the chart, "
+        "the operator and N pods, each a real vLLM CPU server with the agent, run by a kubelet "
+        "stand-in; checkpoints v1 (boot), v2 and v3 with manifests. `up` returns once the pods "
+        "are Ready and leaves the cluster running; `down` stops everything it started.",
+    )
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    start = sub.add_parser("up", help="start the cluster; returns when every pod is Ready")
+    start.add_argument("--pods", type=int, default=3, help="pods of the workload (default 3)")
+    stop = sub.add_parser("down", help="stop everything `dev up` started in --dir")
+    for action in (start, stop):
+        action.add_argument(
+            "--dir",
+            type=Path,
+            default=DEFAULT_DIR,
+            help=f"the cluster's directory: {CLUSTER_JSON}, logs, volumes, pods "
+            f"(default {DEFAULT_DIR.relative_to(REPO)} in the checkout)",
+        )
+    start.add_argument(
+        "--first-ip",
+        type=int,
+        default=10,
+        help="pod IPs are 127.0.0.N from this N up (default 10); keep clusters apart",
+    )
+    start.add_argument(
+        "--reference",
+        metavar="VERSION",
+        help="also start pod vllm-cold: vLLM alone booting VERSION cold (a reference engine)",
+    )
+    start.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        help="seconds allowed for the pods to become Ready (default 160 per pod, at least 300)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.action == "down":
+            down(args.dir)
+            print(f"dev cluster in {args.dir.resolve()} stopped", flush=True)
+            return 0
+        if args.pods < 1:
+            print("weightroll dev up: --pods must be at least 1", file=sys.stderr)
+            return 2
+        info = up(
+            Options(args.dir, args.pods, args.first_ip, args.reference, args.timeout),
+            say=lambda line: print(line, flush=True),
+        )
+    except DevError as e:
+        print(f"weightroll dev {args.action}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("weightroll dev up: interrupted; everything started is stopped", file=sys.stderr)
+        return 130
+    print(
+        f"\nDev cluster up: {Path(info.dir) / CLUSTER_JSON}\n"
+        f"  kubectl --kubeconfig {info.kubeconfig} get pods -n {info.namespace}\n"
+        + "".join(f"  {pod}: {url}\n" for pod, url in info.pods.items())
+        + f"  checkpoints: {', '.join(info.checkpoints)} (source and manifest URIs in the json)\n"
+        f"  stop it: weightroll dev down --dir {info.dir}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
