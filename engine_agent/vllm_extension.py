@@ -21,19 +21,26 @@ surfaces used are ``model_executor.model_loader.reload`` (restore metadata, ``to
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
 
 from engine_agent.protocol import RankId
+from engine_agent.transfer import register_backends
+from engine_agent.transfer.rpc import TransferRpcMixin
 
-__all__ = ["SUPPORTED_VLLM", "WeightRollExtension", "check_vllm_version"]
+__all__ = ["SUPPORTED_VLLM", "WeightRollExtension", "check_vllm_version", "rank_engine_for"]
 
 #: (min inclusive, max exclusive) vLLM release versions this extension is written against.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 
 if hasattr(torch.cpu, "_init_amx"):
     torch.cpu._init_amx()
+
+# Worker processes import this module before the model loads, which is when vLLM builds the
+# weight-transfer engine: register weightroll_nccl / weightroll_ipc / weightroll_gloo here.
+register_backends()
 
 
 def check_vllm_version(version: str) -> None:
@@ -90,29 +97,44 @@ def _group_rank(ps: Any, getter: str) -> int:
         return 0
 
 
-class WeightRollExtension:
+_RANK_ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def rank_engine_for(model: Any, vllm_config: Any) -> Any:
+    """The one :class:`~engine_agent.reload.RankEngine` of ``model`` in this process.
+
+    Shared by the extension's RPCs and the weight-transfer backends (engine_agent/transfer), so
+    a rank has exactly one state machine whichever path updates it.
+    """
+    engine = _RANK_ENGINES.get(model)
+    if engine is None:
+        import vllm
+
+        from engine_agent.reload import RankEngine
+
+        check_vllm_version(vllm.__version__)
+        engine = RankEngine(
+            model=model,
+            device=next(model.parameters()).device,
+            act_dtype=vllm_config.model_config.dtype,
+            rank=_rank_id(
+                bool(vllm_config.parallel_config.enable_expert_parallel),
+                vllm_config.parallel_config,
+            ),
+            boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
+        )
+        _RANK_ENGINES[model] = engine
+    return engine
+
+
+class WeightRollExtension(TransferRpcMixin):
     """Mixed into vLLM's worker class; see the module docstring."""
 
     def _weightroll_engine(self) -> Any:
         engine = getattr(self, "_weightroll_rank_engine", None)
         if engine is None:
-            import vllm
-
-            from engine_agent.reload import RankEngine
-
-            check_vllm_version(vllm.__version__)
             worker: Any = self
-            model = worker.model_runner.model
-            engine = RankEngine(
-                model=model,
-                device=next(model.parameters()).device,
-                act_dtype=worker.vllm_config.model_config.dtype,
-                rank=_rank_id(
-                    bool(worker.vllm_config.parallel_config.enable_expert_parallel),
-                    worker.vllm_config.parallel_config,
-                ),
-                boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
-            )
+            engine = rank_engine_for(worker.model_runner.get_model(), worker.vllm_config)
             self._weightroll_rank_engine = engine
         return engine
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from engine_agent.protocol import (
 )
 from engine_agent.reload import failpoints, session
 from engine_agent.reload.coverage import CoverageLedger
-from engine_agent.reload.digest import rank_digest
+from engine_agent.reload.digest import rank_digest, tensor_digest
 from engine_agent.reload.identity import StorageRecord, compare_kernels, compare_storage
 from engine_agent.reload.modelwise import LoadRouter, ModelIndex, build_index
 from engine_agent.reload.sources import open_source
@@ -117,6 +118,19 @@ class RankEngine:
 
     def load(self, source_json: str) -> dict[str, Any]:
         return self._call("load", lambda: self._load(_parse(LoadSource, source_json, "source")))
+
+    def load_tensors(self, weights: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Load one batch of tensors received over a transport (the trainer path).
+
+        The same checks as :meth:`load` minus the file-only ones: a dry run of the whole batch
+        (names, shapes, dtypes, duplicates) before any byte is written, then the per-shard
+        ledger, staging, processing and derived-state refresh. Sparse sessions are refused.
+        """
+        return self._call("load", lambda: self._load_tensors(weights))
+
+    def retarget(self, version: str) -> dict[str, Any]:
+        """Name the version the open session commits as (a trainer names it only at finish)."""
+        return self._call("retarget", lambda: self._retarget(version))
 
     def finish(self, _args_json: str = "{}") -> dict[str, Any]:
         return self._call("finish", self._finish)
@@ -262,6 +276,30 @@ class RankEngine:
             ("hash_wait", checkpoint.hash_wait_seconds),
         ):
             active.timings[step] = round(active.timings.get(step, 0.0) + seconds, 6)
+
+    def _load_tensors(self, weights: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        active = self._require_session()
+        if active.spec.mode is UpdateMode.SPARSE:
+            raise InvalidRequest("sparse updates are loaded from a patch file", field="mode")
+        with _timed(active.timings, "dry_run"):
+            active.router.dry_run((name, tensor.shape, tensor.dtype) for name, tensor in weights)
+        with _timed(active.timings, "load"):
+            active.router.load(weights)
+        # Pushed tensors enter the rank digest like checkpoint tensors do (their content hash).
+        with _timed(active.timings, "hash_wait"):
+            active.source_hashes |= {name: tensor_digest(tensor) for name, tensor in weights}
+        return self._report("load", ok=True)
+
+    def _retarget(self, version: str) -> dict[str, Any]:
+        active = self._require_session()
+        spec = _parse(
+            UpdateSpec,
+            active.spec.model_copy(update={"version": version}).model_dump_json(by_alias=True),
+            "version",
+        )
+        active.spec = spec
+        self.state = replace(self.state, target_version=spec.version)
+        return self._report("retarget", ok=True)
 
     def _load_sparse(self, active: _Session, checkpoint: Any) -> dict[str, Any]:
         from engine_agent.reload.sparse import read_patches

@@ -220,6 +220,9 @@ class Agent:
         self._last_state: EngineState | None = None
         self._message = ""
         self._stopping = False
+        #: Set while another path owns the replica (a trainer push through the native routes,
+        #: engine_agent/sidecar/transfer_routes.py): file updates are refused meanwhile.
+        self.busy: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -255,6 +258,10 @@ class Agent:
                     await task
         await self.client.close()
 
+    def forget_observation(self) -> None:
+        """Drop the cached observation (another path just changed what the ranks serve)."""
+        self._observation = None
+
     @property
     def recovered(self) -> bool:
         return self._recovered.is_set()
@@ -283,6 +290,8 @@ class Agent:
             raise UpdateConflict(
                 f"update {active.id!r} is in progress (phase {active.phase.value})", active.id
             )
+        if self.busy is not None:
+            raise UpdateConflict(self.busy)
         if not self.recovered:
             raise UpdateConflict("the agent has not yet recovered the engine state; retry")
         refusal = self._base_refusal(request)
@@ -467,6 +476,8 @@ class Agent:
         return not reasons, reasons
 
     def _in_progress(self) -> str:
+        if self.busy is not None:
+            return self.busy
         active = self.store.active
         assert active is not None
         return f"update {active.id} in progress (phase {active.phase.value})"
@@ -483,6 +494,8 @@ class Agent:
             await asyncio.sleep(self.config.watch_interval)
 
     def _updating(self) -> bool:
+        if self.busy is not None:
+            return True
         active = self.store.active
         return active is not None and not active.phase.terminal
 

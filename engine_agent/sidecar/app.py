@@ -2,7 +2,8 @@
 
 Routes (see README.md): ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (no auth: probes and
 Prometheus), and ``GET /v1/state``, ``POST /v1/updates``, ``GET /v1/updates/{id}``,
-``POST /v1/updates/{id}/abort`` (bearer token).
+``POST /v1/updates/{id}/abort`` (bearer token), and vLLM's native weight-transfer routes for
+trainers (bearer token; ``transfer_routes.py``).
 
 Invariants:
     * Every ``/v1`` route needs ``Authorization: Bearer <token>``; the token is compared with
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from engine_agent.protocol import ErrorBody, UpdateRequest
 from engine_agent.sidecar.agent import Agent, UpdateConflict, UpdateNotFound
 from engine_agent.sidecar.metrics import CONTENT_TYPE
+from engine_agent.sidecar.transfer_routes import add_transfer_routes
 
 __all__ = ["AGENT_KEY", "TokenFile", "create_app"]
 
@@ -202,6 +204,8 @@ def create_app(agent: Agent, tokens: TokenFile, *, manage_agent: bool = True) ->
     app.router.add_get("/v1/updates/{id}", _get_update)
     app.router.add_post("/v1/updates/{id}/abort", _abort_update)
     app.router.add_route("*", "/v1/{tail:.*}", _not_found)
+    # vLLM's native weight-transfer routes for trainers, fronted (transfer_routes.py).
+    add_transfer_routes(app, agent, lambda presented: tokens.matches(presented))
     if manage_agent:
 
         async def lifecycle(_: web.Application) -> Any:

@@ -267,6 +267,14 @@ class VllmClient:
         except EngineError:
             return None
 
+    async def post_json(self, path: str, body: Any, timeout: float) -> Any:
+        """POST ``body`` to a dev route (the native weight-transfer routes); return the answer.
+
+        Raises:
+            EngineError subclasses, as for every call (a 500 carries vLLM's text).
+        """
+        return await self._json("POST", path, body=body, timeout=timeout)
+
     async def collective_rpc(self, method: str, arg: str, timeout: float) -> list[Any]:
         """Call ``method(arg)`` on every rank; return the raw per-rank results.
 

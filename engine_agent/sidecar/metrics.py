@@ -10,18 +10,23 @@ states (plus ``unknown`` while vLLM cannot be reached), ``outcome`` one of :data
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from engine_agent.protocol import EngineState
 
-__all__ = ["CONTENT_TYPE", "OUTCOMES", "PHASES", "AgentMetrics"]
+__all__ = ["CONTENT_TYPE", "OUTCOMES", "PHASES", "PUSH_OUTCOMES", "AgentMetrics"]
 
 #: Phases timed per update (label ``phase`` of ``weightroll_agent_phase_duration_seconds``).
 PHASES: Final = ("drain", "begin", "load", "finish", "verify", "resume")
 #: Outcomes of ``weightroll_agent_updates_total``.
 OUTCOMES: Final = ("committed", "failed", "aborted")
+#: Outcomes of ``weightroll_agent_trainer_pushes_total`` (pushes through the native routes).
+PUSH_OUTCOMES: Final = ("committed", "failed")
 #: ``Content-Type`` of the text exposition format.
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 #: Reported as engine state while no rank can be asked.
@@ -70,6 +75,14 @@ class AgentMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.pushes = Counter(
+            "weightroll_agent_trainer_pushes",
+            "Trainer pushes through the native weight-transfer routes, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in PUSH_OUTCOMES:
+            self.pushes.labels(outcome=outcome)
         for phase in PHASES:
             self.phase_duration.labels(phase=phase)
         for outcome in OUTCOMES:
@@ -83,5 +96,61 @@ class AgentMetrics:
         for name in (*(s.value for s in EngineState), UNKNOWN_STATE):
             self.engine_state.labels(state=name).set(1 if name == current else 0)
 
+    def track_commits(
+        self,
+        version: Callable[[], str | None],
+        last_commit: Callable[[], float | None],
+        now: Callable[[], float],
+    ) -> None:
+        """Export the committed version and commit age, read from the agent at scrape time.
+
+        ``weightroll_agent_committed_version_info{version}`` is 1 for the version a verified
+        commit set (absent before any is known); ``weightroll_agent_last_commit_timestamp_seconds``
+        and ``weightroll_agent_seconds_since_last_commit`` are absent until the first commit.
+        """
+        self.registry.register(_CommitCollector(version, last_commit, now))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CommitCollector(Collector):
+    def __init__(
+        self,
+        version: Callable[[], str | None],
+        last_commit: Callable[[], float | None],
+        now: Callable[[], float],
+    ) -> None:
+        self._version = version
+        self._last_commit = last_commit
+        self._now = now
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples (so registering reads nothing from the agent)."""
+        yield from self._families(None, None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._version(), self._last_commit())
+
+    def _families(self, version: str | None, at: float | None) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "weightroll_agent_committed_version_info",
+            "1 for the weight version the last verified commit set",
+            labels=["version"],
+        )
+        if version:
+            info.add_metric([version], 1)
+        yield info
+        stamp = GaugeMetricFamily(
+            "weightroll_agent_last_commit_timestamp_seconds",
+            "Unix time of the last verified commit (file update or trainer push)",
+        )
+        age = GaugeMetricFamily(
+            "weightroll_agent_seconds_since_last_commit",
+            "Seconds since the last verified commit (file update or trainer push)",
+        )
+        if at is not None:
+            stamp.add_metric([], at)
+            age.add_metric([], max(0.0, self._now() - at))
+        yield stamp
+        yield age

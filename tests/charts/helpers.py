@@ -28,6 +28,8 @@ ALERTS = (
     "WeightReplicaLeftDrained",
     "WeightAgentUnreachable",
     "WeightrollOperatorDown",
+    "WeightTrainerPushFailed",
+    "WeightReplicaBehindFleet",
     "WeightAgentTokenUnavailable",
 )
 NO_CRD_REASON = (

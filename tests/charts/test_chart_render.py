@@ -430,7 +430,10 @@ def test_alerts_can_be_disabled_and_overridden() -> None:
     for rule in rules.values():
         # WeightrollOperatorDown reads `up` of the operator's job; the others our own metrics
         selectors = re.findall(r"(?:\bweightroll_[a-z_]+|\bup)(\{[^}]*\})?", rule["expr"])
-        assert selectors and all('job="weightroll-metrics"' in s for s in selectors), rule["expr"]
+        # Agent metrics come from the workload pods, under their own selector.
+        sidecar = rule["alert"] in ("WeightTrainerPushFailed", "WeightReplicaBehindFleet")
+        job = "vllm-weightroll-agent" if sidecar else "weightroll-metrics"
+        assert selectors and all(f'job="{job}"' in s for s in selectors), rule["expr"]
     all_off = {"prometheusRule": {"enabled": True, "disabled": dict.fromkeys(ALERTS, True)}}
     pr = find(objects(render(all_off)), "PrometheusRule")
     assert pr["spec"]["groups"][0]["rules"] is None or pr["spec"]["groups"][0]["rules"] == []

@@ -96,9 +96,12 @@ def test_spec_table_covers_the_crd() -> None:
 
 def test_agent_route_table_matches_the_sidecar() -> None:
     from engine_agent.sidecar.app import create_app
+    from engine_agent.sidecar.metrics import AgentMetrics
 
     class _Agent:
         """Only what create_app touches while registering routes."""
+
+        metrics = AgentMetrics()
 
     class _Tokens:
         pass

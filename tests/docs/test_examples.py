@@ -49,8 +49,9 @@ def test_readme_names_every_manifest(directory: Path) -> None:
     assert readme.is_file(), f"{directory.name} has no README.md"
     text = readme.read_text()
     assert text.startswith(f"# {directory.name}:"), "the title starts with the directory name"
-    manifests = sorted(directory.glob("*.yaml"))
-    assert manifests, f"{directory.name} has no manifest"
+    # An example is a manifest to apply, or a script to run (05-trainer).
+    manifests = sorted([*directory.glob("*.yaml"), *directory.glob("*.py")])
+    assert manifests, f"{directory.name} has no manifest or script"
     for manifest in manifests:
         assert manifest.name in text, f"{readme.relative_to(ROOT)} does not mention {manifest.name}"
     # A command that applies an example names this example's own file.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,14 +158,31 @@ class Scenario:
         return status
 
 
-async def start_scenario(root: Path, tp: int) -> Scenario:
-    models = build_models(root / "models")
+async def start_scenario(
+    root: Path,
+    tp: int,
+    *,
+    models: Models | None = None,
+    server_args: Sequence[str] = (),
+    agent_args: Sequence[str] = ("--finish-timeout", "5", "--load-timeout", "60"),
+) -> Scenario:
+    """Start vLLM (on ``models.a``) and the agent under ``root``; wait until the agent is ready.
+
+    ``models`` defaults to a fresh :func:`build_models`; ``server_args`` are extra vLLM flags
+    (the trainer tests pass ``--weight-transfer-config``).
+    """
+    models = models or build_models(root / "models")
     failpoints = root / "failpoints"
     failpoints.write_text("")
     token = root / "token"
     token.write_text(TOKEN)
     server = VllmServer(
-        model=models.a, log=root / "vllm.log", tp=tp, boot_version="v0", failpoints_file=failpoints
+        model=models.a,
+        log=root / "vllm.log",
+        tp=tp,
+        boot_version="v0",
+        failpoints_file=failpoints,
+        extra_args=list(server_args),
     )
     await server.start()
     agent = AgentProcess(
@@ -172,7 +190,7 @@ async def start_scenario(root: Path, tp: int) -> Scenario:
         token,
         root / "agent-state",
         root / "agent.log",
-        extra=["--watch-interval", "0.5", "--finish-timeout", "5", "--load-timeout", "60"],
+        extra=["--watch-interval", "0.5", *agent_args],
     )
     await agent.start()
     scenario = Scenario(models, server, agent, aiohttp.ClientSession(), failpoints)

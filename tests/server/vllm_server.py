@@ -47,6 +47,8 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     process: asyncio.subprocess.Process | None = None
     started_s: float = 0.0
+    #: Extra server flags (e.g. ``--weight-transfer-config``).
+    extra_args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -91,6 +93,7 @@ class VllmServer:
             str(self.tp),
             "--worker-extension-cls",
             self.extension,
+            *self.extra_args,
         ]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         handle = self.log.open("ab")

@@ -142,6 +142,17 @@ renders `{phase="Failed",<metricSelector>}`.
 {{- end }}
 
 {{/*
+The same for the agent-metric alerts (prometheusRule.agentMetricSelector).
+*/}}
+{{- define "weightroll.agentSel" -}}
+{{- $root := index . 0 }}
+{{- $parts := list }}
+{{- range (rest .) }}{{- if . }}{{- $parts = append $parts . }}{{- end }}{{- end }}
+{{- with $root.Values.prometheusRule.agentMetricSelector }}{{- $parts = append $parts . }}{{- end }}
+{{- if $parts }}{{ printf "{%s}" (join "," $parts) }}{{ end }}
+{{- end }}
+
+{{/*
 Preparing a vLLM workload for weightroll (used by templates/workload-example.yaml; copy into your
 own pod templates). Argument: the chart root context.
 

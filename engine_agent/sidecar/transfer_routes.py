@@ -1,0 +1,461 @@
+"""The agent fronts vLLM's native weight-transfer routes for trainers (issue 12 C).
+
+Routes (same names and bodies as vLLM's ``entrypoints/rl/online/api_router.py``, on the agent's
+port, every one behind the agent's bearer token): ``POST /init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+``/shutdown_weight_transfer_engine`` and ``GET /weight_info``. Each forwards to vLLM on loopback
+(:class:`~engine_agent.sidecar.engine.VllmClient`); around them the agent adds what vLLM lacks:
+
+* ``start``: refuses while a file update (``/v1/updates``) or another push runs; holds the
+  replica (readiness 503 until a commit), pauses generation, and arms every rank with one
+  session id (``weightroll_transfer_arm``) before forwarding.
+* ``finish``: names the version on every rank (``weightroll_transfer_commit_as``; the trainer's
+  ``weight_version`` or the push id), forwards, then reads **every rank's own report**
+  (``weightroll_transfer_report``, which never raises) and requires all-rank agreement
+  (:func:`~engine_agent.sidecar.ranks.check_commit`), checks the ranks' state, resets the prefix
+  cache, records the version (also in vLLM, ``/update_weight_version``), releases the hold and
+  resumes — and only then answers 200.
+* any failure (a refused batch, a finish that does not verify, vLLM unreachable): every rank is
+  fenced (``weightroll_transfer_fence``: poisoned, vLLM's update flag cleared), generation stays
+  paused, the hold stays, ``/readyz`` answers 503, and the trainer gets an HTTP error whose
+  :class:`~engine_agent.protocol.ErrorBody` names what is missing or duplicated. A retried or
+  empty finish afterwards is refused (409: no push open), and an empty start/finish fails
+  verification (nothing received), so only a full push that commits clears the fence.
+* ``/weight_info`` answers the version of the last verified commit, never a label a trainer
+  set; it also carries ``world_size`` (the trainer's transfer group needs it).
+
+Limitations: one push at a time per replica; pushes are not persisted (an agent restarted
+mid-push finds the ranks' session open, aborts it and holds the replica, see agent.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from aiohttp import web
+
+from engine_agent.protocol import (
+    VERSION_PATTERN,
+    DrainMode,
+    EngineState,
+    ErrorBody,
+    UpdateMode,
+    UpdatePhase,
+    UpdateSpec,
+)
+from engine_agent.sidecar.agent import Agent
+from engine_agent.sidecar.engine import EngineError, EngineRejected, EngineTimeout
+from engine_agent.sidecar.ranks import (
+    Problem,
+    check_commit,
+    check_session,
+    collect_reports,
+    collect_states,
+)
+
+__all__ = ["ROUTES", "TransferCoordinator", "add_transfer_routes"]
+
+logger = logging.getLogger(__name__)
+
+ARM: Final = "weightroll_transfer_arm"
+COMMIT_AS: Final = "weightroll_transfer_commit_as"
+REPORT: Final = "weightroll_transfer_report"
+FENCE: Final = "weightroll_transfer_fence"
+
+#: The native routes the agent serves (the public interface, docs/trainer.md).
+ROUTES: Final = (
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/shutdown_weight_transfer_engine",
+    "/weight_info",
+)
+#: Bound of ``/init_weight_transfer_engine`` (the workers wait there for the trainer's group).
+INIT_TIMEOUT_S: Final = 600.0
+#: Seconds ``/pause?mode=wait`` may take at start before in-flight requests are aborted.
+DRAIN_TIMEOUT_S: Final = 30.0
+
+_VERSION = re.compile(VERSION_PATTERN)
+
+
+class PushFailed(Exception):
+    """A push step failed; ``status`` is the HTTP status the trainer gets."""
+
+    def __init__(self, status: int, problems: list[Problem]) -> None:
+        super().__init__("; ".join(map(str, problems)))
+        self.status = status
+        self.problems = problems
+
+
+@dataclass(slots=True)
+class Push:
+    """The push that is open on this replica."""
+
+    id: str
+    world: int
+    started: float
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+class TransferCoordinator:
+    """Runs pushes for one replica on behalf of the routes (one at a time).
+
+    Args:
+        agent: the replica's agent (its vLLM client, store, metrics and hold).
+        wall: wall clock (Unix seconds), injected for tests.
+        monotonic: duration clock, injected for tests.
+    """
+
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.agent = agent
+        self.push: Push | None = None
+        #: Why the last push failed (named by a later finish that finds no push open).
+        self.last_failure: str | None = None
+        self.last_commit_at: float | None = None
+        self._wall = wall
+        self._monotonic = monotonic
+        #: One step at a time (the trainer calls are sequential; a second caller waits).
+        self.lock = asyncio.Lock()
+        self._counter = itertools.count(1)
+        agent.metrics.track_commits(self._version, self._last_commit, wall)
+
+    # -- metrics sources ---------------------------------------------------------------
+
+    def _version(self) -> str | None:
+        return self.agent.store.memory.expected_version
+
+    def _last_commit(self) -> float | None:
+        stamps = [
+            datetime.fromisoformat(record.finished_at.replace("Z", "+00:00")).timestamp()
+            for record in self.agent.store.records.values()
+            if record.phase is UpdatePhase.COMMITTED and record.finished_at
+        ]
+        if self.last_commit_at is not None:
+            stamps.append(self.last_commit_at)
+        return max(stamps) if stamps else None
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _refuse_if_busy(self) -> None:
+        active = self.agent.store.active
+        if active is not None and not active.phase.terminal:
+            raise PushFailed(
+                409, [Problem("conflict", f"update {active.id} is in progress; retry later")]
+            )
+        if self.push is not None:
+            raise PushFailed(409, [Problem("conflict", f"push {self.push.id} is in progress")])
+
+    def _require_push(self, what: str) -> Push:
+        if self.push is None:
+            after = f"; the last push failed: {self.last_failure}" if self.last_failure else ""
+            raise PushFailed(
+                409,
+                [Problem("no_push", f"{what} without an open push (call start first){after}")],
+            )
+        return self.push
+
+    def _hold(self, problem: Problem) -> None:
+        memory = self.agent.store.memory
+        memory.hold, memory.hold_code = str(problem), problem.code
+        self.agent.store.save()
+
+    async def _ranks(self, push: Push, method: str, arg: str, timeout: float) -> Any:
+        results = await self.agent.client.collective_rpc(method, arg, timeout)
+        round_ = collect_reports(method, results, push.world)
+        push.reports = [report.to_wire() for report in round_.reports]
+        return round_
+
+    # -- steps -------------------------------------------------------------------------
+
+    async def init(self, body: dict[str, Any]) -> Any:
+        self._refuse_if_busy()
+        if not isinstance(body.get("init_info"), dict):
+            raise PushFailed(422, [Problem("invalid_request", "init_info: must be a JSON object")])
+        return await self._forward("/init_weight_transfer_engine", body, INIT_TIMEOUT_S)
+
+    async def shutdown(self) -> Any:
+        self._refuse_if_busy()
+        return await self._forward("/shutdown_weight_transfer_engine", {}, INIT_TIMEOUT_S)
+
+    async def _forward(self, path: str, body: Any, timeout: float) -> Any:
+        try:
+            return await self.agent.client.post_json(path, body, timeout)
+        except EngineError as e:
+            raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
+
+    async def start(self) -> dict[str, Any]:
+        self._refuse_if_busy()
+        config = self.agent.config
+        try:
+            world = await self.agent.client.world_size()
+        except EngineError as e:
+            raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
+        push_id = f"push-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
+        push = Push(push_id, world, self._monotonic())
+        self.push = push
+        self.agent.busy = f"trainer push {push_id} is in progress"
+        self._hold(Problem("push_incomplete", f"push {push_id} started and has not committed"))
+        try:
+            await self._pause()
+            spec = UpdateSpec(update_id=push_id, version=push_id, mode=UpdateMode.FULL)
+            armed = check_session(
+                await self._ranks(
+                    push, ARM, spec.model_dump_json(by_alias=True), config.begin_timeout
+                ),
+                push_id,
+            )
+            if not armed.ok:
+                raise PushFailed(409, list(armed.problems))
+            await self._step("/start_weight_update", {}, config.begin_timeout)
+        except PushFailed as e:
+            await self._fail(push, e)
+            raise
+        logger.info("Started trainer push %s on %d rank(s)", push_id, world)
+        return {"message": "Weight update started", "update_id": push_id}
+
+    async def _pause(self) -> None:
+        client = self.agent.client
+        try:
+            await client.pause(DrainMode.WAIT, DRAIN_TIMEOUT_S)
+        except EngineTimeout:
+            await client.pause(DrainMode.ABORT, self.agent.config.abort_pause_timeout)
+        except EngineError as e:
+            raise PushFailed(_status_of(e), [Problem(e.code, f"pause: {e}")]) from e
+
+    async def _step(self, path: str, body: Any, timeout: float) -> Any:
+        try:
+            return await self.agent.client.post_json(path, body, timeout)
+        except EngineError as e:
+            raise PushFailed(_status_of(e), [Problem(e.code, f"{path}: {e}")]) from e
+
+    async def update(self, body: dict[str, Any]) -> dict[str, Any]:
+        push = self._require_push("update_weights")
+        if "update_info" not in body:
+            raise PushFailed(422, [Problem("invalid_request", "update_info: field required")])
+        try:
+            await self._step("/update_weights", body, self.agent.config.load_timeout)
+        except PushFailed as e:
+            await self._explain(push, e)
+            await self._fail(push, e)
+            raise
+        return {"message": "Weights updated"}
+
+    async def finish(self, body: dict[str, Any]) -> dict[str, Any]:
+        push = self._require_push("finish_weight_update")
+        version = body.get("weight_version") or push.id
+        if not isinstance(version, str) or not _VERSION.match(version):
+            raise PushFailed(
+                422,
+                [
+                    Problem(
+                        "invalid_request",
+                        f"weight_version {version!r} must match {VERSION_PATTERN} (it becomes "
+                        "a label value)",
+                    )
+                ],
+            )
+        config = self.agent.config
+        try:
+            named = check_session(
+                await self._ranks(
+                    push, COMMIT_AS, json.dumps({"version": version}), config.control_timeout
+                ),
+                push.id,
+            )
+            if not named.ok:
+                raise PushFailed(409, list(named.problems))
+            problems: list[Problem] = []
+            try:
+                await self.agent.client.post_json(
+                    "/finish_weight_update", {}, config.finish_timeout
+                )
+            except EngineError as e:
+                problems.append(Problem(e.code, f"/finish_weight_update: {e}"))
+            reports = check_commit(
+                await self._ranks(push, REPORT, "{}", config.control_timeout), push.id, version
+            )
+            problems = [*reports.problems, *problems]
+            if problems:
+                raise PushFailed(_status_of_problems(problems), problems)
+            await self._confirm(push, version)
+        except PushFailed as e:
+            await self._fail(push, e)
+            raise
+        except EngineError as e:
+            failed = PushFailed(_status_of(e), [Problem(e.code, str(e))])
+            await self._fail(push, failed)
+            raise failed from e
+        return {
+            "message": "Weight update finished",
+            "weight_version": version,
+            "update_id": push.id,
+            "ranks": push.reports,
+        }
+
+    async def _confirm(self, push: Push, version: str) -> None:
+        """After every rank committed: state check, cache reset, version, release, resume."""
+        client, config = self.agent.client, self.agent.config
+        after = collect_states(
+            await client.collective_rpc("weightroll_state", "{}", config.control_timeout),
+            push.world,
+        )
+        problems = list(after.problems)
+        if after.state is not EngineState.CLEAN or after.versions != {version}:
+            problems.append(
+                Problem(
+                    "not_committed",
+                    f"after finish the ranks report {after.state} at {sorted(after.versions)}",
+                )
+            )
+        if not problems and not await self._reset_prefix_cache():
+            problems.append(Problem("cache_reset_failed", "vLLM refused to reset the prefix cache"))
+        if problems:
+            raise PushFailed(409, problems)
+        await client.post_json("/update_weight_version", {"new_version": version}, 30.0)
+        memory = self.agent.store.memory
+        memory.expected_version = version
+        memory.source = None
+        memory.hold = memory.hold_code = None
+        self.agent.store.save()
+        self.agent.forget_observation()
+        await client.resume()
+        self.push, self.agent.busy, self.last_failure = None, None, None
+        self.last_commit_at = self._wall()
+        self.agent.metrics.pushes.labels(outcome="committed").inc()
+        self.agent.metrics.phase_duration.labels(phase="finish").observe(
+            self._monotonic() - push.started
+        )
+        logger.info("Committed trainer push %s as version %s", push.id, version)
+
+    async def _reset_prefix_cache(self) -> bool:
+        for attempt in range(3):
+            if await self.agent.client.reset_prefix_cache():
+                return True
+            await asyncio.sleep(0.2 * (attempt + 1))
+        return False
+
+    async def _explain(self, push: Push, failed: PushFailed) -> None:
+        """Add every rank's own reason to a failed step (vLLM's 500 names only the first)."""
+        with contextlib.suppress(EngineError):
+            round_ = await self._ranks(push, REPORT, "{}", self.agent.config.control_timeout)
+            # The ranks' own reasons first: they name the shard; vLLM's 500 only says it failed.
+            failed.problems[:0] = round_.problems
+
+    async def _fail(self, push: Push, failed: PushFailed) -> None:
+        """Fence every rank, keep generation paused and the replica held; record the cause."""
+        first = failed.problems[0]
+        reason = f"push {push.id} did not commit: {first}"
+        self._hold(Problem(first.code, reason))
+        client, config = self.agent.client, self.agent.config
+        try:
+            await client.collective_rpc(
+                FENCE, json.dumps({"reason": reason[:500]}), config.control_timeout
+            )
+        except EngineError as e:
+            failed.problems.append(Problem("fence_failed", f"{FENCE}: {e}"))
+        with contextlib.suppress(EngineError):
+            if not await client.is_paused():
+                await client.pause(DrainMode.ABORT, config.abort_pause_timeout)
+        self.push, self.agent.busy = None, None
+        self.agent.forget_observation()
+        self.last_failure = "; ".join(map(str, failed.problems))[:2000]
+        self.agent.metrics.pushes.labels(outcome="failed").inc()
+        for problem in failed.problems:
+            self.agent.metrics.verification_failures.labels(reason=problem.code).inc()
+        logger.warning("Trainer push %s failed; replica fenced and held: %s", push.id, reason)
+
+    async def weight_info(self) -> dict[str, Any]:
+        world: int | None = None
+        with contextlib.suppress(EngineError):
+            world = await self.agent.client.world_size()
+        return {"weight_version": self.agent.store.memory.expected_version, "world_size": world}
+
+
+def _status_of(error: EngineError) -> int:
+    if isinstance(error, EngineRejected):
+        return 502
+    if isinstance(error, EngineTimeout):
+        return 504
+    if "unreachable" in str(error):
+        return 503
+    return 422  # vLLM answered 5xx: a rank raised (its reason is in the body)
+
+
+def _status_of_problems(problems: list[Problem]) -> int:
+    if any(
+        p.code in ("engine_unavailable", "engine_timeout") and "unreachable" in p.message
+        for p in problems
+    ):
+        return 503
+    return 422
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_transfer_routes(
+    app: web.Application, agent: Agent, matches: Callable[[bytes], bool]
+) -> TransferCoordinator:
+    """Serve :data:`ROUTES` on ``app`` for ``agent``; ``matches`` checks a bearer token."""
+    coordinator = TransferCoordinator(agent)
+
+    def guarded(step: Callable[[dict[str, Any]], Awaitable[Any]]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not matches(presented.strip().encode()):
+                body = ErrorBody(code="unauthorized", message="missing or wrong bearer token")
+                return web.json_response(
+                    body.to_wire(),
+                    status=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="weightroll"'},
+                )
+            document: Any = {}
+            raw = await request.read()
+            if raw.strip():
+                try:
+                    document = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    return _error(400, "malformed_json", f"body is not valid JSON: {e}")
+            if not isinstance(document, dict):
+                return _error(400, "malformed_json", "body must be a JSON object")
+            async with coordinator.lock:
+                try:
+                    answer = await step(document)
+                except PushFailed as e:
+                    first = e.problems[0]
+                    return _error(e.status, first.code, "; ".join(map(str, e.problems)))
+            return web.json_response(answer if answer is not None else {})
+
+        return handler
+
+    app.router.add_post("/init_weight_transfer_engine", guarded(coordinator.init))
+    app.router.add_post("/start_weight_update", guarded(lambda _: coordinator.start()))
+    app.router.add_post("/update_weights", guarded(coordinator.update))
+    app.router.add_post("/finish_weight_update", guarded(coordinator.finish))
+    app.router.add_post(
+        "/shutdown_weight_transfer_engine", guarded(lambda _: coordinator.shutdown())
+    )
+    app.router.add_get("/weight_info", guarded(lambda _: coordinator.weight_info()))
+    return coordinator
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response(ErrorBody(code=code, message=message).to_wire(), status=status)
