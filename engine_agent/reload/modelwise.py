@@ -20,7 +20,10 @@ and changes only *where the bytes go* and *when a module counts as complete*:
    (set coverage, never element counts), its post-load processing runs on the staging tensors
    — quant method, the experts' kernel-format prepack, then every derived-state refresher
    sourced from this module (MLA ``W_UK_T``/``W_UV``) — and the results are ``copy_``-ed into
-   the live tensors, so no kernel-visible address moves. Only here does a live byte change.
+   the live tensors, so no kernel-visible address moves; then every other module holding one
+   of its parameter objects (tied embeddings) re-runs its own post-load step. The rank is
+   marked dirty before the first of these steps: a post-load step already swaps the live
+   module's kernel (on CPU a new ``cpu_linear`` closure).
 
 Limitations:
     1. Models with a model-level ``process_weights_after_loading`` hook are refused at begin.
