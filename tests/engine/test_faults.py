@@ -158,3 +158,54 @@ def test_post_load_failure_after_the_kernel_swap_poisons(
     assert not report["ok"] and "out of memory" in report["error"]["message"], report
     _assert_outcome(tied, before, "poisoned")
     _restore(tied)
+
+
+def _model(engine: Engine) -> Any:
+    return engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def test_the_inventory_classifies_what_the_kernels_read(tied: dict[str, Any]) -> None:
+    engine: Engine = tied["engine"]
+    items = engine.llm.collective_rpc("probe_inventory", args=("{}",))[0]
+    assert items["lm_head.weight"] == {
+        "kind": "checkpoint",
+        "sources": ["model.embed_tokens"],
+        "refresher": None,
+    }
+    assert items["lm_head.cpu_linear"] == {
+        "kind": "derived",
+        "sources": ["model.embed_tokens"],
+        "refresher": "post_load:lm_head",
+    }
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert items[f"{qkv}.cpu_linear"]["sources"] == [qkv]
+    assert items["model.layers.0.self_attn.attn.kv_cache"]["kind"] == "runtime"
+    assert items["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]["kind"] == "runtime"
+
+
+def test_derived_state_without_a_refresher_fails_begin_naming_module_and_attribute(
+    tied: dict[str, Any], tmp_path: Path
+) -> None:
+    from tests.harness.models import write_subset
+
+    engine: Engine = tied["engine"]
+    _restore(tied)
+    down = _model(engine).model.layers[0].mlp.down_proj
+    # A kernel-side copy nothing in weightroll rebuilds (what vLLM#60009 calls a persistent
+    # device tensor that is not a parameter or buffer).
+    down.scales_copy = torch.ones(4)
+    try:
+        report = engine.update("stale", "b", tied["b"])[0]
+        assert not report["ok"] and report["error"]["code"] == "derived_state_unsupported"
+        message = report["error"]["message"]
+        assert "model.layers.0.mlp.down_proj" in message and "scales_copy" in message, message
+        assert report["state"] == "clean" and report["version"] == "a"
+        # An update that does not touch that module is not affected.
+        norm = write_subset(
+            tied["b"], tmp_path / "norm.safetensors", lambda n: n == "model.norm.weight"
+        )
+        ok = engine.update("norm", "a-norm", norm, mode="partial", scope=["model.norm.weight"])[0]
+        assert ok["ok"], ok
+    finally:
+        del down.scales_copy
+    _restore(tied)
