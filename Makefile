@@ -27,9 +27,9 @@ test: venv lint
 ## Static checks: ruff, mypy --strict, import layers.
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check engine_agent operator tests bench
+	$(VENV)/bin/ruff format --check engine_agent operator devtools tests bench
 	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports
+	PYTHONPATH=devtools $(VENV)/bin/lint-imports
 
 ## Fast tiers only (no vLLM engines).
 unit: venv

@@ -110,7 +110,7 @@ class AgentConfig:
     #: Directory under which weight sources and manifests are resolved (``/models/v2`` is read
     #: at ``<source_root>/models/v2``); ``None`` reads them as given. Sources keep their
     #: pod-view URIs everywhere else (records, ``/v1/state``). For pod simulators without mount
-    #: namespaces (``weightroll_operator.devcluster``), where each pod has its own volume root.
+    #: namespaces (``weightroll_dev.devcluster``), where each pod has its own volume root.
     source_root: Path | None = None
 
     def local_path(self, path: str) -> str:

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_operator.devcluster.operator_process import write_token_kubeconfig
-from weightroll_operator.devcluster.workload import default_service_account
+from weightroll_dev.devcluster.operator_process import write_token_kubeconfig
+from weightroll_dev.devcluster.workload import default_service_account
 
 from tests.charts.helpers import (
     CHART,

@@ -150,7 +150,7 @@ def check_weightroll(argv: list[str]) -> list[str]:
     if not args or args[0] in ("-h", "--help"):
         return []
     sub, rest = args[0], args[1:]
-    if sub not in cli.SUBCOMMANDS:
+    if sub not in {**cli.SUBCOMMANDS, **cli.DEV_COMMANDS}:
         return [f"weightroll {sub}: no such subcommand"]
     problems = []
     help_text = subcommand_help(sub)

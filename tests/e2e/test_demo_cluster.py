@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from weightroll_operator.devcluster.apiserver import BUILD_HINT, apiserver_binary
+from weightroll_dev.devcluster.apiserver import BUILD_HINT, apiserver_binary
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""Pure parts of the pod simulator (weightroll_operator.devcluster.podspec): command lines and
+"""Pure parts of the pod simulator (weightroll_dev.devcluster.podspec): command lines and
 the status kubelet would write. Fast; no cluster, no vLLM (these run in every tier)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from weightroll_operator.devcluster.podspec import (
+from weightroll_dev.devcluster.podspec import (
     VLLM_MODULE,
     ContainerState,
     PodSpecError,

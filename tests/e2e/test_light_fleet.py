@@ -1,7 +1,7 @@
 """The pod simulator's kubelet contract and the chart's RBAC, with cheap pods (no vLLM).
 
 Pods here run ``tests.harness.fake_agent_process`` (the agent's HTTP API, updates by sleeping)
-through the same :class:`~weightroll_operator.devcluster.PodSimulator` as the vLLM e2e tests, so
+through the same :class:`~weightroll_dev.devcluster.PodSimulator` as the vLLM e2e tests, so
 they take about a second to start:
 
 * the simulator writes podIP, container statuses, ``ContainersReady`` and ``Ready`` = containers
@@ -27,13 +27,13 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_operator.devcluster.apiserver import free_ports
-from weightroll_operator.devcluster.operator_process import (
+from weightroll_dev.devcluster.apiserver import free_ports
+from weightroll_dev.devcluster.operator_process import (
     launch_operator,
     stop_process,
     wait_authorized,
 )
-from weightroll_operator.devcluster.workload import default_service_account
+from weightroll_dev.devcluster.workload import default_service_account
 
 from tests.e2e.conftest import GATE, NAMESPACE, RELEASE, _operator_kubeconfig
 from tests.harness.apiserver import KubeCluster, kubectl
@@ -152,7 +152,7 @@ def chart(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
 @pytest.fixture
 def light(chart: KubeCluster, tmp_path: Path) -> Iterator[Light]:
     """A fresh namespace with the token Secret, and a pod simulator for it."""
-    from weightroll_operator.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
+    from weightroll_dev.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
     from weightroll_operator.k8s.client import KubeConfig
 
     ns = f"light-{uuid.uuid4().hex[:6]}"

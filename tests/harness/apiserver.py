@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from weightroll_operator.devcluster.apiserver import (
+from weightroll_dev.devcluster.apiserver import (
     BUILD_HINT,
     OPERATOR_NAMESPACE,
     OPERATOR_SERVICEACCOUNT,

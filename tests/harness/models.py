@@ -1,6 +1,6 @@
-"""Tiny random models for tests: see :mod:`engine_agent.tinymodels` (shared with the demo)."""
+"""Tiny random models for tests: see :mod:`weightroll_dev.tinymodels` (in devtools/; shared)."""
 
-from engine_agent import tinymodels
-from engine_agent.tinymodels import *  # noqa: F403
+from weightroll_dev import tinymodels
+from weightroll_dev.tinymodels import *  # noqa: F403
 
 __all__ = tinymodels.__all__

@@ -72,8 +72,10 @@ def test_subcommands_are_the_documented_ones() -> None:
         "pause",
         "resume",
         "promote",
-        "demo",
     ]
+    # Checkout-only (devtools/): listed where devtools/ is found, as in this checkout.
+    assert list(cli.DEV_COMMANDS) == ["demo"]
+    assert cli.devtools_dir() is not None
 
 
 def test_top_level_help_lists_every_subcommand() -> None:
@@ -85,7 +87,7 @@ def test_top_level_help_lists_every_subcommand() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    for name, (_, help_text) in cli.SUBCOMMANDS.items():
+    for name, (_, help_text) in {**cli.SUBCOMMANDS, **cli.DEV_COMMANDS}.items():
         assert name in done.stdout
         assert help_text.split()[0] in done.stdout
     assert "weightroll COMMAND --help" in done.stdout

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from weightroll_operator.devcluster.apiserver import free_ports, run_kubectl
+from weightroll_dev.devcluster.apiserver import free_ports, run_kubectl
 
 __all__ = [
     "RunningOperator",

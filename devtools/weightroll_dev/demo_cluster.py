@@ -6,9 +6,9 @@ What it runs, all on this machine and all stopped at the end (also on Ctrl-C / S
    after ``scripts/system-deps.sh`` when the toolchain is missing and we are root);
 2. the chart (release ``weightroll``) with its example workload, installed with helm-python-sdk;
 3. ``weightroll operator`` as a local process authenticated as the chart's ServiceAccount;
-4. three pods of the workload run by the pod simulator (:mod:`weightroll_operator.devcluster`):
-   each a real vLLM CPU server on a tiny llama (``engine_agent/tinymodels.py``) plus the agent,
-   on its own loopback IP ``127.0.0.N``.
+4. three pods of the workload run by the pod simulator (:mod:`weightroll_dev.devcluster`):
+   each a real vLLM CPU server on a tiny llama (:mod:`weightroll_dev.tinymodels`) plus the
+   agent, on its own loopback IP ``127.0.0.N``.
 
 Then it applies a WeightUpdate ``v1 -> v2`` and shows the rollout live (per pod: draining ->
 loading -> verifying -> ready, with the version), asking each serving pod the same prompt as it
@@ -40,9 +40,16 @@ from types import FrameType
 from typing import Any
 
 import yaml
+from weightroll_operator.domain.model import (
+    ANNOTATION_WEIGHT_STATE,
+    CONDITION_WEIGHTS_READY,
+    LABEL_WEIGHT_VERSION,
+)
+from weightroll_operator.k8s.client import KubeApi, KubeConfig
 
-from weightroll_operator.demo_view import Asker, Console, condition, serving
-from weightroll_operator.devcluster.apiserver import (
+from weightroll_dev import checkout_pythonpath
+from weightroll_dev.demo_view import Asker, Console, condition, serving
+from weightroll_dev.devcluster.apiserver import (
     REPO,
     SCRIPT,
     KubeCluster,
@@ -51,13 +58,13 @@ from weightroll_operator.devcluster.apiserver import (
     start_apiserver,
     stop_apiserver,
 )
-from weightroll_operator.devcluster.operator_process import (
+from weightroll_dev.devcluster.operator_process import (
     log_tail,
     start_operator,
     stop_process,
     wait_authorized,
 )
-from weightroll_operator.devcluster.workload import (
+from weightroll_dev.devcluster.workload import (
     SERVED_MODEL,
     TOKEN_SECRET,
     WORKLOAD,
@@ -67,12 +74,6 @@ from weightroll_operator.devcluster.workload import (
     pods_from_deployment,
     workload_values,
 )
-from weightroll_operator.domain.model import (
-    ANNOTATION_WEIGHT_STATE,
-    CONDITION_WEIGHTS_READY,
-    LABEL_WEIGHT_VERSION,
-)
-from weightroll_operator.k8s.client import KubeApi, KubeConfig
 
 __all__ = ["main"]
 
@@ -102,7 +103,7 @@ _GENERATE = """
 import sys
 from pathlib import Path
 from engine_agent.manifest import build_manifest, write_manifest
-from engine_agent.tinymodels import build_tiny_model, random_checkpoint
+from weightroll_dev.tinymodels import build_tiny_model, random_checkpoint
 pv, name = Path(sys.argv[1]), sys.argv[2]
 old = build_tiny_model("llama", pv / sys.argv[3], seed=0)
 write_manifest(build_manifest(old), old / name)
@@ -274,7 +275,7 @@ class ClusterDemo:
             f"Generating tiny llama checkpoints {OLD} (boot) and {NEW} (the update) with manifests"
         )
         began = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
         proc = subprocess.run(
             [sys.executable, "-c", _GENERATE, str(self.pv), MANIFEST, OLD, NEW],
             env=env,
@@ -308,7 +309,7 @@ class ClusterDemo:
         self.apply(default_service_account(NAMESPACE))
 
     def start_simulator(self) -> None:
-        from weightroll_operator.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
+        from weightroll_dev.devcluster import PodSimulator, SimulatorConfig, SimulatorThread
 
         assert self.cluster is not None
         self.sim = SimulatorThread(
@@ -464,7 +465,7 @@ class ClusterDemo:
 
     def watch_rollout(self) -> dict[str, Any]:
         """The live view until the WeightUpdate is terminal, polling every 0.5 s; meanwhile an
-        :class:`~weightroll_operator.demo_view.Asker` asks the serving pods (slow answers never
+        :class:`~weightroll_dev.demo_view.Asker` asks the serving pods (slow answers never
         hide a stage)."""
         self.out.step("Rollout (per pod: draining -> loading -> verifying -> ready)")
         deadline = time.monotonic() + ROLLOUT_TIMEOUT

@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
-    from engine_agent.tinymodels import build_tiny_model, random_checkpoint, write_subset
+    from weightroll_dev.tinymodels import build_tiny_model, random_checkpoint, write_subset
 
     started = time.perf_counter()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="weightroll-demo-"))

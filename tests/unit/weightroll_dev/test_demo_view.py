@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from weightroll_operator.demo_view import Asker, serving, state_key
+from weightroll_dev.demo_view import Asker, serving, state_key
 
 
 def pod(ready: bool, version: str | None = None, state: str | None = None) -> dict[str, Any]:

@@ -13,9 +13,9 @@ Modules: :mod:`.podspec` (pure: pod spec -> command lines, kubelet's status),
 This package imports neither torch nor vLLM nor the agent: it only starts them as subprocesses.
 """
 
-from weightroll_operator.devcluster.kubelet import PodSimulator, SimulatorConfig, SimulatorThread
-from weightroll_operator.devcluster.podspec import PodSpecError
-from weightroll_operator.devcluster.processes import ContainerProcess
+from weightroll_dev.devcluster.kubelet import PodSimulator, SimulatorConfig, SimulatorThread
+from weightroll_dev.devcluster.podspec import PodSpecError
+from weightroll_dev.devcluster.processes import ContainerProcess
 
 __all__ = [
     "ContainerProcess",

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightroll_operator.devcluster.apiserver import REPO
+from weightroll_dev import checkout_pythonpath
 
 __all__ = [
     "SERVED_MODEL",
@@ -69,7 +69,7 @@ def engine_env(boot_version: str) -> dict[str, str]:
     """The environment of the simulated pods' processes: vLLM CPU on a shared 2-core machine."""
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": checkout_pythonpath(),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

@@ -61,8 +61,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+from weightroll_operator.k8s.client import KubeConfig
 
-from weightroll_operator.devcluster.podspec import (
+from weightroll_dev.devcluster.podspec import (
     ContainerState,
     PodSpecError,
     build_argv,
@@ -71,8 +72,7 @@ from weightroll_operator.devcluster.podspec import (
     readiness_gates,
     status_differs,
 )
-from weightroll_operator.devcluster.processes import ContainerProcess
-from weightroll_operator.k8s.client import KubeConfig
+from weightroll_dev.devcluster.processes import ContainerProcess
 
 __all__ = ["PodSimulator", "SimulatorConfig", "SimulatorThread"]
 
