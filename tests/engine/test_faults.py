@@ -139,13 +139,16 @@ def test_a_failure_at_every_step_boundary_is_clean_and_unchanged_or_poisoned(
 
 
 def test_post_load_failure_after_the_kernel_swap_poisons(
-    tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from tests.harness.models import write_subset
 
     engine: Engine = tied["engine"]
     _restore(tied)
     before = _effective(engine)
+    mlp = write_subset(tied["b"], tmp_path / "mlp0.safetensors", lambda n: ".layers.0.mlp." in n)
     original = UnquantizedLinearMethod.process_weights_after_loading
 
     def swap_then_fail(self: Any, layer: torch.nn.Module) -> None:
@@ -153,7 +156,8 @@ def test_post_load_failure_after_the_kernel_swap_poisons(
         raise RuntimeError("injected: out of memory after the kernel swap")
 
     monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", swap_then_fail)
-    report = engine.update("oom", "b", tied["b"])[0]
+    # The first module processed is a linear (gate_up_proj), so no live byte was copied yet.
+    report = engine.update("oom", "a-mlp0", mlp, mode="partial", scope=["model.layers.0.mlp."])[0]
     monkeypatch.undo()
     assert not report["ok"] and "out of memory" in report["error"]["message"], report
     _assert_outcome(tied, before, "poisoned")
