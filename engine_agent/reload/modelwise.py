@@ -234,8 +234,8 @@ class ModelIndex:
         return modules
 
     def _resolve_one(self, item: str, fused_of: Mapping[str, str]) -> set[str]:
-        if item.endswith("."):
-            return {n for n in self.entries if n.startswith(item)}
+        if item.endswith("."):  # a prefix: the module itself ("model.norm.") or below it
+            return {n for n in self.entries if f"{n}.".startswith(item)}
         path, _, _param = item.rpartition(".")
         parent, _, leaf = path.rpartition(".")
         candidates = [path, f"{parent}.{fused_of[leaf]}" if leaf in fused_of else ""]
