@@ -58,6 +58,12 @@ _RUNTIME_ATTRS = frozenset(
         "_v_scale_cpu",
         "_q_scale_cpu",
         "cos_sin_cache",
+        # expert routing maps (never loaded from a checkpoint; modelwise._NEVER_LOADED)
+        "_expert_map",
+        "expert_mask",
+        "expert_global_to_physical",
+        "expert_physical_to_global",
+        "expert_local_to_global",
     }
 )
 #: Callable attributes that are kernels: an opaque object in their closure is kernel state.
