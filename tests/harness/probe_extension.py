@@ -59,6 +59,11 @@ def install_packed_gemm() -> None:
 install_packed_gemm()
 
 
+def _own_state(kernel: Any) -> bool:
+    """Whether a GEMM closure holds state of its own (the fallback reads the live weight)."""
+    return kernel is not None and bool(getattr(kernel, "__closure__", None))
+
+
 class ProbeExtension(WeightRollExtension):
     def probe_storage(self, _args: str = "{}") -> dict[str, int]:
         """data_ptr of every parameter, buffer and registered derived tensor."""
@@ -68,9 +73,9 @@ class ProbeExtension(WeightRollExtension):
     def probe_dense_weights(self, _args: str = "{}") -> dict[str, torch.Tensor]:
         """Effective weight of every module parameter, in checkpoint layout.
 
-        A linear's weight is read back through its GEMM kernel; so is the kernel of every
-        other module that has one (``<module>.kernel``: the LM head and the embedding, which
-        on CPU keep a kernel next to their live weight), and every tensor attribute
+        A linear's weight is read back through its GEMM kernel; so is every other kernel
+        that keeps its own copy of a live weight (``<module>.kernel``: on packed CPU kernels,
+        the LM head and the embedding), and every tensor attribute
         (``<module>.<attr>``: MLA ``W_UK_T``/``W_UV``).
         """
         model: Any = self.model_runner.model  # type: ignore[attr-defined]
@@ -88,7 +93,7 @@ class ProbeExtension(WeightRollExtension):
                     out[f"{name}.weight"] = kernel(eye, param, None).t().contiguous().clone()
                 else:
                     out[f"{name}.{pname}"] = param.detach().clone()
-                if pname == "weight" and param.numel() and param.ndim == 2 and kernel is not None:
+                if pname == "weight" and param.numel() and param.ndim == 2 and _own_state(kernel):
                     eye = torch.eye(param.shape[1], dtype=param.dtype)
                     out[f"{name}.kernel"] = kernel(eye, param, None).t().contiguous().clone()
             for attr, value in vars(module).items():
