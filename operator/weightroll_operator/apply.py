@@ -1,9 +1,13 @@
 """Execute a plan's actions; return one result per action, never raise for "not yet".
 
 Actions of one pod run in plan order and stop at the first error (the rest are reported as
-skipped), so a ``GateOn`` never follows a failed step. Pods run concurrently, bounded by
-``concurrency``. Events are posted after the pod actions. A pod that disappeared (404) is not
-an error for the rollout: the next pass no longer sees it.
+skipped), so a ``GateOn`` never follows a failed step. Every pod write of a chain is
+conditional: the first on the ``resourceVersion`` the plan observed, each later one on the
+version the previous write produced. A pod that changed since it was observed (another
+WeightUpdate claimed it, another operator replica wrote it, the kubelet updated it) answers 409
+(``KubeConflict``): the chain stops and the next pass re-reads and re-plans, never overwriting.
+Pods run concurrently, bounded by ``concurrency``. Events are posted after the pod actions. A
+pod that disappeared (404) is not an error for the rollout: the next pass no longer sees it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from weightroll_operator.domain.model import (
     OwnerKey,
     PodView,
 )
-from weightroll_operator.errors import KubeNotFound, WeightrollError
+from weightroll_operator.errors import KubeConflict, KubeNotFound, WeightrollError
 from weightroll_operator.ports import AgentPort, AgentTarget, KubePort
 
 __all__ = ["ActionResult", "ApplyContext", "SKIPPED", "apply", "target_of", "write_gate"]
@@ -90,12 +94,15 @@ async def write_gate(
     now: datetime,
     *,
     resource_version: str | None = None,
-) -> None:
+) -> str | None:
     """Write the pod condition ``weightroll.io/weights-ready`` (the one way the gate is written).
 
     Args:
         resource_version: when given, the write succeeds only if the pod is still at this
             version (else :class:`~weightroll_operator.errors.KubeConflict`).
+
+    Returns:
+        The pod's ``resourceVersion`` after the write, when the API server reported one.
 
     Raises:
         KubeError: the API server refused the write (``KubeNotFound``: the pod is gone).
@@ -107,15 +114,19 @@ async def write_gate(
         "message": message,
         "lastTransitionTime": timestamp(now),
     }
-    await kube.patch_pod_condition(namespace, pod, condition, resource_version=resource_version)
+    return await kube.patch_pod_condition(
+        namespace, pod, condition, resource_version=resource_version
+    )
 
 
-async def _run_one(action: PodAction, ctx: ApplyContext) -> None:
+async def _run_one(action: PodAction, ctx: ApplyContext, rv: str | None) -> str | None:
+    """Run one action; ``rv`` is the pod version its write is conditional on; return the new one
+    (agent calls leave it unchanged)."""
     pod = action.pod
     ns, name = pod.namespace, pod.name
     if isinstance(action, Claim):
         labels = {action.remove_label: None} if action.remove_label else None
-        await ctx.kube.patch_pod_metadata(
+        return await ctx.kube.patch_pod_metadata(
             ns,
             name,
             annotations={
@@ -123,38 +134,57 @@ async def _run_one(action: PodAction, ctx: ApplyContext) -> None:
                 ANNOTATION_WEIGHT_STATE: action.state.to_json(),
             },
             labels=labels,
+            resource_version=rv,
         )
-    elif isinstance(action, GateOff):
-        await write_gate(ctx.kube, ns, name, False, action.reason, action.message, ctx.now)
-    elif isinstance(action, StartUpdate):
+    if isinstance(action, GateOff):
+        return await write_gate(
+            ctx.kube, ns, name, False, action.reason, action.message, ctx.now, resource_version=rv
+        )
+    if isinstance(action, StartUpdate):
         await ctx.agents.start_update(target_of(pod, ctx.token), action.request)
     elif isinstance(action, AbortUpdate):
         await ctx.agents.abort_update(target_of(pod, ctx.token), action.update_id)
     elif isinstance(action, GateOn):
         message = f"Weights {action.version} committed on every rank"
-        await write_gate(ctx.kube, ns, name, True, action.reason, message, ctx.now)
+        return await write_gate(
+            ctx.kube, ns, name, True, action.reason, message, ctx.now, resource_version=rv
+        )
     elif isinstance(action, Settle):
         annotations: dict[str, str | None] = {ANNOTATION_WEIGHT_STATE: action.state.to_json()}
         if action.release:
             annotations[ANNOTATION_OWNER] = None
-        await ctx.kube.patch_pod_metadata(
-            ns, name, annotations=annotations, labels=dict(action.labels) or None
+        return await ctx.kube.patch_pod_metadata(
+            ns,
+            name,
+            annotations=annotations,
+            labels=dict(action.labels) or None,
+            resource_version=rv,
         )
+    return rv
 
 
 async def _run_pod(actions: list[PodAction], ctx: ApplyContext) -> list[ActionResult]:
     results: list[ActionResult] = []
     failed = False
+    rv = actions[0].pod.resource_version if actions else None
     for action in actions:
         if failed:
             results.append(ActionResult(action, SKIPPED))
             continue
         try:
-            await _run_one(action, ctx)
+            rv = await _run_one(action, ctx, rv)
             results.append(ActionResult(action))
         except KubeNotFound as e:
             log.info(
                 "Skipped %s on Pod %s: the pod is gone", type(action).__name__, action.pod.name
+            )
+            results.append(ActionResult(action, e))
+            failed = True
+        except KubeConflict as e:
+            log.info(
+                "Deferred %s on Pod %s: the pod changed since it was read",
+                type(action).__name__,
+                action.pod.name,
             )
             results.append(ActionResult(action, e))
             failed = True

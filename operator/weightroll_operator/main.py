@@ -1,26 +1,39 @@
 """``weightroll operator``: run the WeightUpdate operator (kopf) in this process.
 
-Builds the clients, the reconciler and the metrics endpoint, registers the handlers and calls
-``kopf.run``. Standalone by default (no peering): run one replica, or pass ``--peering NAME
---priority N`` with a distinct priority per replica (equal priorities freeze every replica).
+Builds the clients, the reconciler and the metrics endpoint, registers the handlers and runs
+``kopf.operator``. With ``--leader-elect`` (the chart's default, two replicas) kopf runs only
+while this process holds the leader Lease (``k8s/lease.py``); a standby serves its liveness and
+the admission webhook meanwhile, and a leader that loses the Lease stops (exit code 1, the
+kubelet restarts it as a standby). Without it the process runs kopf standalone at once: one
+replica, or ``--peering NAME --priority N`` with a distinct priority per replica.
+
+The admission webhook (``webhook.py``, ``--webhook-port``) runs in every replica, leader or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import kopf
+from aiohttp import web
 
 from weightroll_operator.agent_client import AgentClient
 from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
+from weightroll_operator.k8s.lease import LeaderElector
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.reconcile import Reconciler
 from weightroll_operator.settings import OperatorConfig
+from weightroll_operator.webhook import WebhookServer
 
 __all__ = ["build_runtime", "main"]
 
@@ -38,9 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     p.add_argument("--context", help="kubeconfig context")
-    p.add_argument("--interval", type=float, help="seconds between timer passes")
+    p.add_argument(
+        "--interval", type=float, help="seconds between passes when nothing is in flight"
+    )
+    p.add_argument("--pod-selector", help="label selector of the pod watch (default: every pod)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (0 disables)")
     p.add_argument("--health-port", type=int, help="liveness port for /healthz (0 disables)")
+    p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        default=None,
+        help="act only while holding the leader Lease (run two replicas)",
+    )
+    p.add_argument("--webhook-port", type=int, help="admission webhook HTTPS port (0 disables)")
+    p.add_argument("--webhook-cert-dir", help="directory with the webhook's tls.crt, tls.key")
     p.add_argument("--peering", help="kopf peering name (default: standalone)")
     p.add_argument("--priority", type=int, default=0, help="peering priority (distinct!)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -55,7 +79,8 @@ def build_runtime(config: OperatorConfig, kube: KubeApi, metrics: Metrics | None
         metrics=metrics,
         concurrency=config.concurrency,
         state_ttl=config.state_ttl,
-        poll_interval=config.interval,
+        poll_interval=config.poll_interval,
+        idle_interval=config.interval,
     )
     return Runtime(reconciler=reconciler, config=config)
 
@@ -72,6 +97,70 @@ def _login(cfg: KubeConfig) -> kopf.ConnectionInfo:
     )
 
 
+async def _standby(_: web.Request) -> web.Response:
+    return web.json_response({"standby": True})
+
+
+@contextlib.asynccontextmanager
+async def _standby_health(port: int) -> AsyncIterator[None]:
+    """``/healthz`` while waiting for the Lease (kopf's liveness endpoint takes the port after)."""
+    if not port:
+        yield
+        return
+    app = web.Application()
+    app.router.add_get("/healthz", _standby)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
+def _elector(config: OperatorConfig, kube: KubeApi) -> LeaderElector:
+    namespace = config.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+    identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    return LeaderElector(
+        api=kube,
+        namespace=namespace,
+        name=config.lease_name,
+        identity=identity,
+        lease_seconds=config.lease_seconds,
+        renew_seconds=max(0.5, config.lease_seconds / 7.5),
+        renew_deadline=config.lease_seconds * 2 / 3,
+    )
+
+
+async def _serve(config: OperatorConfig, kube: KubeApi, **kopf_kwargs: Any) -> int:
+    """Webhook, then (with leader election) the Lease, then kopf; the exit code."""
+    webhook = None
+    if config.webhook_port:
+        webhook = WebhookServer(
+            config.webhook_port, Path(config.webhook_cert_dir), host=config.webhook_addr
+        )
+        await webhook.start()
+    elector = _elector(config, kube) if config.leader_elect else None
+    stop = asyncio.Event()
+    holding: asyncio.Task[None] | None = None
+    try:
+        if elector is not None:
+            async with _standby_health(config.health_port):
+                await elector.acquire()
+            holding = asyncio.create_task(elector.hold())
+            holding.add_done_callback(lambda _: stop.set())
+        await kopf.operator(stop_flag=stop, **kopf_kwargs)
+        return 1 if holding is not None and holding.done() else 0
+    finally:
+        if holding is not None and not holding.done():
+            holding.cancel()
+            if elector is not None:
+                await elector.release()
+        if webhook is not None:
+            await webhook.stop()
+        await kube.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(argv or []))
     logging.basicConfig(
@@ -79,7 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = OperatorConfig.from_env(
-        interval=args.interval, metrics_port=args.metrics_port, health_port=args.health_port
+        interval=args.interval,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        pod_selector=args.pod_selector,
+        leader_elect=args.leader_elect,
+        webhook_port=args.webhook_port,
+        webhook_cert_dir=args.webhook_cert_dir,
     )
     try:
         kube_config = KubeConfig.load(args.kubeconfig, args.context)
@@ -97,14 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry = kopf.OperatorRegistry()
     register(registry, build_runtime(config, kube, metrics), login=lambda: _login(kube_config))
     liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
-    kopf.run(
-        registry=registry,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        priority=args.priority,
-        namespaces=args.namespace,
-        clusterwide=args.all_namespaces or not args.namespace,
-        liveness_endpoint=liveness,
+    return asyncio.run(
+        _serve(
+            config,
+            kube,
+            registry=registry,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            priority=args.priority,
+            namespaces=args.namespace,
+            clusterwide=args.all_namespaces or not args.namespace,
+            liveness_endpoint=liveness,
+        )
     )
-    asyncio.run(kube.close())
-    return 0

@@ -28,6 +28,7 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self._drained: dict[tuple[str, str], set[str]] = {}
         self._unreachable: dict[tuple[str, str], set[str]] = {}
+        self._token_reasons: dict[tuple[str, str], set[str]] = {}
         r, wu = self.registry, ["namespace", "name"]
         self.updates_total = Counter(
             "weightroll_updates", "Finished rollouts by outcome", [*wu, "outcome"], registry=r
@@ -88,6 +89,12 @@ class Metrics:
             [*wu, "pod"],
             registry=r,
         )
+        self.agent_token_unavailable = Gauge(
+            "weightroll_agent_token_unavailable",
+            "1 while the agent token Secret of the WeightUpdate cannot be read, by reason",
+            [*wu, "reason"],
+            registry=r,
+        )
 
         self.pods_admitted = Counter(
             "weightroll_pods_admitted",
@@ -118,6 +125,7 @@ class Metrics:
                     removed += 1
         self._drained.pop((namespace, name), None)
         self._unreachable.pop((namespace, name), None)
+        self._token_reasons.pop((namespace, name), None)
         return removed
 
     def _per_weightupdate(self) -> tuple[Counter | Gauge | Histogram, ...]:
@@ -133,6 +141,7 @@ class Metrics:
             self.last_success,
             self.drained_since,
             self.agent_unreachable,
+            self.agent_token_unavailable,
         )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
@@ -175,6 +184,19 @@ class Metrics:
             import time
 
             self.last_success.labels(namespace, name).set(time.time())
+
+    def observe_token(self, namespace: str, name: str, reason: str | None) -> None:
+        """Set the token gauge for ``reason`` (``credentials.py``); ``None``: readable again,
+        every series of this WeightUpdate is removed."""
+        for key in list(self._token_reasons.get((namespace, name), set())):
+            if key != reason:
+                with contextlib.suppress(KeyError):
+                    self.agent_token_unavailable.remove(namespace, name, key)
+        if reason is None:
+            self._token_reasons.pop((namespace, name), None)
+            return
+        self.agent_token_unavailable.labels(namespace, name, reason).set(1)
+        self._token_reasons[(namespace, name)] = {reason}
 
     def observe_admitted(self, namespace: str) -> None:
         """Count one pod admitted (``domain/admission.py``)."""

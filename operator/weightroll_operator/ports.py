@@ -38,7 +38,7 @@ class KubePort(Protocol):
         condition: Mapping[str, Any],
         *,
         resource_version: str | None = None,
-    ) -> None: ...
+    ) -> str | None: ...
 
     async def patch_pod_metadata(
         self,
@@ -47,7 +47,8 @@ class KubePort(Protocol):
         *,
         annotations: Mapping[str, str | None] | None = None,
         labels: Mapping[str, str | None] | None = None,
-    ) -> None: ...
+        resource_version: str | None = None,
+    ) -> str | None: ...
 
     async def patch_weightupdate_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]

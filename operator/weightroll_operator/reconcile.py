@@ -1,13 +1,13 @@
 """One idempotent, level-triggered pass: observe -> plan -> apply -> status (house rule 4).
 
-Every kopf handler of a WeightUpdate (create, update, resume, timer) calls
+Every kopf handler of a WeightUpdate (create, update, resume, the loop daemon) calls
 :meth:`Reconciler.reconcile`; deletion calls :meth:`Reconciler.finalize`. A pass keeps no state
 between calls except caches of *observations* (agent states keyed by the pod's incarnation and
 annotations, Secret tokens), so an operator restarted at any point resumes from the cluster:
 pod annotations say which pods are in flight and for which update id, agents say how far each
 update got.
 
-Passes of one WeightUpdate are serialised by a per-object lock: kopf runs timers concurrently
+Passes of one WeightUpdate are serialised by a per-object lock: kopf runs daemons concurrently
 with change handlers.
 
 Pods no WeightUpdate selects are handled apart, one pod event at a time: :meth:`Reconciler.admit`
@@ -40,6 +40,7 @@ from weightroll_operator.apply import (
     target_of,
     write_gate,
 )
+from weightroll_operator.credentials import token_problem, with_token_condition
 from weightroll_operator.domain import admission
 from weightroll_operator.domain.actions import AbortUpdate, Action, Emit, Settle
 from weightroll_operator.domain.conditions import Reason
@@ -125,25 +126,35 @@ class Reconciler:
     idle_interval: float = 30.0
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
-    _states: dict[tuple[str, ...], tuple[AgentView, float]] = field(default_factory=dict)
-    _views: dict[int, tuple[Mapping[str, Any], str | None, int, PodView]] = field(
+    #: Per pod (namespace, name): the :func:`_state_key` the answer is valid for, the answer
+    #: and its expiry (one entry per pod, like ``_views``).
+    _states: dict[tuple[str, str], tuple[tuple[str, ...], AgentView, float]] = field(
         default_factory=dict
     )
+    _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, int, PodView]] = field(
+        default_factory=dict
+    )
+    #: Entries of each cache before it is emptied (pods that vanished leave theirs behind).
+    cache_limit: int = 100_000
 
     def _view(self, pod: Mapping[str, Any], group_by: str | None, port: int) -> PodView:
         """:func:`pod_view`, reused while the *same* pod object is passed again.
 
         The kopf index (like a watch) hands over a new object for every change and never
-        mutates one, so object identity is a change token; the cache holds a reference, so an
-        id is never reused while cached.
+        mutates one, so object identity is a change token. One entry per pod (namespace, name):
+        a new object of the pod replaces the old one, so superseded pod objects are never kept
+        (issue 11 finding 7); the cache holds at most the live pods plus those deleted since it
+        was last emptied.
         """
-        cached = self._views.get(id(pod))
+        meta = pod.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        cached = self._views.get(key)
         if cached is not None and cached[0] is pod and cached[1:3] == (group_by, port):
             return cached[3]
-        if len(self._views) > 200_000:
+        if cached is None and len(self._views) >= self.cache_limit:
             self._views.clear()
         result = pod_view(pod, group_by=group_by, default_port=port)
-        self._views[id(pod)] = (pod, group_by, port, result)
+        self._views[key] = (pod, group_by, port, result)
         return result
 
     # ------------------------------------------------------------------------------------------
@@ -194,7 +205,11 @@ class Reconciler:
             raise InvalidSpec(str(e)) from e
 
         views = select_pods(pods, spec, namespace, self._view)
-        token = await self._token(namespace, spec)
+        try:
+            token = await self._token(namespace, spec)
+        except KubeError as e:
+            await self._token_unavailable(namespace, name, spec, raw_status, old_status, e, now)
+            raise
         asked = queries(views, owner, spec.version)
         agents = await self._observe(views, asked, token)
         persisted = Persisted.from_status(old_status, spec.version)
@@ -216,15 +231,24 @@ class Reconciler:
         notes = {
             r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
             for r in results
-            if r.error is not None and not isinstance(r.action, Emit) and r.error is not SKIPPED
+            if r.error is not None
+            and not isinstance(r.action, Emit)
+            and r.error is not SKIPPED
+            and not isinstance(r.error, KubeConflict)  # re-read and re-planned next pass
         }
         status = build_status(the_plan, spec, old_status, generation, now, notes)
+        status = with_token_condition(status, None, now)
+        if self.metrics is not None:
+            self.metrics.observe_token(namespace, name, None)
         written = await self._write_status(namespace, name, raw_status, status)
         if old_status is None or old_status.phase is not status.phase:
             await self._phase_event(ctx, old_status, status)
         self._observe_metrics(namespace, name, spec, the_plan, old_status, status, agents, now)
         errors = tuple(r for r in results if not r.ok)
-        busy = the_plan.in_flight_units > 0 or the_plan.pending_units > 0
+        # Only in-flight units need polling (their agents commit without a pod event); a pending
+        # unit becomes startable on a pod event (a restore, a pod turning Ready), which wakes the
+        # loop (loop.py).
+        busy = the_plan.in_flight_units > 0
         return PassResult(
             phase=status.phase,
             status_written=written,
@@ -384,9 +408,10 @@ class Reconciler:
         todo: list[tuple[PodView, Query]] = []
         for name, query in asked.items():
             pod = by_name[name]
-            cached = self._states.get(_state_key(pod)) if query.update_id is None else None
-            if cached is not None and cached[1] > now:
-                seen[name] = cached[0]
+            cached = self._states.get((pod.namespace, pod.name))
+            fresh = cached is not None and cached[0] == _state_key(pod) and cached[2] > now
+            if cached is not None and fresh and query.update_id is None:
+                seen[name] = cached[1]
             else:
                 todo.append((pod, query))
 
@@ -432,10 +457,31 @@ class Reconciler:
             source=None if src is None else SourceRef(uri=src.uri, manifest=src.manifest),
             active_update_id=state.active_update_id,
         )
-        if len(self._states) > 100_000:
+        slot = (pod.namespace, pod.name)
+        if slot not in self._states and len(self._states) >= self.cache_limit:
             self._states.clear()
-        self._states[key] = (result, time.monotonic() + self.state_ttl)
+        self._states[slot] = (key, result, time.monotonic() + self.state_ttl)
         return result
+
+    async def _token_unavailable(
+        self,
+        namespace: str,
+        name: str,
+        spec: WeightUpdateSpec,
+        raw_status: Mapping[str, Any],
+        old_status: WeightUpdateStatus | None,
+        error: KubeError,
+        now: datetime,
+    ) -> None:
+        """Report a token Secret that cannot be read (``credentials.py``); nothing else moves."""
+        ref = spec.agent.token_secret_ref
+        problem = None if ref is None else token_problem(error, namespace, ref)
+        if problem is None:
+            return  # transient (5xx, connection): retried without a word in status
+        status = with_token_condition(old_status or WeightUpdateStatus(), problem, now)
+        await self._write_status(namespace, name, raw_status, status)
+        if self.metrics is not None:
+            self.metrics.observe_token(namespace, name, problem.reason)
 
     async def _write_status(
         self,

@@ -26,8 +26,11 @@ FINALIZER = f"{PREFIX}/finalizer"
 class OperatorConfig:
     """Every knob of the operator process. Environment: ``WEIGHTROLL_<FIELD>`` (upper case)."""
 
-    #: Seconds between timer-driven passes of each WeightUpdate.
+    #: Seconds between passes of a WeightUpdate with nothing in flight (a resync: pod and
+    #: WeightUpdate events start a pass at once, ``loop.py``).
     interval: float = 5.0
+    #: Seconds between passes while units are in flight: an agent's commit is seen this soon.
+    poll_interval: float = 0.5
     #: Seconds an agent answers before the call counts as unreachable.
     agent_timeout: float = 5.0
     #: Parallel agent and pod calls per pass.
@@ -44,6 +47,25 @@ class OperatorConfig:
     posting_level: str = "WARNING"
     #: Seconds kopf's watch requests last before being re-opened (kopf#810).
     watch_server_timeout: int = 300
+    #: Label selector of the pod watch (server-side), e.g. ``weightroll.io/managed=true``;
+    #: empty: every pod of the watched namespaces. Every pod a WeightUpdate selects, and every
+    #: pod to admit, must match it.
+    pod_selector: str = ""
+    #: Run kopf only while holding the ``coordination.k8s.io`` Lease below (``k8s/lease.py``):
+    #: the chart runs two replicas, one acts, the other takes over within ``lease_seconds``.
+    leader_elect: bool = False
+    #: Name of the leader Lease.
+    lease_name: str = "weightroll-operator"
+    #: Namespace of the leader Lease (empty: ``$POD_NAMESPACE``, else ``default``).
+    lease_namespace: str = ""
+    #: Seconds the Lease stays taken without renewal (failover time after a crash).
+    lease_seconds: float = 15.0
+    #: Port of the validating admission webhook (HTTPS, ``webhook.py``; 0 disables it).
+    webhook_port: int = 0
+    #: Directory with the webhook's ``tls.crt`` and ``tls.key``.
+    webhook_cert_dir: str = "/etc/weightroll/webhook"
+    #: Address the webhook binds to.
+    webhook_addr: str = "0.0.0.0"
     #: Set the readiness gate True on pods no WeightUpdate selects once their containers are
     #: ready, so they serve their boot weights (``domain/admission.py``). Off: such pods stay
     #: NotReady until a WeightUpdate verifies them.
@@ -96,3 +118,5 @@ def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     settings.watching.server_timeout = config.watch_server_timeout
     settings.watching.client_timeout = config.watch_server_timeout + 30
     settings.networking.request_timeout = 30
+    if config.pod_selector:
+        settings.watching.label_selectors["pods"] = config.pod_selector

@@ -27,6 +27,7 @@ ALERTS = (
     "WeightFleetStale",
     "WeightReplicaLeftDrained",
     "WeightAgentUnreachable",
+    "WeightAgentTokenUnavailable",
 )
 NO_CRD_REASON = (
     "charts/weightroll/files/crds/weightupdates.weightroll.io.yaml is not generated yet "

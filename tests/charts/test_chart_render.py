@@ -58,7 +58,12 @@ def test_at_least_two_ci_scenarios() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"operator": {"replicas": 2}}, "at '/operator/replicas': maximum: got 2, want 1"),
+        ({"operator": {"replicas": -1}}, "at '/operator/replicas': minimum"),
+        ({"webhook": {"failurePolicy": "Maybe"}}, "at '/webhook/failurePolicy'"),
+        (
+            {"operator": {"leaderElection": {"enabled": True, "leaseSeconds": 1}}},
+            "at '/operator/leaderElection/leaseSeconds': minimum",
+        ),
         ({"imagee": {"tag": "x"}}, "additional properties 'imagee' not allowed"),
         ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
         ({"operator": {"ports": {"health": 0}}}, "at '/operator/ports/health': minimum"),
@@ -174,21 +179,27 @@ def test_rbac_and_serviceaccount_switches() -> None:
 def test_operator_deployment() -> None:
     deploy = find(objects(render()), "Deployment", "weightroll-operator")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    assert spec["replicas"] == 2  # leader election: one acts, one stands by
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     pod = spec["template"]["spec"]
     assert pod["serviceAccountName"] == OPERATOR_SERVICEACCOUNT
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (ctr,) = pod["containers"]
     assert ctr["command"] == ["weightroll", "operator"]
-    assert "args" not in ctr  # cluster-wide, INFO logging
+    assert ctr["args"] == ["--leader-elect"]  # cluster-wide, INFO logging
     assert ctr["image"] == "ghcr.io/weightroll/weightroll-operator:0.1.0"
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
-    assert ports == {"health": 8081, "metrics": 8080}
+    assert ports == {"health": 8081, "metrics": 8080, "webhook": 9443}
     env = {e["name"]: e.get("value") for e in ctr["env"]}
     assert env["WEIGHTROLL_HEALTH_PORT"] == "8081"
     assert env["WEIGHTROLL_METRICS_PORT"] == "8080"
+    assert env["WEIGHTROLL_LEASE_NAME"] == "weightroll-operator"
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
+    assert (config.webhook_port, config.lease_seconds) == (9443, 15.0)
     for probe in ("livenessProbe", "readinessProbe"):
         assert ctr[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert ctr["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
@@ -214,8 +225,83 @@ def test_image_digest_args_and_probe_switch() -> None:
     deploy = find(objects(render(values)), "Deployment")
     ctr = deploy["spec"]["template"]["spec"]["containers"][0]
     assert ctr["image"] == f"ghcr.io/weightroll/weightroll-operator@{digest}"
-    assert ctr["args"] == ["--verbose", "--namespace=ml", "--namespace=ml-canary", "--interval=2"]
+    assert ctr["args"] == [
+        "--verbose",
+        "--namespace=ml",
+        "--namespace=ml-canary",
+        "--leader-elect",
+        "--interval=2",
+    ]
     assert "livenessProbe" not in ctr and "readinessProbe" in ctr
+
+
+def test_more_replicas_need_leader_election() -> None:
+    values = {"operator": {"replicas": 2, "leaderElection": {"enabled": False, "leaseSeconds": 15}}}
+    with pytest.raises(helm_python.HelmRenderError, match="leaderElection"):
+        render(values)
+    single = {"operator": {"replicas": 1, "leaderElection": {"enabled": False, "leaseSeconds": 15}}}
+    objs = objects(render(single))
+    deploy = find(objs, "Deployment")
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert "Role" not in {o["kind"] for o in objs}
+
+
+def test_leader_election_role_is_one_lease() -> None:
+    objs = objects(render())
+    role = find(objs, "Role", "weightroll-leader-election")
+    assert role["metadata"]["namespace"] == "weightroll-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["weightroll-operator"],
+            "verbs": ["get", "update"],
+        },
+    ]
+    binding = find(objs, "RoleBinding", "weightroll-leader-election")
+    assert binding["roleRef"]["name"] == "weightroll-leader-election"
+
+
+def test_pod_selector_reaches_the_operator() -> None:
+    deploy = find(objects(render({"operator": {"podSelector": "app=vllm"}})), "Deployment")
+    assert "--pod-selector=app=vllm" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_admission_webhook_is_served_and_registered() -> None:
+    objs = objects(render())
+    (config,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
+    (hook,) = config["webhooks"]
+    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+    assert hook["rules"] == [
+        {
+            "apiGroups": ["weightroll.io"],
+            "apiVersions": ["v1alpha1"],
+            "resources": ["weightupdates"],
+            "operations": ["CREATE", "UPDATE"],
+            "scope": "Namespaced",
+        }
+    ]
+    service = hook["clientConfig"]["service"]
+    assert service == {
+        "name": "weightroll-webhook",
+        "namespace": "weightroll-system",
+        "path": "/validate",
+        "port": 443,
+    }
+    secret = find(objs, "Secret", "weightroll-webhook-tls")
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    svc = find(objs, "Service", "weightroll-webhook")
+    assert svc["spec"]["ports"][0]["targetPort"] == "webhook"
+    deploy = find(objs, "Deployment")
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["webhook-cert"]["secret"]["secretName"] == "weightroll-webhook-tls"
+    given = objects(render({"webhook": {"existingSecret": "mine", "caBundle": "Q0E="}}))
+    assert "Secret" not in {o["kind"] for o in given}
+    (hook,) = find(given, "ValidatingWebhookConfiguration")["webhooks"]
+    assert hook["clientConfig"]["caBundle"] == "Q0E="
+    off = objects(render({"webhook": {"enabled": False}}))
+    assert "ValidatingWebhookConfiguration" not in {o["kind"] for o in off}
 
 
 @pytest.mark.parametrize("admit", [True, False])

@@ -132,7 +132,8 @@ def chart(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
     from tests.charts.helpers import CHART, helm_python, with_crd_fallback
 
     config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
-    values = {"rbac": {"agentTokenSecretNames": [TOKEN_SECRET]}}
+    # No webhook: the dev cluster cannot route to its Service (devcluster.workload_values).
+    values = {"rbac": {"agentTokenSecretNames": [TOKEN_SECRET]}, "webhook": {"enabled": False}}
     try:
         config.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=60)
         config.install(

@@ -9,11 +9,12 @@ adds just enough to test the drain contract faithfully:
   ready **and** every ``spec.readinessGates`` condition True;
 * every ``pods/status`` write is logged with a snapshot of the pod's fake agent at that instant,
   so a test can prove that no pod was ever marked ready while its agent was unverified;
-* a ``pods/status`` patch that names a ``metadata.resourceVersion`` other than the pod's is refused
-  with 409, and each accepted one bumps the pod's ``resourceVersion`` (only for pods created with
-  one: kmock itself keeps none). This is the API server's optimistic concurrency for patches,
-  which admission relies on; it also covers kmock replaying every object as ``ADDED`` when a
-  watch starts, right after kopf's listing (a real watch resumes from the list's version).
+* a pod patch (``pods/status`` or metadata) that names a ``metadata.resourceVersion`` other than
+  the pod's is refused with 409, and each accepted one bumps the pod's ``resourceVersion`` and
+  returns it (only for pods created with one: kmock itself keeps none). This is the API server's
+  optimistic concurrency for patches, which admission and every operator pod write rely on; it
+  also covers kmock replaying every object as ``ADDED`` when a watch starts, right after kopf's
+  listing (a real watch resumes from the list's version).
 
 Everything else is kmock's (see operator.md §4 for what it does not emulate).
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import attrs
 import kmock
 import yaml
 from weightroll_operator.api import v1alpha1 as api
@@ -54,12 +56,13 @@ class StatusWrite:
         return None
 
 
+@attrs.frozen
 class StaleResourceVersion(kmock.KubernetesError):  # type: ignore[misc]
     """409, as the API server answers a patch whose ``resourceVersion`` precondition failed."""
 
-    status = 409
-    reason = "Conflict"
-    message = "the object has been modified; please apply your changes to the latest version"
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = "the object has been modified; please apply your changes to the latest version"
 
 
 class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
@@ -74,27 +77,42 @@ class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     async def _handle(self, request: Any) -> Any:
         res = request.resource
-        is_status_patch = (
+        is_pod_patch = (
             res is not None
             and res.plural == "pods"
-            and request.subresource == "status"
             and request.method == kmock.method.PATCH
             and request.name
         )
-        if not is_status_patch:
+        if not is_pod_patch:
             return await super()._handle(request)
         key = (kmock.resource("", "v1", "pods"), request.namespace, request.name)
         before = self._current(key)
         version = ((before or {}).get("metadata") or {}).get("resourceVersion")
         wanted = ((request.data or {}).get("metadata") or {}).get("resourceVersion")
-        if before is not None and wanted is not None and wanted != version:
+        if version is not None and wanted is not None and wanted != version:
             raise StaleResourceVersion()
-        response = await super()._handle(request)  # kmock replaces the conditions list...
+        bumped = before is not None and version and isinstance(request.data, dict)
+        if bumped:
+            # Every accepted write bumps the version, and the response carries the new one; the
+            # request as recorded keeps the body the client sent (restored below).
+            meta = request.data.setdefault("metadata", {})
+            meta["resourceVersion"] = str(int(version) + 1)
+        try:
+            if request.subresource != "status":
+                return await super()._handle(request)
+            response = await super()._handle(request)  # kmock replaces the conditions list...
+        finally:
+            if bumped:
+                if wanted is None:
+                    meta.pop("resourceVersion")
+                    if not meta:
+                        request.data.pop("metadata")
+                else:
+                    meta["resourceVersion"] = wanted
         if before is not None:  # ...so merge by type and play kubelet on the stored object
             merged = self._merged(before, request)
             obj = self.objects[key]
-            bump = {"resourceVersion": str(int(version) + 1)} if version else {}
-            obj.patch({"status": {"conditions": merged}, "metadata": bump})
+            obj.patch({"status": {"conditions": merged}})
             await self._buses[res].put({"type": "MODIFIED", "object": obj.raw})
         return response
 

@@ -255,3 +255,14 @@ from prometheusRule.customRules.<alert>; runbook_url is <runbookUrlBase>/<alert>
     {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end }}
+
+{{/*
+The admission webhook's Service name and TLS Secret (templates/webhook.yaml).
+*/}}
+{{- define "weightroll.webhookService" -}}
+{{- printf "%s-webhook" (include "weightroll.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "weightroll.webhookSecretName" -}}
+{{- default (printf "%s-webhook-tls" (include "weightroll.fullname" .)) .Values.webhook.existingSecret }}
+{{- end }}

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +57,12 @@ def launch_operator(
     metrics_port: int,
     *extra: str,
     new_session: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``weightroll operator`` (1 s timer, metrics on 127.0.0.1) with output to ``log``.
 
-    ``new_session`` keeps a terminal's Ctrl-C away from it (the caller stops it).
+    ``new_session`` keeps a terminal's Ctrl-C away from it (the caller stops it); ``env`` adds
+    variables (``WEIGHTROLL_*``, ``POD_NAME``) to this process's environment.
     """
     with log.open("wb") as handle:
         return subprocess.Popen(
@@ -76,6 +79,7 @@ def launch_operator(
                 **os.environ,
                 "KUBECONFIG": str(kubeconfig),
                 "WEIGHTROLL_METRICS_ADDR": "127.0.0.1",
+                **(env or {}),
             },
             stdout=handle,
             stderr=subprocess.STDOUT,

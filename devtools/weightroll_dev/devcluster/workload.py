@@ -38,6 +38,10 @@ def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[st
     """Helm values that enable the example workload on tiny bf16 models (eager, 256 tokens)."""
     return {
         "rbac": {"agentTokenSecretNames": [TOKEN_SECRET]},
+        # The dev cluster routes no Service traffic (no kube-proxy, no endpoints): the API
+        # server could not reach the chart's webhook Service. The cluster tests register the
+        # webhook on loopback instead (tests/charts/test_webhook_cluster.py).
+        "webhook": {"enabled": False},
         "workloadExample": {
             "enabled": True,
             "name": WORKLOAD,

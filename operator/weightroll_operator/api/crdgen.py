@@ -9,10 +9,19 @@ The pydantic JSON schema is turned into a *structural* OpenAPI v3 schema: ``$ref
 titles and defaults dropped (the operator applies defaults by parsing with the models, so a
 default lives in exactly one place).
 
-Limitations:
-    * Cross-field rules (sparse needs ``baseVersion``, ``maxUnavailable`` <= 100 %) are not in the
-      schema: the 1.20 test apiserver cannot evaluate CEL. The operator enforces them and reports
-      an ``InvalidSpec`` condition.
+Cross-field rules are CEL rules (``x-kubernetes-validations``, :data:`CEL_RULES`), checked by
+API servers >= 1.25: a non-empty selector, values matching the operator of each
+``matchExpressions`` entry, ``sparse`` needs ``baseVersion``, ``progressDeadlineSeconds`` >=
+``updateTimeoutSeconds``, and ``spec.source`` immutable while ``spec.version`` is unchanged (a
+transition rule). The same rules are enforced, with the same field names in the messages, by
+the operator's admission webhook (``webhook.py``) on every version, and the tests evaluate the
+CEL expressions with ``cel-python``.
+
+Older API servers do not know the field (1.20 silently drops it on a client-side apply; a
+server-side apply, as Helm 4 does, is refused, and so is kubectl's client-side validation:
+``unknown field "x-kubernetes-validations"``), so a second rendering without the rules is
+generated: ``crds/pre-1.25/`` for ``kubectl apply``, and ``*.no-cel.yaml`` next to the chart's
+copy, which the chart's CRD template picks for clusters below 1.25 (``.Capabilities.KubeVersion``).
 """
 
 from __future__ import annotations
@@ -33,8 +42,73 @@ HEADER = (
     "# regenerate: python -m weightroll_operator.api.crdgen\n"
 )
 FILENAME = f"{api.PLURAL}.{api.GROUP}.yaml"
-#: Outputs relative to the repository root.
+NO_CEL_FILENAME = f"{api.PLURAL}.{api.GROUP}.no-cel.yaml"
+#: Outputs relative to the repository root, with the CEL rules or without them.
 OUTPUTS = (Path("crds") / FILENAME, Path("charts/weightroll/files/crds") / FILENAME)
+OUTPUTS_NO_CEL = (
+    Path("crds/pre-1.25") / FILENAME,
+    Path("charts/weightroll/files/crds") / NO_CEL_FILENAME,
+)
+
+#: CEL rules by the schema path (dotted property names below ``spec``) of the node they sit on.
+#: Each message names the field like the operator's own messages do.
+CEL_RULES: dict[str, list[dict[str, str]]] = {
+    "": [
+        {
+            "rule": "self.version != oldSelf.version || self.source == oldSelf.source",
+            "message": "spec.source is immutable while spec.version is unchanged: publish the "
+            "new checkpoint under a new spec.version",
+        }
+    ],
+    "selector": [
+        {
+            "rule": "(has(self.matchLabels) && size(self.matchLabels) > 0) || "
+            "(has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+            "message": "spec.selector must not be empty: an empty selector would select every "
+            "pod in the namespace; set matchLabels or matchExpressions",
+        }
+    ],
+    "selector.matchExpressions[]": [
+        {
+            "rule": "self.operator in ['In', 'NotIn'] ? (has(self.values) && size(self.values) > 0)"
+            " : (!has(self.values) || size(self.values) == 0)",
+            "message": "spec.selector.matchExpressions: values must not be empty when operator "
+            "is In or NotIn, and must be empty when it is Exists or DoesNotExist",
+        }
+    ],
+    "source": [
+        {
+            "rule": "!has(self.mode) || self.mode != 'sparse' || has(self.baseVersion)",
+            "message": "spec.source.baseVersion is required when spec.source.mode is sparse",
+        },
+        {
+            "rule": "!has(self.baseVersion) || (has(self.mode) && self.mode == 'sparse')",
+            "message": "spec.source.baseVersion is only allowed when spec.source.mode is sparse",
+        },
+    ],
+    "strategy": [
+        {
+            "rule": "(has(self.progressDeadlineSeconds) ? self.progressDeadlineSeconds : "
+            f"{api.StrategySpec.model_fields['progress_deadline_seconds'].default}) >= "
+            "(has(self.updateTimeoutSeconds) ? self.updateTimeoutSeconds : "
+            f"{api.StrategySpec.model_fields['update_timeout_seconds'].default})",
+            "message": "spec.strategy.progressDeadlineSeconds must be at least "
+            "spec.strategy.updateTimeoutSeconds",
+        }
+    ],
+}
+
+
+def _node(spec_schema: dict[str, Any], path: str) -> dict[str, Any]:
+    node = spec_schema
+    for part in filter(None, path.split(".")):
+        if part.endswith("[]"):
+            node = node["properties"][part[:-2]]["items"]
+        else:
+            node = node["properties"][part]
+    return node
+
+
 _DROP_KEYS = {"title", "default", "examples"}
 
 
@@ -89,8 +163,9 @@ def _schema_of(model: type[api.Model]) -> dict[str, Any]:
     return structural(raw, defs)
 
 
-def build_crd() -> dict[str, Any]:
-    """Return the CRD as a dict (apiextensions.k8s.io/v1)."""
+def build_crd(*, cel: bool = True) -> dict[str, Any]:
+    """Return the CRD as a dict (apiextensions.k8s.io/v1), with the CEL rules unless ``cel``
+    is false (for API servers below 1.25)."""
     spec_schema = _schema_of(api.WeightUpdateSpec)
     status_schema = _schema_of(api.WeightUpdateStatus)
     spec_schema["description"] = "What to roll out: this version on every selected pod."
@@ -102,6 +177,12 @@ def build_crd() -> dict[str, Any]:
         "Units that may be unavailable at once, counting units already not ready: "
         "an integer >= 1 or a percentage in (0%, 100%]."
     )
+    # Local sources only (the agents read files): an OpenAPI pattern every version checks.
+    for name in ("uri", "manifest"):
+        spec_schema["properties"]["source"]["properties"][name]["pattern"] = api.LOCAL_URI_PATTERN
+    if cel:
+        for path, rules in CEL_RULES.items():
+            _node(spec_schema, path)["x-kubernetes-validations"] = [dict(r) for r in rules]
     status_schema["description"] = "Aggregate state recomputed by the operator every pass."
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -155,9 +236,9 @@ def build_crd() -> dict[str, Any]:
     }
 
 
-def render() -> str:
+def render(*, cel: bool = True) -> str:
     """Return the CRD YAML with the generated-file header."""
-    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+    return HEADER + yaml.safe_dump(build_crd(cel=cel), sort_keys=False, width=100)
 
 
 def _repo_root() -> Path:
@@ -169,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if the files are out of date")
     parser.add_argument("--root", type=Path, default=_repo_root(), help="repository root")
     args = parser.parse_args(argv)
-    text = render()
     stale = []
-    for rel in OUTPUTS:
+    outputs = [(rel, render()) for rel in OUTPUTS]
+    outputs += [(rel, render(cel=False)) for rel in OUTPUTS_NO_CEL]
+    for rel, text in outputs:
         path = args.root / rel
         if args.check:
             if not path.exists() or path.read_text() != text:

@@ -54,6 +54,8 @@ __all__ = [
     "Phase",
     "PodResult",
     "ReplicaCounts",
+    "LOCAL_URI_PATTERN",
+    "SPEC_VERSION_PATTERN",
     "SecretKeyRef",
     "SourceMode",
     "SourceSpec",
@@ -82,7 +84,17 @@ LABEL_KEY_PATTERN = (
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 )
 
-Version = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
+#: A version of a WeightUpdate: lower-case letters, digits, ``.`` and ``-`` (a subset of the
+#: agent's ``VERSION_PATTERN``). The agent update id is derived from the version, so two
+#: spellings that would give the same id (``V2_1`` and ``v2-1``) are not both allowed: only the
+#: canonical one is (issue 11 finding 9).
+SPEC_VERSION_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$"
+#: Sources the agents read: an absolute path or a ``file://`` URI (as ``engine_agent.protocol``).
+LOCAL_URI_PATTERN = r"^(file://)?/"
+_LOCAL_URI_RE = re.compile(LOCAL_URI_PATTERN)
+assert re.fullmatch(VERSION_PATTERN, "v2-1.a")  # the spec's versions are the agent's versions
+
+Version = Annotated[str, StringConstraints(pattern=SPEC_VERSION_PATTERN)]
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN, max_length=317)]
 
 
@@ -166,6 +178,16 @@ class SourceSpec(Model):
     #: Required for ``sparse``: the version the patch was computed against.
     base_version: Version | None = None
 
+    @field_validator("uri", "manifest")
+    @classmethod
+    def _local(cls, value: str | None) -> str | None:
+        if value is not None and not _LOCAL_URI_RE.match(value):
+            raise ValueError(
+                f"must be an absolute path or a file:// URI, got {value!r} (the agents read "
+                "local files only)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _sparse_needs_base(self) -> Self:
         if self.mode is SourceMode.SPARSE and self.base_version is None:
@@ -240,7 +262,7 @@ class SecretKeyRef(Model):
     """A key of a Secret in the WeightUpdate's namespace."""
 
     name: str = Field(min_length=1)
-    key: str = "token"
+    key: str = Field(default="token", min_length=1)
 
 
 class AgentSpec(Model):
@@ -329,6 +351,8 @@ class ConditionType(StrEnum):
     PAUSED = "Paused"
     BLOCKED = "Blocked"
     INVALID_SPEC = "InvalidSpec"
+    #: Set False while the agent token Secret cannot be read (``credentials.py``).
+    AGENT_TOKEN_AVAILABLE = "AgentTokenAvailable"
 
 
 class ConditionStatus(StrEnum):

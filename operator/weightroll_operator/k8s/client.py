@@ -7,8 +7,11 @@ they merge by ``type`` and only ``weightroll.io/weights-ready`` is ever written.
 
 Invariants:
     * The operator never writes the pod ``Ready`` condition (:meth:`patch_pod_condition` refuses).
-    * Every write is a patch, never a PUT with a stale resourceVersion (kruise#2276); only the
-      admission of a new pod makes its gate patch conditional on the resourceVersion it read.
+    * Every write is a patch, never a PUT with a stale resourceVersion (kruise#2276). Pod writes
+      may carry a ``resourceVersion`` precondition (the API server answers 409, ``KubeConflict``,
+      when the pod changed since it was read) and return the version they produced, so a chain
+      of writes on one pod stays conditional from the observation to the last write (issue 11
+      finding 6: two WeightUpdates, or two operator replicas, never both claim a pod).
     * ``writes`` counts every write by kind, for the benchmark and the tests.
 """
 
@@ -177,24 +180,28 @@ class KubeApi:
         condition: Mapping[str, Any],
         *,
         resource_version: str | None = None,
-    ) -> None:
+    ) -> str | None:
         """Strategic-merge one condition into ``pods/status`` (merges by ``type``).
 
         ``resource_version`` makes the patch conditional: the API server answers 409
         (``KubeConflict``) when the pod changed since that version was read.
+
+        Returns:
+            The pod's ``resourceVersion`` after the write (``None`` if the server sent none).
         """
         if condition.get("type") != CONDITION_WEIGHTS_READY:
             raise ValueError(f"the operator writes only {CONDITION_WEIGHTS_READY}")
         body: dict[str, Any] = {"status": {"conditions": [dict(condition)]}}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
-        await self._call(
+        data = await self._call(
             "PATCH",
             f"/api/v1/namespaces/{namespace}/pods/{name}/status",
             body=body,
             content_type=SMP,
             kind="pod-status",
         )
+        return _resource_version(data)
 
     async def patch_pod_metadata(
         self,
@@ -203,22 +210,31 @@ class KubeApi:
         *,
         annotations: Mapping[str, str | None] | None = None,
         labels: Mapping[str, str | None] | None = None,
-    ) -> None:
-        """Merge-patch annotations/labels (``None`` removes a key)."""
+        resource_version: str | None = None,
+    ) -> str | None:
+        """Merge-patch annotations/labels (``None`` removes a key).
+
+        ``resource_version`` makes the patch conditional (409, ``KubeConflict``, when the pod
+        changed since). Returns the pod's ``resourceVersion`` after the write (``None`` when
+        nothing was written or the server sent none).
+        """
         meta: dict[str, Any] = {}
         if annotations:
             meta["annotations"] = dict(annotations)
         if labels:
             meta["labels"] = dict(labels)
         if not meta:
-            return
-        await self._call(
+            return resource_version
+        if resource_version is not None:
+            meta["resourceVersion"] = resource_version
+        data = await self._call(
             "PATCH",
             f"/api/v1/namespaces/{namespace}/pods/{name}",
             body={"metadata": meta},
             content_type=MERGE,
             kind="pod-metadata",
         )
+        return _resource_version(data)
 
     # ---- WeightUpdates ------------------------------------------------------------------------
 
@@ -277,6 +293,22 @@ class KubeApi:
             kind="wu-status",
         )
 
+    # ---- leader election (k8s/lease.py) -------------------------------------------------------
+
+    def _lease_path(self, namespace: str, name: str | None = None) -> str:
+        base = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+        return base if name is None else f"{base}/{name}"
+
+    async def get_lease(self, namespace: str, name: str) -> Any:
+        return await self._call("GET", self._lease_path(namespace, name))
+
+    async def create_lease(self, namespace: str, body: dict[str, Any]) -> Any:
+        return await self._call("POST", self._lease_path(namespace), body=body, kind="lease")
+
+    async def replace_lease(self, namespace: str, name: str, body: dict[str, Any]) -> Any:
+        """PUT the Lease; conditional on ``body.metadata.resourceVersion`` (409 if stale)."""
+        return await self._call("PUT", self._lease_path(namespace, name), body=body, kind="lease")
+
     # ---- secrets and events -------------------------------------------------------------------
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
@@ -299,3 +331,10 @@ class KubeApi:
         data = await self._call("GET", f"/api/v1/namespaces/{namespace}/events", params=params)
         items = (data or {}).get("items") or []
         return [e for e in items if (e.get("involvedObject") or {}).get("name") == involved_name]
+
+
+def _resource_version(data: Any) -> str | None:
+    """The ``metadata.resourceVersion`` of an object the API server returned."""
+    meta = data.get("metadata") if isinstance(data, dict) else None
+    version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+    return str(version) if version else None

@@ -1,0 +1,159 @@
+"""The validating admission webhook for WeightUpdates: bad input is rejected at the door.
+
+Issue 11 finding 9: an empty selector, ``In`` without values, ``sparse`` without
+``baseVersion``, a source that is not a local path, a ``progressDeadlineSeconds`` below the
+unit timeout, an empty ``tokenSecretRef.key`` or a non-canonical version (``V2_1`` would share
+its update id with ``v2-1``) used to be accepted by the API server and found later, in status.
+:func:`review` answers an ``AdmissionReview`` with the same parsing the operator applies
+(``api/v1alpha1.py``), so the message of a rejection names the field exactly like an
+``InvalidSpec`` condition would, plus the rules only the door enforces:
+
+* ``spec.source`` is immutable while ``spec.version`` is unchanged: the same version from
+  another checkpoint would make "verified at v" ambiguous (roll a new version instead);
+* ``progressDeadlineSeconds`` is at least ``updateTimeoutSeconds``: otherwise one slow unit
+  fails the whole rollout before its own timeout. The operator still runs such a spec stored
+  before the webhook existed (the deadline then fires first).
+
+An UPDATE that leaves ``spec`` as it was is always allowed, so an object stored before the
+webhook existed (or before a rule was added) can still get its finalizer removed and be deleted.
+
+:class:`WebhookServer` serves ``POST /validate`` over HTTPS with the certificate the chart (or
+the caller) provides. Every operator replica serves it, leader or not (``main.py``): admission is
+stateless, and the Service in front of the replicas may route to any of them.
+
+Why not kopf's admission server: it runs inside ``kopf.operator``, which only the leader runs.
+
+Limitations: the webhook sees one object at a time; rules across WeightUpdates (two selecting
+the same pods) stay with the operator (``Blocked`` condition).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from weightroll_operator.api.v1alpha1 import parse_spec
+
+__all__ = ["WEBHOOK_PATH", "WebhookServer", "review", "validate"]
+
+log = logging.getLogger(__name__)
+
+#: Path of the validating webhook (the chart's ValidatingWebhookConfiguration points here).
+WEBHOOK_PATH = "/validate"
+
+
+def validate(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> str | None:
+    """Why ``new`` (replacing ``old`` on UPDATE) is not an acceptable WeightUpdate, or ``None``.
+
+    Returns:
+        A message naming every offending field (``spec.a.b: ...``), or ``None`` when valid.
+    """
+    spec = new.get("spec")
+    old_spec = None if old is None else old.get("spec")
+    if old is not None and spec == old_spec:
+        return None  # metadata-only update (finalizers, annotations): never blocked
+    try:
+        parsed = parse_spec(spec)
+    except ValueError as e:
+        return str(e)
+    strategy = parsed.strategy
+    if strategy.progress_deadline_seconds < strategy.update_timeout_seconds:
+        return (
+            f"spec.strategy.progressDeadlineSeconds ({strategy.progress_deadline_seconds}) must be "
+            f"at least spec.strategy.updateTimeoutSeconds ({strategy.update_timeout_seconds}): "
+            "one unit may take that long without a transition"
+        )
+    same_version = isinstance(old_spec, Mapping) and old_spec.get("version") == parsed.version
+    if same_version and (old_spec or {}).get("source") != (spec or {}).get("source"):
+        return (
+            "spec.source is immutable while spec.version is unchanged "
+            f"({parsed.version}): publish the new checkpoint under a new spec.version"
+        )
+    return None
+
+
+def review(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Answer one ``AdmissionReview`` (``admission.k8s.io/v1`` or ``v1beta1``)."""
+    request = body.get("request") or {}
+    uid = request.get("uid", "")
+    operation = request.get("operation")
+    new = request.get("object") or {}
+    old = request.get("oldObject") if operation == "UPDATE" else None
+    problem = validate(new, old) if operation in ("CREATE", "UPDATE") else None
+    response: dict[str, Any] = {"uid": uid, "allowed": problem is None}
+    if problem is not None:
+        response["status"] = {"code": 422, "reason": "Invalid", "message": problem}
+        meta = new.get("metadata") or {}
+        log.info(
+            "Rejected %s of WeightUpdate %s/%s: %s",
+            operation,
+            meta.get("namespace") or request.get("namespace"),
+            meta.get("name") or request.get("name"),
+            problem,
+        )
+    return {
+        "apiVersion": body.get("apiVersion", "admission.k8s.io/v1"),
+        "kind": "AdmissionReview",
+        "response": response,
+    }
+
+
+async def _handle(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return web.json_response({"message": "expected an AdmissionReview"}, status=400)
+    if not isinstance(body, dict):
+        return web.json_response({"message": "expected an AdmissionReview"}, status=400)
+    return web.json_response(review(body))
+
+
+async def _ok(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@dataclass
+class WebhookServer:
+    """HTTPS server of :data:`WEBHOOK_PATH`.
+
+    Args:
+        port: TCP port (0: pick a free one; :attr:`bound_port` says which).
+        cert_dir: directory with ``tls.crt`` and ``tls.key`` (a ``kubernetes.io/tls`` Secret).
+        host: address to bind (``0.0.0.0`` in a pod, ``127.0.0.1`` locally).
+    """
+
+    port: int
+    cert_dir: Path
+    host: str = "0.0.0.0"
+    bound_port: int = 0
+    _runner: web.AppRunner | None = None
+
+    def _ssl(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert_dir / "tls.crt", self.cert_dir / "tls.key")
+        return ctx
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post(WEBHOOK_PATH, _handle)
+        app.router.add_get("/healthz", _ok)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl())
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self.port
+        log.info("Serving the admission webhook on https://%s:%d%s", self.host, self.bound_port,
+                 WEBHOOK_PATH)  # fmt: skip
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,84 @@
+"""Optimistic concurrency of the operator's pod writes (issue 11 finding 6), against kmock.
+
+Two passes that planned from the same observation of the fleet — two WeightUpdates created in
+the same second, or two operator replicas overlapping during a failover — must never both claim
+or drain one pod: every pod write is conditional on the ``resourceVersion`` the pass read, so the
+second writer gets 409, stops that pod's chain and re-plans on its next pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from weightroll_operator.errors import KubeConflict
+
+from tests.contract.rollout.harness import NS, Harness
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _versioned_pods(h: Harness, n: int) -> None:
+    """``n`` pods that carry a resourceVersion (kmock keeps none of its own)."""
+    await h.add_pods(n)
+    headers = {"Content-Type": "application/merge-patch+json"}
+    for i in range(n):
+        path = f"/api/v1/namespaces/{NS}/pods/pod-{i}"
+        body = {"metadata": {"resourceVersion": "1"}}
+        async with h.http.patch(path, json=body, headers=headers) as resp:
+            assert resp.status < 400
+
+
+def _drains(h: Harness) -> Counter[str]:
+    return Counter(w.pod for w in h.emu.status_writes if w.gate() == "False")
+
+
+async def test_two_weightupdates_from_one_observation_never_share_a_pod(h: Harness) -> None:
+    await _versioned_pods(h, 4)
+    await h.create_wu("a", "v2", strategy={"maxUnavailable": 2})
+    await h.create_wu("b", "v3", strategy={"maxUnavailable": 2})
+    pods, peers = await h.pods(), await h.kube.list_weightupdates(NS)
+    wu_a, wu_b = await h.wu("a"), await h.wu("b")
+    rec_b = h.new_reconciler()  # a second operator replica, or just a second pass
+
+    first_a, first_b = await asyncio.gather(
+        h.rec.reconcile(wu_a, pods, peers), rec_b.reconcile(wu_b, pods, peers)
+    )
+
+    # Each pod was drained at most once, by the WeightUpdate that owns it now.
+    drains = _drains(h)
+    assert drains and max(drains.values()) == 1, drains
+    for pod in drains:
+        state = await h.state_of(pod)
+        assert state is not None
+        assert state.by == await h.owner_of(pod)
+    # The pass that lost a race saw a conflict, not a silent overwrite.
+    conflicts = [r for r in (*first_a.errors, *first_b.errors) if isinstance(r.error, KubeConflict)]
+    assert conflicts, "both passes claimed the same pods and neither was refused"
+
+    # Later passes re-read and re-plan: both rollouts finish, nothing was ever marked ready
+    # unverified.
+    await h.run_until(["a", "b"], h.phase_is("b", "Succeeded"), timeout=30)
+    status_b = await h.status("b")
+    assert status_b["replicas"]["verified"] == 4
+    h.assert_never_ready_unverified({"v1", "v2", "v3"})
+
+
+async def test_a_stale_observation_cannot_undo_a_newer_write(h: Harness) -> None:
+    """The kruise#2276 shape: a pass planned from a pod version older than the last write is
+    refused, instead of flipping the gate back."""
+    await _versioned_pods(h, 1)
+    await h.create_wu("wu", "v2")
+    stale = await h.pods()
+    await h.tick("wu")  # claims and drains pod-0 (its version moves on)
+    assert await h.gate("pod-0") == "False"
+    writes_before = len(h.emu.status_writes)
+
+    result = await h.new_reconciler().reconcile(
+        await h.wu("wu"), stale, await h.kube.list_weightupdates(NS)
+    )
+
+    assert len(h.emu.status_writes) == writes_before, "a write planned on a stale pod landed"
+    assert any(isinstance(r.error, KubeConflict) for r in result.errors)
+    assert await h.gate("pod-0") == "False"

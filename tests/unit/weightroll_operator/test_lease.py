@@ -1,0 +1,96 @@
+"""Leader election on a Lease (issue 11 F): one holder at a time, takeover only after the
+record stood still for the lease duration on the candidate's own clock, clean hand-over.
+
+The fake Lease API answers like the API server: a PUT with a stale ``resourceVersion`` gets
+409, a create of an existing Lease 409, a missing Lease 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+from weightroll_operator.errors import KubeConflict, KubeNotFound
+from weightroll_operator.k8s.lease import LeaderElector
+
+
+class FakeLeases:
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.version = 0
+
+    async def get_lease(self, namespace: str, name: str) -> Any:
+        if self.lease is None:
+            raise KubeNotFound(404, "not found")
+        return copy.deepcopy(self.lease)
+
+    def _store(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        self.lease = copy.deepcopy(body)
+        self.lease["metadata"]["resourceVersion"] = str(self.version)
+        return copy.deepcopy(self.lease)
+
+    async def create_lease(self, namespace: str, body: dict[str, Any]) -> Any:
+        if self.lease is not None:
+            raise KubeConflict(409, "already exists")
+        return self._store(body)
+
+    async def replace_lease(self, namespace: str, name: str, body: dict[str, Any]) -> Any:
+        assert self.lease is not None
+        if body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
+            raise KubeConflict(409, "the object has been modified")
+        return self._store(body)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pair(api: FakeLeases, clock: Clock) -> tuple[LeaderElector, LeaderElector]:
+    def one(identity: str) -> LeaderElector:
+        return LeaderElector(api, "ops", "weightroll-operator", identity, 15.0, clock=clock)
+
+    return one("pod-a"), one("pod-b")
+
+
+@pytest.mark.asyncio
+async def test_one_holder_and_takeover_only_after_expiry() -> None:
+    api, clock = FakeLeases(), Clock()
+    a, b = _pair(api, clock)
+    assert await a.try_acquire() is True
+    assert await b.try_acquire() is False  # first sight of a's record
+    clock.now += 14
+    assert await b.try_acquire() is False  # not expired on b's clock
+    assert await a.try_acquire() is True  # renewal: a new record
+    clock.now += 14
+    assert await b.try_acquire() is False  # the renewal restarted b's count
+    clock.now += 15  # a stopped renewing: its record stood still for 15 s
+    assert await b.try_acquire() is True
+    assert api.lease is not None
+    spec = api.lease["spec"]
+    assert spec["holderIdentity"] == "pod-b" and spec["leaseTransitions"] == 1
+    assert await a.try_acquire() is False  # the old holder sees it lost
+
+
+@pytest.mark.asyncio
+async def test_concurrent_candidates_never_both_win() -> None:
+    api, clock = FakeLeases(), Clock()
+    a, b = _pair(api, clock)
+    won = await asyncio.gather(a.try_acquire(), b.try_acquire())
+    assert sorted(won) == [False, True]
+
+
+@pytest.mark.asyncio
+async def test_release_hands_over_at_once() -> None:
+    api, clock = FakeLeases(), Clock()
+    a, b = _pair(api, clock)
+    assert await a.try_acquire()
+    await a.release()
+    assert api.lease is not None and api.lease["spec"]["holderIdentity"] == ""
+    assert await b.try_acquire() is True  # no waiting for expiry
