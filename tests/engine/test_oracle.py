@@ -175,13 +175,13 @@ def warm(
         # Every cold reference first: an in-process engine started and shut down while another
         # is alive tears down state the live one still uses.
         expected = {
-            mode: cold_outputs(case.cold, **options)
+            mode: cold_outputs(case.cold, token_ids=True, **options)
             for mode, case in cases.items()
             if case.cold is not None
         }
         engine = start_engine(a, **options)
         try:
-            yield Warm(model, tp, engine, a, engine.outputs(), cases, expected)
+            yield Warm(model, tp, engine, a, engine.outputs(token_ids=True), cases, expected)
         finally:
             engine.close()
 
@@ -194,7 +194,7 @@ def _restore(warm: Warm) -> None:
         warm.engine.rpc("weightroll_abort")
     restored = warm.engine.update(f"restore-{states[0]['version']}", "a", warm.a)
     assert all(r["ok"] for r in restored), restored
-    assert warm.engine.outputs() == warm.boot
+    assert warm.engine.outputs(token_ids=True) == warm.boot
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -210,12 +210,12 @@ def test_update_equals_a_cold_engine_or_is_refused_unchanged(warm: Warm, mode: s
             assert case.reason in report["error"]["message"]
         states = warm.engine.state()
         assert all(s["state"] == "clean" and s["version"] == "a" for s in states), states
-        assert warm.engine.outputs() == warm.boot
+        assert warm.engine.outputs(token_ids=True) == warm.boot
         return
     for report in reports:
         assert report["ok"] and report["state"] == "clean", report
         assert report["version"] == case.version
-    after = warm.engine.outputs()
+    after = warm.engine.outputs(token_ids=True)
     assert after != warm.boot, "the case must change what the engine serves"
     expected = warm.expected[mode]
     assert after == expected, f"differs from a cold engine (max {after.max_logprob_diff(expected)})"
