@@ -110,13 +110,17 @@ def tiny_tokenizer(vocab: int = 512) -> Any:
     return fast
 
 
-def build_tiny_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+def build_tiny_model(
+    kind: str, out_dir: Path, seed: int = 0, *, tied: bool = False, **overrides: Any
+) -> Path:
     """Write a tiny random model of ``kind`` (config, safetensors, tokenizer) to ``out_dir``.
 
     Args:
         kind: one of :data:`KINDS`.
         out_dir: target directory (created).
         seed: torch seed for the random weights.
+        tied: ``tie_word_embeddings=True`` (the LM head reads the input embedding; the
+            checkpoint has no ``lm_head.weight``), as in Llama-3.2-1B or Qwen2.5-0.5B.
         **overrides: config fields to override (e.g. ``hidden_size`` for benchmarks).
 
     Returns:
@@ -130,7 +134,7 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any) 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = _configs()[kind](**overrides)
+    config = _configs()[kind](**({"tie_word_embeddings": tied} | overrides))
     model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         # HF initialises norms to ones and some biases to zero; randomise every tensor so that
@@ -139,7 +143,9 @@ def build_tiny_model(kind: str, out_dir: Path, seed: int = 0, **overrides: Any) 
             param.copy_(torch.randn_like(param, dtype=torch.float32).mul_(0.08).to(param.dtype))
     model.save_pretrained(out_dir)
     tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
-    (out_dir / "weightroll-test-model.json").write_text(json.dumps({"kind": kind, "seed": seed}))
+    (out_dir / "weightroll-test-model.json").write_text(
+        json.dumps({"kind": kind, "seed": seed, "tied": tied})
+    )
     return out_dir
 
 

@@ -5,6 +5,8 @@ Parts, pure first:
     * :mod:`.coverage` — per-shard coverage ledger, duplicate refusal (gap 2).
     * :mod:`.identity` — storage and kernel identity records and their comparison.
     * :mod:`.derived` — derived-state refreshers, e.g. MLA ``W_UK_T``/``W_UV`` (gap 3).
+    * :mod:`.inventory` — everything the kernels read, classified checkpoint / derived (with
+      its refresher) / runtime, and checked as a whole at ``finish``.
     * :mod:`.modelwise` — the vLLM-facing index, load routing and per-module processing.
     * :mod:`.sources`, :mod:`.sparse` — reading checkpoints and sparse patches.
     * :mod:`.engine` — :class:`RankEngine`, one rank's begin/load/finish/abort/state.
@@ -13,7 +15,8 @@ Limitations:
     1. Models with a model-level post-load hook are refused (no per-module replay exists).
     2. Derived state is refreshed only for layer types with a registered refresher; other
        owners of derived state fail closed when their sources are updated.
-    3. Sparse patches are applied only where the live layout is the checkpoint layout.
+    3. Sparse patches are applied only where the live layout is the checkpoint layout; their
+       checkpoint-coordinate indices are mapped through each parameter's shard layout.
     4. Content digests hash checkpoint-layout bytes after the loaders ran (rank-local
        slices); on accelerators this copies each module to host memory once.
 """

@@ -6,13 +6,23 @@ method returns a report and never raises: an error becomes ``report.error`` with
 and the state machine decides what the failure means for serving.
 
 Order contracts:
-    * ``begin`` computes the required shard set and snapshots storage and kernel identity
-      before any live byte can change.
+    * ``begin`` computes the required shard set, builds the inventory of everything the kernels
+      read (:mod:`.inventory`; a derived item of an updated module with no refresher fails
+      here) and snapshots storage and kernel identity before any live byte can change.
     * ``load`` validates the whole batch (source headers, manifest bytes, a dry run of the
       model's loaders over meta tensors, duplicates) before writing; any error ends the session
       (untouched engine: still clean at its old version; touched engine: poisoned).
+    * The rank is ``dirty`` before the first kernel-visible change: a module's post-load step,
+      a refresher, a kernel swap or a live byte (issue 10, item 3).
     * ``finish`` commits only if coverage is complete with no duplicate, every touched module
-      was processed and refreshed, and identity is unchanged.
+      was processed and refreshed, identity is unchanged and every derived item of an updated
+      module was rebuilt in this session.
+
+Failpoints (:mod:`.failpoints`) sit at every step boundary: ``begin``, ``begin.snapshot``,
+``load``, ``load.dry_run``, ``load.staged``, ``post_load.before``, ``post_load.after``,
+``refresh.after``, ``copy.before``, ``copy.after``, ``tied.before``, ``tied.after``,
+``sparse.before_write``, ``sparse.after_write``, ``finish``, ``finish.coverage``,
+``finish.identity``.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from engine_agent.reload import failpoints, session
 from engine_agent.reload.coverage import CoverageLedger
 from engine_agent.reload.digest import rank_digest, tensor_digest
 from engine_agent.reload.identity import StorageRecord, compare_kernels, compare_storage
+from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.modelwise import LoadRouter, ModelIndex, build_index
 from engine_agent.reload.sources import open_source
 
@@ -68,12 +79,14 @@ class _Session:
         router: LoadRouter,
         storage: dict[str, StorageRecord],
         kernels: dict[str, str],
+        inventory: Inventory,
     ) -> None:
         self.spec = spec
         self.ledger = ledger
         self.router = router
         self.storage = storage
         self.kernels = kernels
+        self.inventory = inventory
         self.timings: dict[str, float] = {}
         #: Digest of the manifest the last load was verified against.
         self.manifest_digest = ""
@@ -210,11 +223,30 @@ class RankEngine:
                 "derived state stale",
                 field="scope",
             )
+        inventory = index.inventory()
+        stale = inventory.unsupported(required)
+        if stale:
+            raise DerivedStateUnsupported(
+                f"{stale[0].module}: attribute {stale[0].name.removeprefix(stale[0].module + '.')}"
+                f" is derived from {sorted(stale[0].sources)} and weightroll has no refresher "
+                "for it; updating its sources would leave it stale",
+                field=stale[0].name,
+            )
         ledger = CoverageLedger(required, optional)
-        router = LoadRouter(index, ledger, self.device, self.act_dtype, self._mark_written)
-        self._session = _Session(
-            spec, ledger, router, index.storage_snapshot(), index.kernel_snapshot()
+        router = LoadRouter(
+            index,
+            ledger,
+            self.device,
+            self.act_dtype,
+            self._mark_written,
+            inventory,
+            lambda point: failpoints.check(point, self.rank),
         )
+        active = _Session(
+            spec, ledger, router, index.storage_snapshot(), index.kernel_snapshot(), inventory
+        )
+        failpoints.check("begin.snapshot", self.rank)
+        self._session = active
         self.state = new_state
         logger.info(
             "Began weight update %s on rank %s: %d shards required",
@@ -258,6 +290,7 @@ class RankEngine:
             active.router.dry_run(
                 (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
             )
+        failpoints.check("load.dry_run", self.rank)
         active.before_first_write = checkpoint.verified_so_far
         with _timed(active.timings, "load"):
             active.router.load(checkpoint.tensors())
@@ -330,14 +363,17 @@ class RankEngine:
                 )
             if ledger.received_count == 0:
                 raise WrongState("no weights were loaded in this session; nothing to commit")
+        failpoints.check("finish.coverage", self.rank)
         with _timed(active.timings, "identity"):
             problems = compare_storage(active.storage, self.index.storage_snapshot())
             problems += compare_kernels(active.kernels, self.index.kernel_snapshot())
+            problems += active.inventory.compare(self.model, set(ledger.touched()), router.rebuilt)
             if problems:
                 raise IdentityChanged(
                     f"{len(problems)} kernel-visible tensor(s) or kernel(s) changed: "
                     + "; ".join(problems[:5])
                 )
+        failpoints.check("finish.identity", self.rank)
         committed = session.commit(self.state)
         report = RankReport(
             rank=self.rank,

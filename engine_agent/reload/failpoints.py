@@ -1,10 +1,13 @@
 """Failpoints: deterministic fault injection for tests of the fail-closed paths.
 
 Set ``WEIGHTROLL_FAILPOINTS`` in the engine's environment to a comma-separated list of
-``<call>[@<rank>][=<action>]`` entries, e.g. ``load@tp1`` (the load call fails on TP rank 1
-only) or ``finish@tp0=hang:30`` (finish hangs for 30 s on TP rank 0). ``<call>`` is one of
-begin, load, finish, abort, state; ``<rank>`` is ``tp<N>``, ``pp<N>`` or ``dp<N>``; the action is
-``error`` (default) or ``hang:<seconds>``. Unset (the production default), nothing happens.
+``<point>[@<rank>][=<action>]`` entries, e.g. ``load@tp1`` (the load call fails on TP rank 1
+only) or ``finish@tp0=hang:30`` (finish hangs for 30 s on TP rank 0). ``<point>`` is a call
+(begin, load, finish, abort, state; checked on entry) or a step boundary inside one
+(:data:`POINTS`); ``<rank>`` is ``tp<N>``, ``pp<N>`` or ``dp<N>``; the action is ``error``
+(default) or ``hang:<seconds>``. A step point fires at its first occurrence in a call (for
+``copy.after``: after the first module was copied into live storage, before any other).
+Unset (the production default), nothing happens.
 
 ``WEIGHTROLL_FAILPOINTS_FILE`` names a file holding the same list, re-read on every call, so a
 test can arm and disarm failpoints in a running multi-process engine.
@@ -22,7 +25,30 @@ import time
 from engine_agent.errors import SourceUnavailable
 from engine_agent.protocol import RankId
 
-__all__ = ["check"]
+__all__ = ["POINTS", "check"]
+
+#: Every failpoint, in the order an update passes them (full and partial updates skip the
+#: ``sparse.*`` points, sparse updates skip ``load.staged`` to ``copy.after``; ``tied.*`` fire
+#: only on models with tied parameters).
+POINTS = (
+    "begin",
+    "begin.snapshot",
+    "load",
+    "load.dry_run",
+    "load.staged",
+    "post_load.before",
+    "post_load.after",
+    "refresh.after",
+    "copy.before",
+    "copy.after",
+    "tied.before",
+    "tied.after",
+    "sparse.before_write",
+    "sparse.after_write",
+    "finish",
+    "finish.coverage",
+    "finish.identity",
+)
 
 ENV = "WEIGHTROLL_FAILPOINTS"
 FILE_ENV = "WEIGHTROLL_FAILPOINTS_FILE"

@@ -20,16 +20,24 @@ and changes only *where the bytes go* and *when a module counts as complete*:
    (set coverage, never element counts), its post-load processing runs on the staging tensors
    — quant method, the experts' kernel-format prepack, then every derived-state refresher
    sourced from this module (MLA ``W_UK_T``/``W_UV``) — and the results are ``copy_``-ed into
-   the live tensors, so no kernel-visible address moves. Only here does a live byte change.
+   the live tensors, so no kernel-visible address moves; then every other module holding one
+   of its parameter objects (tied embeddings) re-runs its own post-load step. The rank is
+   marked dirty before the first of these steps: a post-load step already swaps the live
+   module's kernel (on CPU a new ``cpu_linear`` closure).
 
 Limitations:
     1. Models with a model-level ``process_weights_after_loading`` hook are refused at begin.
     2. Deferred attention layers that read other modules' weights are supported only where a
        refresher is registered (:mod:`engine_agent.reload.derived`); others fail closed.
-    3. Tied parameters are indexed once (the first module that owns them).
+    3. A parameter held by several modules (tied embeddings) is indexed once, under the first
+       module that holds it; every other holder is a *sharer* whose own post-load step is
+       re-run after the owner's bytes changed (its kernel may keep its own packed copy).
     4. Sparse patches are accepted only for parameters whose live layout is the checkpoint
        layout (norms, embeddings, and linears whose kernel reads the live weight); everything
-       else is refused with the module named.
+       else is refused with the module named. Checkpoint-coordinate indices are mapped through
+       the parameter's own weight loader (its real TP shard layout), so each rank applies
+       exactly the elements it holds, at their local positions; this needs one temporary
+       int64 tensor of the checkpoint tensor's size.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -57,6 +66,7 @@ from engine_agent.errors import (
 from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
 from engine_agent.reload.derived import DerivedRefresher, find_refreshers
 from engine_agent.reload.identity import StorageRecord, kernel_tag, storage_record
+from engine_agent.reload.inventory import Inventory, build_inventory
 
 __all__ = ["LoadRouter", "ModelIndex", "ModuleEntry", "build_index", "tensor_digest"]
 
@@ -129,7 +139,7 @@ class ModuleEntry:
         if tuple(live.shape) != tuple(template.shape):
             return (
                 f"its live layout {list(live.shape)} is not the checkpoint layout "
-                f"{list(template.shape)} (packed or sharded for its kernel)"
+                f"{list(template.shape)} (packed for its kernel)"
             )
         quant_method = getattr(self.module, "quant_method", None)
         method = type(quant_method).__name__ if quant_method is not None else None
@@ -153,6 +163,31 @@ class ModelIndex:
     refreshers: dict[str, list[DerivedRefresher]]
     #: modules whose derived state no refresher covers: updating them fails closed.
     unsupported: dict[str, str] = field(default_factory=dict)
+    #: owner module name -> (holder name, holder, parameter name) of every *other* module
+    #: holding one of the owner's parameter objects (tied embeddings: ``lm_head``).
+    sharers: dict[str, list[tuple[str, nn.Module, str]]] = field(default_factory=dict)
+
+    def holders(self) -> dict[int, str]:
+        """``id(live parameter) -> owner module name`` for every checkpoint parameter."""
+        out: dict[int, str] = {}
+        for name, entry in self.entries.items():
+            for pname in entry.templates:
+                live = entry.module._parameters.get(pname)
+                if live is not None:
+                    out[id(live)] = name
+        return out
+
+    def inventory(self) -> Inventory:
+        """Classify every tensor and kernel object the kernels read (see :mod:`.inventory`)."""
+        derived: dict[str, tuple[str, frozenset[str]]] = {}
+        for source, refreshers in self.refreshers.items():
+            for refresher in refreshers:
+                label = f"{type(refresher).__name__}:{refresher.name}"
+                for qualified in refresher.tensors():
+                    old = derived.get(qualified, (label, frozenset()))[1]
+                    derived[qualified] = (label, old | {source})
+        post_load_ok = {n: _has_quant_method(m) for n, m in self.model.named_modules()}
+        return build_inventory(self.model, self.entries, self.holders(), derived, post_load_ok)
 
     def required(self, modules: Iterable[str] | None = None) -> dict[str, frozenset[ShardKey]]:
         names = self.entries.keys() if modules is None else modules
@@ -199,8 +234,8 @@ class ModelIndex:
         return modules
 
     def _resolve_one(self, item: str, fused_of: Mapping[str, str]) -> set[str]:
-        if item.endswith("."):
-            return {n for n in self.entries if n.startswith(item)}
+        if item.endswith("."):  # a prefix: the module itself ("model.norm.") or below it
+            return {n for n in self.entries if f"{n}.".startswith(item)}
         path, _, _param = item.rpartition(".")
         parent, _, leaf = path.rpartition(".")
         candidates = [path, f"{parent}.{fused_of[leaf]}" if leaf in fused_of else ""]
@@ -258,18 +293,27 @@ def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
     return templates
 
 
+def _has_quant_method(module: nn.Module) -> bool:
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+
+
 def build_index(model: nn.Module) -> ModelIndex:
     """Index every loadable module of ``model`` on this rank (see the module docstring)."""
     entries: dict[str, ModuleEntry] = {}
-    seen_live: set[int] = set()
+    owner_of: dict[int, str] = {}
+    sharers: dict[str, list[tuple[str, nn.Module, str]]] = {}
     for name, module in model.named_modules():
         templates = _templates(module)
-        for pname in list(templates):
-            live = module._parameters.get(pname)
-            if live is not None and id(live) in seen_live:  # tied with an earlier module
-                del templates[pname]
-            elif live is not None:
-                seen_live.add(id(live))
+        for pname, live in module._parameters.items():
+            if live is None:
+                continue
+            if id(live) in owner_of:  # tied with an earlier module: that one loads it
+                templates.pop(pname, None)
+                sharers.setdefault(owner_of[id(live)], []).append((name, module, pname))
+            elif pname in templates:
+                owner_of[id(live)] = name
         if not templates:
             continue
         kind, shard_ids = _module_kind(module)
@@ -279,7 +323,7 @@ def build_index(model: nn.Module) -> ModelIndex:
         entry.required = frozenset(_required_keys(entry))
         entries[name] = entry
     refreshers, unsupported = find_refreshers(model, {id(e.module): n for n, e in entries.items()})
-    return ModelIndex(model, entries, refreshers, unsupported)
+    return ModelIndex(model, entries, refreshers, unsupported, sharers)
 
 
 def _required_keys(entry: ModuleEntry) -> Iterator[ShardKey]:
@@ -317,7 +361,11 @@ class LoadRouter:
         ledger: coverage ledger of the session (keys are recorded as they are written).
         device: where staging tensors are allocated (the device of the live weights).
         act_dtype: the model's activation dtype (attention post-load processing needs it).
-        before_live_write: called once, right before the first live byte changes.
+        before_live_write: called once, right before the first kernel-visible change (a
+            module's post-load step, a refresher, a kernel swap or a live byte).
+        inventory: the session's inventory (which kernel objects a post-load step rebuilt).
+        failpoint: called at every step boundary with its name (tests; see
+            :mod:`engine_agent.reload.failpoints`).
     """
 
     def __init__(
@@ -327,6 +375,8 @@ class LoadRouter:
         device: torch.device,
         act_dtype: torch.dtype,
         before_live_write: Callable[[], None],
+        inventory: Inventory | None = None,
+        failpoint: Callable[[str], None] = lambda _point: None,
     ) -> None:
         self.index = index
         self.ledger = ledger
@@ -334,6 +384,14 @@ class LoadRouter:
         self.act_dtype = act_dtype
         self._before_live_write = before_live_write
         self._wrote_live = False
+        self.inventory = inventory if inventory is not None else index.inventory()
+        self._failpoint = failpoint
+        #: derived items (inventory names) rebuilt in this session.
+        self.rebuilt: set[str] = set()
+        #: id(module) -> its real parameters while proxies are installed.
+        self._originals: dict[int, dict[str, Any]] = {}
+        #: sparse coordinate pass: (module, parameter) -> checkpoint positions, else None.
+        self._coords: dict[tuple[str, str], torch.Tensor] | None = None
         self._staging: dict[str, dict[str, torch.Tensor]] = {}
         self.processed: set[str] = set()
         self.derived_refreshed: list[str] = []
@@ -413,6 +471,7 @@ class LoadRouter:
                 if not module._parameters:
                     continue
                 saved.append((module, dict(module._parameters)))
+                self._originals[id(module)] = saved[-1][1]
                 entry = entries.get(id(module))
                 templates = entry.templates if entry is not None else {}
                 if entry is not None:
@@ -428,6 +487,7 @@ class LoadRouter:
                 module._parameters.clear()
                 module._parameters.update(params)
             self._live.clear()
+            self._originals.clear()
 
     def _wrapped(
         self, entry: ModuleEntry, pname: str, template: torch.Tensor, dry: bool
@@ -443,6 +503,15 @@ class LoadRouter:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             loaded = bound.arguments.get("loaded_weight")
+            if self._coords is not None:  # sparse coordinate pass: where each element lands
+                positions = torch.zeros(template.shape, dtype=torch.int64, device="cpu")
+                positions.__class__ = template.__class__
+                positions.__dict__ = template.__dict__.copy()
+                bound.arguments["param"] = positions
+                result = original(*bound.args, **bound.kwargs)
+                if result is not False:
+                    self._coords[(entry.name, pname)] = positions
+                return result
             if isinstance(loaded, torch.Tensor) and not _same_kind(loaded.dtype, template.dtype):
                 raise ShapeMismatch(
                     f"{entry.name}.{pname}: checkpoint dtype {loaded.dtype} cannot be loaded into "
@@ -471,6 +540,7 @@ class LoadRouter:
             for key in keys:
                 self.ledger.record(key)
             if keys and self.ledger.is_complete(entry.name):
+                self._failpoint("load.staged")
                 self.process(entry)
             return result
 
@@ -504,15 +574,24 @@ class LoadRouter:
             k: v for k, v in self._live.get(entry.name, module._parameters).items() if v is not None
         }
         live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
+        # A module's post-load step swaps its kernel (on CPU a new ``cpu_linear`` closure) on
+        # the live module, and refreshers write live derived tensors: the rank is dirty from
+        # here on, whatever fails next (issue 10, item 3).
+        self._mark_dirty()
         try:
             for pname, tensor in staged.items():
                 _slots(module)[pname] = tensor
             try:
+                self._failpoint("post_load.before")
                 with self._timed("post_load"):
-                    self._post_load(entry)
+                    self._post_load(entry.name, module)
+                self._failpoint("post_load.after")
                 with self._timed("refresh_derived"):
                     for refresher in self.index.refreshers.get(entry.name, []):
-                        self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+                        names = refresher.refresh(self.act_dtype)
+                        self.derived_refreshed.extend(names)
+                        self.rebuilt.update(names)
+                self._failpoint("refresh.after")
             except AgentError:
                 raise
             except Exception as e:  # a vLLM post-load step failed: name the module, not a loader
@@ -520,9 +599,7 @@ class LoadRouter:
                     f"post-load processing of {entry.name} failed: {type(e).__name__}: {e}",
                     field=entry.name,
                 ) from e
-            if not self._wrote_live:
-                self._before_live_write()
-                self._wrote_live = True
+            self._failpoint("copy.before")
             with self._timed("copy_live"):
                 self._copy_into_live(entry, live_params, _present(module._parameters))
                 self._copy_into_live(entry, live_buffers, _present(module._buffers))
@@ -531,25 +608,78 @@ class LoadRouter:
             module._parameters.update(live_params)
             for name, buffer in live_buffers.items():
                 module._buffers[name] = buffer
+        self._failpoint("copy.after")
+        self._reprocess_sharers(entry)
         self.processed.add(entry.name)
 
-    def _post_load(self, entry: ModuleEntry) -> None:
-        """The module's own post-load step (quant method, experts' kernel format) on staging."""
+    def _mark_dirty(self) -> None:
+        if not self._wrote_live:
+            self._before_live_write()
+            self._wrote_live = True
+
+    def _post_load(self, name: str, module: nn.Module) -> None:
+        """A module's own post-load step (quant method, experts' kernel format).
+
+        Runs on whatever parameters the module holds now (staging, or live for sharers), and
+        records which of its kernel objects it rebuilt.
+        """
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-        module = entry.module
         quant_method = getattr(module, "quant_method", None)
         if not isinstance(quant_method, QuantizeMethodBase):
             return
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
         quant_method.process_weights_after_loading(module)
-        self._replay_expert_kernel_format(entry, quant_method)
+        self._replay_expert_kernel_format(name, module, quant_method)
         update_tp_status = getattr(module, "update_param_tp_status", None)
         if callable(update_tp_status):
             update_tp_status()
+        self.rebuilt.update(self.inventory.rebuilt_since(name, module))
 
-    def _replay_expert_kernel_format(self, entry: ModuleEntry, quant_method: Any) -> None:
+    def _reprocess_sharers(self, entry: ModuleEntry) -> None:
+        """Re-run the post-load step of every other module holding ``entry``'s parameters.
+
+        Tied embeddings: ``lm_head.weight is embed_tokens.weight``, and on CPU the LM head's
+        GEMM kernel keeps its own packed copy of it, so updating the embedding must rebuild it.
+        """
+        for holder_name, holder, pname in self.index.sharers.get(entry.name, []):
+            self._mark_dirty()
+            installed = dict(holder._parameters)  # routing proxies while a load is running
+            real = self._originals.get(id(holder))  # the holder's real parameters, if so
+            actual = dict(real) if real is not None else installed
+            shared = actual.get(pname)
+            holder._parameters.clear()
+            holder._parameters.update(actual)
+            try:
+                self._failpoint("tied.before")
+                with self._timed("post_load"):
+                    self._post_load(holder_name, holder)
+                if holder._parameters.get(pname) is not shared:
+                    raise IdentityChanged(
+                        f"{holder_name}.{pname}: the post-load step of a module sharing "
+                        f"{entry.name}'s parameter replaced it; the tie would break",
+                        field=f"{holder_name}.{pname}",
+                    )
+                self.derived_refreshed.append(f"{holder_name}:post_load(shares {entry.name})")
+                self._failpoint("tied.after")
+            except AgentError:
+                raise
+            except Exception as e:
+                raise AgentError(
+                    f"post-load processing of {holder_name} (sharing {entry.name}'s parameter) "
+                    f"failed: {type(e).__name__}: {e}",
+                    field=holder_name,
+                ) from e
+            finally:
+                _slots(holder)[pname] = shared
+                if real is not None:  # what the load restores when it ends
+                    real.clear()
+                    real.update(holder._parameters)
+                    holder._parameters.clear()
+                    holder._parameters.update(installed)
+
+    def _replay_expert_kernel_format(self, name: str, module: nn.Module, quant_method: Any) -> None:
         # vLLM's unquantized MoE method skips the experts' own post-load step on a weight update
         # (it only copies into the existing storage), so a CPU/FlashInfer experts kernel would
         # read checkpoint-layout bytes where it expects its packed layout. Replaying that step on
@@ -557,8 +687,8 @@ class LoadRouter:
         fused = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
         step = getattr(fused, "process_weights_after_loading", None)
         if callable(step):
-            step(entry.module)
-            self.derived_refreshed.append(f"{entry.name}:{type(fused).__name__}.kernel_format")
+            step(module)
+            self.derived_refreshed.append(f"{name}:{type(fused).__name__}.kernel_format")
 
     @staticmethod
     def _copy_into_live(
@@ -586,10 +716,15 @@ class LoadRouter:
     ) -> list[ShardKey]:
         """Apply flat-index patches ``(name, checkpoint shape, indices, values)`` in place.
 
-        Every patch is validated (mapping, layout, bounds, dtype) before the first write.
+        Indices are positions in the *checkpoint* tensor. Each is mapped through the
+        parameter's own weight loader (:meth:`_checkpoint_positions`) to the local position
+        where this rank holds that element; elements other ranks hold are skipped here. Every
+        patch is validated (mapping, layout, bounds, dtype, derived state) before the first
+        write.
 
         Raises:
-            SparseRefused: a patched module's live layout is not its checkpoint layout.
+            SparseRefused: a patched module's live layout is not its checkpoint layout, its
+                elements cannot be mapped one-to-one, or derived state of it has no refresher.
         """
         plan: list[tuple[ModuleEntry, str, torch.Tensor, torch.Tensor]] = []
         all_keys: list[ShardKey] = []
@@ -604,6 +739,9 @@ class LoadRouter:
             key = keys[0]
             entry = self.index.entries[key.module]
             reason = entry.sparse_refusal(key.param)
+            stale = self.inventory.unsupported({entry.name})
+            if reason is None and stale:
+                reason = f"{stale[0].name} is derived from it and nothing rebuilds it"
             if reason is not None:
                 raise SparseRefused(
                     f"cannot patch {name} in place: module {entry.name} is refused because "
@@ -623,33 +761,78 @@ class LoadRouter:
                     f"(got {list(indices.shape)} and {list(values.shape)})",
                     field=name,
                 )
-            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= live.numel()):
-                raise ShapeMismatch(
-                    f"{name}: patch index out of range [0, {live.numel()})", field=name
-                )
-            plan.append((entry, key.param, indices.to(torch.long), values))
+            numel = math.prod(shape)
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+                raise ShapeMismatch(f"{name}: patch index out of range [0, {numel})", field=name)
+            local = self._local_positions(name, shape, entry, key.param, live)[indices]
+            mine = local >= 0
+            plan.append((entry, key.param, local[mine], values[mine]))
             all_keys.append(key)
         self.ledger.check(all_keys)
-        for (entry, pname, indices, values), key in zip(plan, all_keys, strict=True):
-            if not self._wrote_live:
-                self._before_live_write()
-                self._wrote_live = True
+        self._failpoint("sparse.before_write")
+        for (entry, pname, local, values), key in zip(plan, all_keys, strict=True):
+            self._mark_dirty()
             live = entry.module._parameters[pname]
             assert live is not None
-            live.data.view(-1).index_copy_(0, indices.to(live.device), values.to(live.device))
+            live.data.view(-1).index_copy_(0, local.to(live.device), values.to(live.device))
             self.ledger.record(key)
             self.bytes_loaded += values.numel() * values.element_size()
+            self._failpoint("sparse.after_write")
         for entry in {e.name: e for e, *_ in plan}.values():
             self._rebuild_in_place(entry)
         return all_keys
+
+    def _local_positions(
+        self, name: str, shape: torch.Size, entry: ModuleEntry, pname: str, live: torch.Tensor
+    ) -> torch.Tensor:
+        """For every flat checkpoint index of ``name``: where this rank holds it, or -1.
+
+        Loads a tensor of checkpoint positions (``arange + 1``) through the model's own
+        ``load_weights`` into an int64 stand-in of the parameter, so name mapping, TP slicing
+        and padding are exactly the loader's. A position two local elements claim cannot be
+        patched one-to-one and is refused.
+
+        Raises:
+            SparseRefused: the mapping is not one-to-one or the loader wrote no positions.
+        """
+        numel = math.prod(shape)
+        self._coords = {}
+        try:
+            positions = torch.arange(1, numel + 1, dtype=torch.int64).reshape(shape)
+            with self._installed(dry=False):
+                self._call_load_weights([(name, positions)])
+            landed = self._coords.get((entry.name, pname))
+        finally:
+            self._coords = None
+        if landed is None or landed.numel() != live.numel():
+            raise SparseRefused(
+                f"cannot patch {name} in place: its weight loader did not map it onto "
+                f"{entry.name}.{pname}",
+                field=name,
+            )
+        flat = landed.reshape(-1) - 1
+        held = flat >= 0
+        source = flat[held]
+        if torch.unique(source).numel() != source.numel():
+            raise SparseRefused(
+                f"cannot patch {name} in place: this rank holds some of its elements more than "
+                "once (replicated within the parameter); send a full or partial update instead",
+                field=name,
+            )
+        lookup = torch.full((numel,), -1, dtype=torch.int64)
+        lookup[source] = torch.nonzero(held).reshape(-1)
+        return lookup
 
     def _rebuild_in_place(self, entry: ModuleEntry) -> None:
         """Re-derive kernel state from a module's (patched) live weights."""
         quant_method = getattr(entry.module, "quant_method", None)
         if type(quant_method).__name__ == "UnquantizedEmbeddingMethod":
-            quant_method.process_weights_after_loading(entry.module)  # type: ignore[union-attr]
+            self._post_load(entry.name, entry.module)
         for refresher in self.index.refreshers.get(entry.name, []):
-            self.derived_refreshed.extend(refresher.refresh(self.act_dtype))
+            names = refresher.refresh(self.act_dtype)
+            self.derived_refreshed.extend(names)
+            self.rebuilt.update(names)
+        self._reprocess_sharers(entry)
         with self._timed("digest"):
             self.module_digests[entry.name] = _digest_of(entry.live_tensors())
         self.processed.add(entry.name)

@@ -8,7 +8,9 @@ Format (one safetensors file; documented in docs/engine.md):
   ``shape::N = "d0,d1,..."`` (the full checkpoint shape of ``N``).
 
 Patches are applied only where the live layout equals the checkpoint layout (see
-``LoadRouter.apply_sparse``); a patch is only correct against its base version, which the
+``LoadRouter.apply_sparse``). Indices are checkpoint coordinates: each rank maps them through
+the parameter's shard layout and applies only the elements it holds (under TP a rank skips
+the rows another rank owns). A patch is only correct against its base version, which the
 session checks before it opens.
 """
 

@@ -39,14 +39,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int]
     """``checkpoints(kind, seed)``: a model directory of ``kind`` with weights from ``seed``.
 
     Seed 0 is built from scratch; other seeds have the same names and shapes with new values
-    (a full update for an engine started on seed 0).
+    (a full update for an engine started on seed 0). ``kind`` is a tiny-model kind, or
+    ``llama-tied`` for the Llama model with tied embeddings.
     """
     cache: dict[tuple[str, int], Path] = {}
     root = tmp_path_factory.mktemp("models")
 
+    def build(kind: str) -> Path:
+        base_kind, _, variant = kind.partition("-")
+        return build_tiny_model(base_kind, root / f"{kind}-0", seed=0, tied=variant == "tied")
+
     def get(kind: str, seed: int = 0) -> Path:
         if (kind, seed) not in cache:
-            base = cache.get((kind, 0)) or build_tiny_model(kind, root / f"{kind}-0", seed=0)
+            base = cache.get((kind, 0)) or build(kind)
             cache[(kind, 0)] = base
             if seed:
                 cache[(kind, seed)] = random_checkpoint(base, root / f"{kind}-{seed}", seed=seed)

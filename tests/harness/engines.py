@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROMPTS", "Engine", "Outputs", "start_engine"]
+__all__ = ["PROMPTS", "TOKEN_PROMPTS", "Engine", "Outputs", "start_engine"]
 
 PROMPTS = ["The quick brown fox", "Weights are reloaded in place and every rank"]
+#: Token-id prompts spread over the whole vocabulary (512 ids in the tiny models), so every
+#: vocabulary shard of a TP engine is read by the embedding lookup and scored by the LM head.
+TOKEN_PROMPTS = [list(range(5, 512, 37)), list(range(500, 4, -41)), [7, 263, 129, 391, 64, 447]]
 EXTENSION = "tests.harness.probe_extension.ProbeExtension"
 
 
@@ -75,11 +78,19 @@ class Engine:
     def state(self) -> list[dict[str, Any]]:
         return self.rpc("weightroll_state")
 
-    def outputs(self) -> Outputs:
+    def outputs(self, token_ids: bool = False) -> Outputs:
+        """Greedy outputs of :data:`PROMPTS` (and :data:`TOKEN_PROMPTS` with ``token_ids``).
+
+        Token-id prompts are opt-in: on a random tiny model their logits are nearly flat, so
+        only engines running the same kernels (the oracle's cold twin) agree on them exactly.
+        """
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=5, logprobs=5)
-        results = self.llm.generate(PROMPTS, params, use_tqdm=False)
+        prompts: list[Any] = list(PROMPTS)
+        if token_ids:
+            prompts += [{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
         return Outputs(
             tokens=tuple(tuple(r.outputs[0].token_ids) for r in results),
             prompt_logprobs=tuple(
@@ -145,10 +156,13 @@ def start_engine(model_dir: Path, **kwargs: Any) -> Engine:
     return Engine(llm, Path(model_dir))
 
 
-def cold_outputs(model_dir: Path) -> Outputs:
-    """Outputs of a freshly started engine loaded with ``model_dir`` (the oracle's reference)."""
-    engine = start_engine(model_dir)
+def cold_outputs(model_dir: Path, token_ids: bool = False, **kwargs: Any) -> Outputs:
+    """Outputs of a freshly started engine loaded with ``model_dir`` (the oracle's reference).
+
+    ``kwargs`` go to :func:`start_engine` (e.g. ``tensor_parallel_size=2``).
+    """
+    engine = start_engine(model_dir, **kwargs)
     try:
-        return engine.outputs()
+        return engine.outputs(token_ids)
     finally:
         engine.close()

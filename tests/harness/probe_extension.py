@@ -4,15 +4,64 @@ The probes read what the kernels actually use, which is not always a parameter: 
 packs linear weights into a GEMM closure (``layer.cpu_linear``) and leaves ``weight`` as an
 empty placeholder, so :meth:`probe_dense_weights` recovers each linear's effective weight by
 passing an identity matrix through that closure (exact in bf16: one product per output).
+
+**Packed GEMM kernels on any CPU.** With AMX or AVX-512 vLLM's CPU GEMM keeps its own packed
+copy of each weight inside ``cpu_linear`` (sgl-kernel / oneDNN; vllm-on-cpu.md §9) — for linears
+and for the LM head, whose weight a tied model shares with the embedding. On CPUs without them
+(this project's CI machines) vLLM falls back to a closure that reads the live weight, and that
+whole class of staleness cannot show. With ``WEIGHTROLL_TEST_PACKED_GEMM=1`` in the environment
+when a kernel is built, :func:`install_packed_gemm` makes the dispatch behave like the packed
+path: the closure captures a private copy of the weight taken at post-load time, and linears'
+``weight`` becomes the empty placeholder (``remove_weight``). Numerics are the fallback's
+(``F.linear`` on the same bytes), so a cold engine built the same way is the oracle.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from engine_agent.vllm_extension import WeightRollExtension
+
+PACKED_GEMM_ENV = "WEIGHTROLL_TEST_PACKED_GEMM"
+
+
+def install_packed_gemm() -> None:
+    """Wrap vLLM's CPU GEMM dispatch (idempotent); active while :data:`PACKED_GEMM_ENV` is 1."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "weightroll_packed", False):
+        return
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if os.environ.get(PACKED_GEMM_ENV) != "1" or weight.is_meta or weight.ndim != 2:
+            original(layer, remove_weight)
+            return
+        packed = weight.detach().clone()  # the kernel's own copy, as sgl-kernel/oneDNN keep
+
+        def packed_linear(x: torch.Tensor, _weight: Any, bias: Any) -> torch.Tensor:
+            return torch.nn.functional.linear(x, packed, bias)
+
+        layer.cpu_linear = packed_linear
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False
+            )
+
+    dispatch.weightroll_packed = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+install_packed_gemm()
+
+
+def _own_state(kernel: Any) -> bool:
+    """Whether a GEMM closure holds state of its own (the fallback reads the live weight)."""
+    return kernel is not None and bool(getattr(kernel, "__closure__", None))
 
 
 class ProbeExtension(WeightRollExtension):
@@ -22,20 +71,40 @@ class ProbeExtension(WeightRollExtension):
         return {name: rec.data_ptr for name, rec in engine.index.storage_snapshot().items()}
 
     def probe_dense_weights(self, _args: str = "{}") -> dict[str, torch.Tensor]:
-        """Effective weight of every indexed module parameter, in checkpoint layout."""
+        """Effective weight of every module parameter, in checkpoint layout.
+
+        A linear's weight is read back through its GEMM kernel; so is every other kernel
+        that keeps its own copy of a live weight (``<module>.kernel``: on packed CPU kernels,
+        the LM head and the embedding), and every tensor attribute
+        (``<module>.<attr>``: MLA ``W_UK_T``/``W_UV``).
+        """
         model: Any = self.model_runner.model  # type: ignore[attr-defined]
         out: dict[str, torch.Tensor] = {}
         for name, module in model.named_modules():
+            kernel = module.__dict__.get("cpu_linear")
             for pname, param in list(module._parameters.items()):
                 if param is None:
                     continue
-                if pname == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+                if pname == "weight" and param.numel() == 0 and kernel is not None:
                     in_features = int(getattr(module, "input_size_per_partition", 0) or 0)
                     if not in_features:
                         continue
                     eye = torch.eye(in_features, dtype=param.dtype)
-                    dense = module.cpu_linear(eye, param, None)
-                    out[f"{name}.weight"] = dense.t().contiguous().clone()
+                    out[f"{name}.weight"] = kernel(eye, param, None).t().contiguous().clone()
                 else:
                     out[f"{name}.{pname}"] = param.detach().clone()
+                if pname == "weight" and param.numel() and param.ndim == 2 and _own_state(kernel):
+                    eye = torch.eye(param.shape[1], dtype=param.dtype)
+                    out[f"{name}.kernel"] = kernel(eye, param, None).t().contiguous().clone()
+            for attr, value in vars(module).items():
+                if isinstance(value, torch.Tensor) and attr != "kv_cache":
+                    out[f"{name}.{attr}"] = value.detach().clone()
         return out
+
+    def probe_inventory(self, _args: str = "{}") -> dict[str, dict[str, Any]]:
+        """The inventory a ``begin`` would build now: name -> kind, sources, refresher."""
+        engine = self._weightroll_engine()
+        return {
+            name: {"kind": i.kind, "sources": sorted(i.sources), "refresher": i.refresher}
+            for name, i in engine.index.inventory().items.items()
+        }

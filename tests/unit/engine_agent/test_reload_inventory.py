@@ -1,0 +1,94 @@
+"""The inventory of kernel-read state (engine_agent/reload/inventory.py), on plain torch modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine_agent.reload.inventory import CHECKPOINT, DERIVED, RUNTIME, Inventory, build_inventory
+
+
+@dataclass
+class _Entry:
+    module: nn.Module
+    templates: dict[str, torch.Tensor] = field(default_factory=lambda: {"weight": torch.empty(0)})
+
+
+def _packed(layer: nn.Module) -> None:
+    copy = layer.weight.detach().clone()
+    layer.cpu_linear = lambda x, _w, b: torch.nn.functional.linear(x, copy, b)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.randn(8, 4))
+        self.head = nn.Module()
+        self.head.weight = self.embed.weight  # tied
+        _packed(self.head)
+        self.rotary = nn.Module()
+        self.rotary.register_buffer("cos_sin_cache", torch.randn(4, 2))
+        self.rotary.table = torch.randn(3)  # weight-independent: no checkpoint source
+        self.embed.scale_copy = torch.ones(1)  # derived from embed, nothing rebuilds it
+
+
+def _inventory(model: _Model, post_load: bool = True) -> Inventory:
+    entries = {"embed": _Entry(model.embed)}
+    holders = {id(model.embed.weight): "embed"}
+    return build_inventory(model, entries, holders, {}, {"head": post_load})
+
+
+def test_tensors_and_kernels_are_classified_with_their_sources() -> None:
+    model = _Model()
+    items = _inventory(model).items
+    assert items["embed.weight"].kind == CHECKPOINT
+    assert items["head.weight"].kind == CHECKPOINT  # the tied parameter, held by the head
+    assert items["head.weight"].sources == {"embed"}
+    assert items["head.cpu_linear"].kind == DERIVED
+    assert items["head.cpu_linear"].sources == {"embed"}
+    assert items["head.cpu_linear"].refresher == "post_load:head"
+    assert items["rotary.cos_sin_cache"].kind == RUNTIME
+    assert items["rotary.table"].kind == RUNTIME
+    assert items["embed.scale_copy"].kind == DERIVED and items["embed.scale_copy"].refresher is None
+
+
+def test_a_derived_item_without_refresher_is_reported_for_its_sources_only() -> None:
+    inventory = _inventory(_Model())
+    assert [i.name for i in inventory.unsupported({"embed"})] == ["embed.scale_copy"]
+    assert inventory.unsupported({"other"}) == []
+    no_post_load = _inventory(_Model(), post_load=False)
+    names = {i.name for i in no_post_load.unsupported({"embed"})}
+    assert names == {"embed.scale_copy", "head.cpu_linear"}
+
+
+def test_finish_requires_every_derived_item_of_an_updated_source_to_be_rebuilt() -> None:
+    model = _Model()
+    inventory = _inventory(model)
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)  # the tied weight changed in place
+    problems = inventory.compare(model, {"embed"}, set())
+    assert any(p.startswith("head.cpu_linear: derived from ['embed']") for p in problems)
+    _packed(model.head)
+    rebuilt = set(inventory.rebuilt_since("head", model.head))
+    assert rebuilt == {"head.cpu_linear"}
+    problems = inventory.compare(model, {"embed"}, rebuilt | {"embed.scale_copy"})
+    assert problems == []
+
+
+def test_a_kernel_replaced_while_its_sources_did_not_change_is_a_problem() -> None:
+    model = _Model()
+    inventory = _inventory(model)
+    _packed(model.head)
+    problems = inventory.compare(model, set(), set())
+    assert problems == ["head.cpu_linear: kernel object replaced, but none of its sources changed"]
+
+
+def test_a_moved_tensor_is_a_problem() -> None:
+    model = _Model()
+    inventory = _inventory(model)
+    model.rotary.cos_sin_cache = torch.randn(4, 2)
+    problems = inventory.compare(model, set(), set())
+    assert len(problems) == 1 and problems[0].startswith("rotary.cos_sin_cache: storage changed")
