@@ -45,7 +45,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -114,6 +114,10 @@ class AgentConfig:
     abort_wait: float = 1.0
     #: Seconds between two observations by the guard.
     watch_interval: float = 5.0
+    #: Seconds a trainer push may stay open without a trainer call before the agent ends it
+    #: (fenced, failed as ``push_abandoned``): a trainer that died between steps never calls
+    #: finish, and the replica must not stay held by it for ever.
+    push_idle_timeout: float = 900.0
     #: Seconds an observation is reused by ``/readyz`` and ``/v1/state``.
     observe_ttl: float = 1.0
     #: Directory for the persisted store (an ``emptyDir``); ``None`` keeps memory only.
@@ -223,6 +227,9 @@ class Agent:
         #: Set while another path owns the replica (a trainer push through the native routes,
         #: engine_agent/sidecar/transfer_routes.py): file updates are refused meanwhile.
         self.busy: str | None = None
+        #: Called by the guard while :attr:`busy` is set: the push owner checks that its push is
+        #: still alive (the ranks hold its session, the trainer still calls) and ends it if not.
+        self.busy_watchdog: Callable[[], Awaitable[None]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -500,6 +507,8 @@ class Agent:
         return active is not None and not active.phase.terminal
 
     async def _guard_once(self) -> None:
+        if self.busy is not None and self.busy_watchdog is not None:
+            await self.busy_watchdog()
         if self._updating():
             return
         ready, _ = await self._readiness()

@@ -94,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         ("control_timeout", "seconds for weightroll_state/abort"),
         ("abort_pause_timeout", "seconds for /pause?mode=abort"),
         ("watch_interval", "seconds between guard passes"),
+        ("push_idle_timeout", "seconds a trainer push may stay open without a trainer call"),
     ):
         env = name.upper()
         add(
@@ -118,6 +119,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         control_timeout=args.control_timeout,
         abort_pause_timeout=args.abort_pause_timeout,
         watch_interval=args.watch_interval,
+        push_idle_timeout=args.push_idle_timeout,
         state_dir=Path(args.state_dir) if args.state_dir else None,
         initial_source=source,
         initial_version=args.initial_version,

@@ -24,6 +24,9 @@ port, every one behind the agent's bearer token): ``POST /init_weight_transfer_e
 * ``/weight_info`` answers the version of the last verified commit, never a label a trainer
   set; it also carries ``world_size`` (the trainer's transfer group needs it).
 
+* a push nobody can finish (the trainer died, or vLLM restarted underneath it) is ended by the
+  agent's guard (:meth:`TransferCoordinator.watch`), fenced and held like any failure.
+
 Limitations: one push at a time per replica; pushes are not persisted (an agent restarted
 mid-push finds the ranks' session open, aborts it and holds the replica, see agent.py).
 """
@@ -38,7 +41,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -88,6 +91,7 @@ INIT_TIMEOUT_S: Final = 600.0
 DRAIN_TIMEOUT_S: Final = 30.0
 
 _VERSION = re.compile(VERSION_PATTERN)
+_IN_SESSION: Final = frozenset({EngineState.OPEN, EngineState.DIRTY})
 
 
 class PushFailed(Exception):
@@ -106,6 +110,8 @@ class Push:
     id: str
     world: int
     started: float
+    #: When the trainer last called a step of this push (monotonic): the idle clock.
+    last_call: float = 0.0
     reports: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -136,6 +142,7 @@ class TransferCoordinator:
         self.lock = asyncio.Lock()
         self._counter = itertools.count(1)
         agent.metrics.track_commits(self._version, self._last_commit, wall)
+        agent.busy_watchdog = self.watch
 
     # -- metrics sources ---------------------------------------------------------------
 
@@ -170,6 +177,7 @@ class TransferCoordinator:
                 409,
                 [Problem("no_push", f"{what} without an open push (call start first){after}")],
             )
+        self.push.last_call = self._monotonic()
         return self.push
 
     def _hold(self, problem: Problem) -> None:
@@ -209,11 +217,11 @@ class TransferCoordinator:
         except EngineError as e:
             raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
         push_id = f"push-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
-        push = Push(push_id, world, self._monotonic())
+        push = Push(push_id, world, self._monotonic(), self._monotonic())
         self.push = push
         self.agent.busy = f"trainer push {push_id} is in progress"
         self._hold(Problem("push_incomplete", f"push {push_id} started and has not committed"))
-        try:
+        async with self._failing_closed(push):
             await self._pause()
             spec = UpdateSpec(update_id=push_id, version=push_id, mode=UpdateMode.FULL)
             armed = check_session(
@@ -225,9 +233,6 @@ class TransferCoordinator:
             if not armed.ok:
                 raise PushFailed(409, list(armed.problems))
             await self._step("/start_weight_update", {}, config.begin_timeout)
-        except PushFailed as e:
-            await self._fail(push, e)
-            raise
         logger.info("Started trainer push %s on %d rank(s)", push_id, world)
         return {"message": "Weight update started", "update_id": push_id}
 
@@ -250,12 +255,8 @@ class TransferCoordinator:
         push = self._require_push("update_weights")
         if "update_info" not in body:
             raise PushFailed(422, [Problem("invalid_request", "update_info: field required")])
-        try:
+        async with self._failing_closed(push, explain=True):
             await self._step("/update_weights", body, self.agent.config.load_timeout)
-        except PushFailed as e:
-            await self._explain(push, e)
-            await self._fail(push, e)
-            raise
         return {"message": "Weights updated"}
 
     async def finish(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +274,7 @@ class TransferCoordinator:
                 ],
             )
         config = self.agent.config
-        try:
+        async with self._failing_closed(push):
             named = check_session(
                 await self._ranks(
                     push, COMMIT_AS, json.dumps({"version": version}), config.control_timeout
@@ -296,13 +297,6 @@ class TransferCoordinator:
             if problems:
                 raise PushFailed(_status_of_problems(problems), problems)
             await self._confirm(push, version)
-        except PushFailed as e:
-            await self._fail(push, e)
-            raise
-        except EngineError as e:
-            failed = PushFailed(_status_of(e), [Problem(e.code, str(e))])
-            await self._fail(push, failed)
-            raise failed from e
         return {
             "message": "Weight update finished",
             "weight_version": version,
@@ -337,7 +331,8 @@ class TransferCoordinator:
         self.agent.store.save()
         self.agent.forget_observation()
         await client.resume()
-        self.push, self.agent.busy, self.last_failure = None, None, None
+        self._release(push)
+        self.last_failure = None
         self.last_commit_at = self._wall()
         self.agent.metrics.pushes.labels(outcome="committed").inc()
         self.agent.metrics.phase_duration.labels(phase="finish").observe(
@@ -352,6 +347,87 @@ class TransferCoordinator:
             await asyncio.sleep(0.2 * (attempt + 1))
         return False
 
+    @contextlib.asynccontextmanager
+    async def _failing_closed(self, push: Push, *, explain: bool = False) -> AsyncIterator[None]:
+        """Run one step of ``push``; whatever way it fails, the push ends fenced and held.
+
+        ``explain`` adds every rank's own reason to the error (a refused batch)."""
+        try:
+            yield
+        except PushFailed as e:
+            if explain:
+                await self._explain(push, e)
+            await self._fail(push, e)
+            raise
+        except EngineError as e:
+            failed = PushFailed(_status_of(e), [Problem(e.code, str(e))])
+            await self._fail(push, failed)
+            raise failed from e
+        except Exception as e:  # a defect or an unexpected answer: still fail closed
+            logger.exception("Trainer push %s step failed unexpectedly", push.id)
+            failed = PushFailed(500, [Problem("internal_error", f"{type(e).__name__}: {e}")])
+            await self._fail(push, failed)
+            raise failed from e
+        except BaseException:
+            # Cancelled (the agent is stopping): nothing more can be awaited. The hold saved
+            # at start stays, so the replica stays out of traffic; the push no longer blocks.
+            self._release(push)
+            raise
+        finally:
+            push.last_call = self._monotonic()
+
+    def _release(self, push: Push) -> None:
+        if self.push is push:
+            self.push, self.agent.busy = None, None
+        self.agent.forget_observation()
+
+    async def watch(self) -> None:
+        """End the open push when nobody can finish it any more (the agent's guard calls this).
+
+        A trainer whose transport broke (a peer died mid-broadcast) or that crashed between
+        steps never calls finish; a vLLM restarted under the push dropped the ranks' session.
+        Either way the push would hold the replica and refuse every later update for ever.
+        A step in flight is left alone: it ends the push itself."""
+        push = self.push
+        if push is None or self.lock.locked():
+            return
+        async with self.lock:  # judged under the lock: a step arriving now waits for the verdict
+            if self.push is not push:
+                return
+            problem = await self._why_dead(push)
+            if problem is not None:
+                await self._fail(push, PushFailed(409, [problem]))
+
+    async def _why_dead(self, push: Push) -> Problem | None:
+        config = self.agent.config
+        idle = self._monotonic() - push.last_call
+        if idle > config.push_idle_timeout:
+            return Problem(
+                "push_abandoned",
+                f"no trainer call for {idle:.0f}s (push idle timeout "
+                f"{config.push_idle_timeout:g}s); the trainer gave up or died mid-push",
+            )
+        try:
+            results = await self.agent.client.collective_rpc(
+                "weightroll_state", "{}", config.control_timeout
+            )
+        except EngineError:
+            return None  # vLLM may be restarting: look again on the next pass
+        # Only positive evidence ends the push: a rank that answers without the push's open
+        # session (a disagreement between open and dirty ranks is normal mid-push).
+        lost = [
+            f"{status.rank.key}: {status.state.value} {status.update_id or 'no session'}"
+            for status in collect_states(results, push.world).statuses
+            if status.update_id != push.id or status.state not in _IN_SESSION
+        ]
+        if lost:
+            return Problem(
+                "engine_restarted",
+                f"the ranks no longer hold push {push.id} ({'; '.join(sorted(lost))}); vLLM was "
+                "restarted or the session was closed underneath the push",
+            )
+        return None
+
     async def _explain(self, push: Push, failed: PushFailed) -> None:
         """Add every rank's own reason to a failed step (vLLM's 500 names only the first)."""
         with contextlib.suppress(EngineError):
@@ -363,19 +439,24 @@ class TransferCoordinator:
         """Fence every rank, keep generation paused and the replica held; record the cause."""
         first = failed.problems[0]
         reason = f"push {push.id} did not commit: {first}"
-        self._hold(Problem(first.code, reason))
         client, config = self.agent.client, self.agent.config
         try:
-            await client.collective_rpc(
-                FENCE, json.dumps({"reason": reason[:500]}), config.control_timeout
-            )
-        except EngineError as e:
-            failed.problems.append(Problem("fence_failed", f"{FENCE}: {e}"))
-        with contextlib.suppress(EngineError):
+            self._hold(Problem(first.code, reason))
+        finally:
+            # Fenced even when the hold could not be saved, and released whatever broke.
+            try:
+                await client.collective_rpc(
+                    FENCE, json.dumps({"reason": reason[:500]}), config.control_timeout
+                )
+            except Exception as e:  # fail closed whatever broke; the error names it
+                failed.problems.append(Problem("fence_failed", f"{FENCE}: {e}"))
+            finally:
+                # Held and (below) paused even when the fence did not reach every rank: a push
+                # that cannot be ended cleanly still never blocks the next one.
+                self._release(push)
+        with contextlib.suppress(Exception):
             if not await client.is_paused():
                 await client.pause(DrainMode.ABORT, config.abort_pause_timeout)
-        self.push, self.agent.busy = None, None
-        self.agent.forget_observation()
         self.last_failure = "; ".join(map(str, failed.problems))[:2000]
         self.agent.metrics.pushes.labels(outcome="failed").inc()
         for problem in failed.problems:

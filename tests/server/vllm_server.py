@@ -70,6 +70,13 @@ class VllmServer:
             env["WEIGHTROLL_FAILPOINTS_FILE"] = str(self.failpoints_file)
         if self.tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(self.tp))
+        else:
+            # vLLM's default binds every TP=1 server's worker to core 0 from its first
+            # instruction (GOMP_CPU_AFFINITY), and an idle worker busy-waits for a second after
+            # each call (the agent's guard calls every 0.5 s): with several servers up, a
+            # starting one got a third of core 0 while core 1 idled and missed its start
+            # timeout in CI. Let the OS place them (as the dev cluster does).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         args = [
             sys.executable,
             "-m",

@@ -7,6 +7,7 @@ import base64
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
+from datetime import datetime, timedelta
 from typing import Any
 
 import aiohttp
@@ -22,7 +23,7 @@ from weightroll_operator.domain.model import (
 from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 from weightroll_operator.metrics import Metrics
-from weightroll_operator.reconcile import PassResult, Reconciler
+from weightroll_operator.reconcile import PassResult, Reconciler, utcnow
 from weightroll_operator.settings import OperatorConfig
 
 from tests.harness.fake_agent import FakeAgent, FakeFleetAgents
@@ -39,6 +40,8 @@ class Harness:
         self.kube = KubeApi(KubeConfig(server=url))
         self.client = AgentClient(timeout=1.0)
         self.metrics = Metrics()
+        #: How far the operator's clock runs ahead of the wall clock (see :meth:`advance`).
+        self.clock_ahead = timedelta(0)
         self.rec = self.new_reconciler()
 
     def new_reconciler(self) -> Reconciler:
@@ -50,7 +53,18 @@ class Harness:
             state_ttl=0.0,
             agent_backoff=0.05,
             agent_backoff_cap=0.5,
+            clock=self.now,
         )
+
+    def now(self) -> datetime:
+        """The operator's clock: the wall clock, moved ahead by :meth:`advance`."""
+        return utcnow() + self.clock_ahead
+
+    def advance(self, seconds: float) -> None:
+        """Move the operator's clock ahead, so a deadline passes without the test sleeping
+        (and without racing a slow machine: a short wall-clock deadline can pass before the
+        step it is meant to bound was even sent)."""
+        self.clock_ahead += timedelta(seconds=seconds)
 
     def _snapshot(self, pod: str) -> dict[str, Any] | None:
         agent = self.agents.agents.get(pod)

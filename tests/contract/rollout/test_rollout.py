@@ -219,19 +219,23 @@ async def test_pod_deleted_mid_update(h: Harness) -> None:
 async def test_hanging_agent_times_out_and_disappearing_agent_fails(h: Harness) -> None:
     await h.add_pods(3)
     h.agents["pod-0"].scripts["v2"] = "hang"
-    h.agents["pod-1"].step = 1.0  # slow enough to be caught in flight
+    h.agents["pod-1"].scripts["v2"] = "hang"  # in flight until the agent vanishes
     await h.create_wu(
         "wu",
         "v2",
-        strategy={"maxUnavailable": 2, "updateTimeoutSeconds": 1, "maxFailedReplicas": 5},
+        strategy={"maxUnavailable": 2, "updateTimeoutSeconds": 60, "maxFailedReplicas": 5},
     )
 
-    async def pod1_in_flight() -> bool:
-        return h.agents["pod-1"].active is not None
+    async def both_in_flight() -> bool:
+        return all(h.agents[pod].active is not None for pod in ("pod-0", "pod-1"))
 
-    await h.run_until(["wu"], pod1_in_flight)
+    await h.run_until(["wu"], both_in_flight)
     await h.agents["pod-1"].disappear()  # the agent vanishes mid-update
-    await h.run_until(["wu"], h.phase_is("wu", "Progressing", "Succeeded", "Failed"))
+    for _ in range(3):  # an unreachable agent is no verdict: the unit waits for its deadline
+        await h.tick("wu")
+    status = await h.status("wu")
+    assert status["phase"] == "Progressing" and status["replicas"]["failed"] == 0, status
+    h.advance(61)  # past updateTimeoutSeconds, on the operator's clock
 
     async def both_failed() -> bool:
         return (await h.status("wu")).get("replicas", {}).get("failed") == 2
@@ -390,8 +394,14 @@ async def test_progress_deadline_fails_the_rollout(h: Harness) -> None:
     await h.create_wu(
         "wu",
         "v2",
-        strategy={"maxUnavailable": 1, "progressDeadlineSeconds": 1, "updateTimeoutSeconds": 600},
+        strategy={"maxUnavailable": 1, "progressDeadlineSeconds": 60, "updateTimeoutSeconds": 600},
     )
+
+    async def pod0_in_flight() -> bool:
+        return h.agents["pod-0"].active is not None
+
+    await h.run_until(["wu"], pod0_in_flight)
+    h.advance(61)  # no progress for progressDeadlineSeconds, on the operator's clock
     await h.run_until(["wu"], h.phase_is("wu", "Failed"))
     status = await h.status("wu")
     progressing = h.condition(status, "Progressing")
@@ -404,11 +414,12 @@ async def test_progress_deadline_fails_the_rollout(h: Harness) -> None:
 async def test_agent_refusing_the_update_is_reported(h: Harness) -> None:
     await h.add_pods(1)
     h.agents["pod-0"].scripts["v2"] = "reject"
-    await h.create_wu("wu", "v2", strategy={"updateTimeoutSeconds": 1})
+    await h.create_wu("wu", "v2", strategy={"updateTimeoutSeconds": 60})
     for _ in range(3):
         await h.tick("wu")
     pods = (await h.status("wu"))["pods"]
     assert "StartUpdateFailed" in pods[0]["reason"] and "422" in pods[0]["reason"]
+    h.advance(61)  # the refusal is retried until updateTimeoutSeconds, then the unit fails
     await h.run_until(["wu"], h.phase_is("wu", "Failed"))
     assert await h.gate("pod-0") == "False"
     h.assert_never_ready_unverified({"v2"})

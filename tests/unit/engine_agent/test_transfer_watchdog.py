@@ -1,0 +1,192 @@
+"""The agent ends a trainer push nobody can finish any more (issue 12: a replica must never stay
+held, refusing every later update, by a push whose trainer died or whose vLLM restarted).
+
+The coordinator runs against a recording stand-in for the vLLM client: the ranks' answers are
+scripted, so each way a push can die is one table row. The same path on a real engine (vLLM
+killed and restarted mid-push) is ``test_vllm_restarted_mid_push`` in
+``tests/server/test_trainer_tp1.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+
+from engine_agent.sidecar.agent import Agent, AgentConfig
+from engine_agent.sidecar.engine import EngineUnavailable, VllmClient
+from engine_agent.sidecar.transfer_routes import FENCE, Push, PushFailed, TransferCoordinator
+
+PUSH = "push-1-abcdef01"
+IDLE_TIMEOUT = 60.0
+
+
+def rank_status(tp: int, state: str, update_id: str | None) -> dict[str, Any]:
+    return {
+        "rank": {"dp": 0, "pp": 0, "tp": tp, "ep": 0},
+        "state": state,
+        "version": "v0",
+        "updateId": update_id,
+        "servingSafe": state == "clean",
+    }
+
+
+@dataclass
+class ScriptedVllm:
+    """Answers the calls the coordinator makes; ``ranks`` is what ``weightroll_state`` says."""
+
+    ranks: list[dict[str, Any]] | None
+    fence_error: Exception | None = None
+    calls: list[str] = field(default_factory=list)
+    paused: bool = True
+
+    async def collective_rpc(self, method: str, arg: str, timeout: float) -> list[Any]:
+        self.calls.append(method)
+        if method == FENCE and self.fence_error is not None:
+            raise self.fence_error
+        if self.ranks is None:
+            raise EngineUnavailable("collective_rpc: vLLM unreachable (connection refused)")
+        if method == FENCE:
+            return [{"ok": True} for _ in self.ranks]
+        return list(self.ranks)
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def pause(self, mode: Any, timeout: float) -> None:
+        self.paused = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_push(vllm: ScriptedVllm, *, world: int = 2) -> tuple[TransferCoordinator, Clock]:
+    clock = Clock()
+    config = AgentConfig(push_idle_timeout=IDLE_TIMEOUT)
+    agent = Agent(config, client=cast(VllmClient, vllm), monotonic=clock)
+    coordinator = TransferCoordinator(agent, monotonic=clock)
+    coordinator.push = Push(PUSH, world, clock.now, clock.now)
+    agent.busy = f"trainer push {PUSH} is in progress"
+    agent.store.memory.hold = f"push_incomplete: push {PUSH} started and has not committed"
+    return coordinator, clock
+
+
+OPEN = [rank_status(0, "open", PUSH), rank_status(1, "open", PUSH)]
+MIXED = [rank_status(0, "dirty", PUSH), rank_status(1, "open", PUSH)]
+RESTARTED = [rank_status(0, "clean", None), rank_status(1, "clean", None)]
+ONE_RESTARTED = [rank_status(0, "dirty", PUSH), rank_status(1, "clean", None)]
+FENCED = [rank_status(0, "poisoned", PUSH), rank_status(1, "poisoned", PUSH)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("ranks", "idle_s", "ended_as"),
+    [
+        (OPEN, 0.0, None),  # alive: the trainer is between two steps
+        (MIXED, 30.0, None),  # dirty and open ranks mid-push are normal
+        (None, 30.0, None),  # vLLM unreachable: it may be restarting, look again later
+        (RESTARTED, 0.0, "engine_restarted"),  # the ranks lost the session
+        (ONE_RESTARTED, 0.0, "engine_restarted"),
+        (FENCED, 0.0, "engine_restarted"),  # the session was closed underneath the push
+        (OPEN, IDLE_TIMEOUT + 1, "push_abandoned"),  # the trainer went silent
+        (None, IDLE_TIMEOUT + 1, "push_abandoned"),  # ... even while vLLM is down
+    ],
+)
+async def test_watchdog_ends_only_a_dead_push(
+    ranks: list[dict[str, Any]] | None, idle_s: float, ended_as: str | None
+) -> None:
+    vllm = ScriptedVllm(ranks)
+    coordinator, clock = open_push(vllm)
+    agent = coordinator.agent
+    clock.now += idle_s
+    await coordinator.watch()
+    if ended_as is None:
+        assert coordinator.push is not None and agent.busy is not None
+        assert FENCE not in vllm.calls
+        return
+    assert coordinator.push is None and agent.busy is None  # the next push may start
+    assert FENCE in vllm.calls  # whatever the ranks hold can never commit
+    hold = agent.store.memory.hold or ""
+    assert agent.store.memory.hold_code == ended_as and PUSH in hold  # still out of traffic
+    assert coordinator.last_failure is not None and ended_as in coordinator.last_failure
+
+
+@pytest.mark.asyncio
+async def test_watchdog_leaves_a_step_in_flight_alone() -> None:
+    vllm = ScriptedVllm(RESTARTED)
+    coordinator, clock = open_push(vllm)
+    clock.now += IDLE_TIMEOUT + 1
+    async with coordinator.lock:  # a step holds the lock: it ends the push itself
+        await coordinator.watch()
+    assert coordinator.push is not None and vllm.calls == []
+
+
+@pytest.mark.asyncio
+async def test_a_fence_that_breaks_unexpectedly_still_releases_the_push() -> None:
+    vllm = ScriptedVllm(RESTARTED, fence_error=RuntimeError("socket closed"))
+    coordinator, _ = open_push(vllm)
+    await coordinator.watch()
+    assert coordinator.push is None and coordinator.agent.busy is None
+    assert coordinator.agent.store.memory.hold_code == "engine_restarted"
+    assert coordinator.last_failure is not None and "fence_failed" in coordinator.last_failure
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("raised", "status", "code"),
+    [
+        (EngineUnavailable("POST /update_weights: vLLM unreachable"), 503, "engine_unavailable"),
+        (KeyError("rank"), 500, "internal_error"),
+    ],
+)
+async def test_any_failing_step_ends_the_push_fenced(
+    raised: Exception, status: int, code: str
+) -> None:
+    vllm = ScriptedVllm(OPEN)
+    coordinator, _ = open_push(vllm)
+    push = coordinator.push
+    assert push is not None
+    with pytest.raises(PushFailed) as failed:
+        async with coordinator._failing_closed(push):
+            raise raised
+    assert failed.value.problems[0].code == code
+    assert failed.value.status == status
+    assert coordinator.push is None and FENCE in vllm.calls
+    assert coordinator.agent.store.memory.hold_code == code
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_step_releases_the_push_and_keeps_the_hold() -> None:
+    vllm = ScriptedVllm(OPEN)
+    coordinator, _ = open_push(vllm)
+    push = coordinator.push
+    assert push is not None
+
+    async def step() -> None:
+        async with coordinator._failing_closed(push):
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(step())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert coordinator.push is None and coordinator.agent.busy is None
+    hold = coordinator.agent.store.memory.hold or ""
+    assert "push_incomplete" in hold  # the replica stays out of traffic
+
+
+def test_the_agent_flag_sets_the_idle_timeout() -> None:
+    from engine_agent.sidecar.main import _parser, build_config
+
+    args = _parser().parse_args(["--push-idle-timeout", "42", "--vllm-url", "http://127.0.0.1:1"])
+    assert build_config(args).push_idle_timeout == 42.0
+    assert json.dumps(AgentConfig().push_idle_timeout) == "900.0"
