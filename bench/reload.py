@@ -33,6 +33,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "devtools"))  # tiny models
+
+from bench.machine import cpu_model, load_average
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -167,8 +170,8 @@ def main() -> None:
         "verification": "every tensor BLAKE3-checked against a weightroll.manifest/v2 as loaded",
         "goals": {"verified_vs_vllm_reload": "<= 1.1", "structural_checks_share": "<= 0.05"},
         "engine_serves_after": bool(out_ok.tokens),
-        "cpu": _cpu_model(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "cpu": cpu_model(),
+        "load_average": load_average(),
     }
     text = json.dumps(report, indent=2)
     if args.out:
@@ -204,16 +207,6 @@ def _where(steps: dict[str, float], structural: float) -> dict[str, float]:
         0.0, steps.get("finish", 0.0) - steps.get("coverage", 0.0) - steps.get("identity", 0.0)
     )
     return {k: round(v, 4) for k, v in parts.items()}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

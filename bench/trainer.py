@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,9 @@ _STDOUT = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "devtools"))  # tiny models
+
+from bench.machine import cpu_model, load_average  # noqa: E402 (after the path set-up)
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -190,8 +192,8 @@ def main() -> None:
         "goals": {"verified_vs_stock": "<= 1.1"},
         "final_rank_state": {"state": state["state"], "version": state["version"]},
         "engine_serves_after": serves,
-        "cpu": platform.processor() or platform.machine(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "cpu": cpu_model(),
+        "load_average": load_average(),
     }
     text = json.dumps(report, indent=2)
     if args.out:

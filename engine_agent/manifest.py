@@ -441,7 +441,9 @@ def new_hasher(algorithm: HashAlgorithm) -> Any:
     if algorithm == "blake3":
         import blake3  # installed with vLLM; a dependency of this project too
 
-        return blake3.blake3()
+        # BLAKE3 hashes one buffer on several cores (same digest): the last tensors of a load
+        # are hashed while the loaders wait, and a manifest build reads whole files.
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
     if algorithm == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown hash algorithm {algorithm!r}; expected blake3 or sha256")

@@ -553,8 +553,12 @@ class LoadRouter:
         staged = self._staging.setdefault(entry.name, {})
         tensor = staged.get(pname)
         if tensor is None:
-            # Zero-filled, not empty: a region no loader writes (padding) must be deterministic.
-            tensor = torch.zeros(template.shape, dtype=template.dtype, device=self.device)
+            # Allocated as vLLM allocates the parameters of a cold engine (``torch.empty`` in
+            # ``create_weights``): a module is processed only when every required shard arrived,
+            # and the regions the loaders themselves pad they also fill (vocab padding rows are
+            # zeroed by the embedding's loader), so what the kernels read is what a cold engine
+            # loads. Zero-filling first cost a third of the load on a 2-core CPU (bench/reload.py).
+            tensor = torch.empty(template.shape, dtype=template.dtype, device=self.device)
             tensor.__class__ = template.__class__
             tensor.__dict__ = template.__dict__.copy()
             staged[pname] = tensor
