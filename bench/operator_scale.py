@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import math
 import resource
@@ -62,6 +61,22 @@ from engine_agent.protocol import (
 NS = "bench"
 
 
+def _copy_on_write(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A new pod object sharing nothing a write changes with the old one (the old object stays
+    as it was, as a watch delivers a new one); the spec is never written, so it is shared. A
+    ``copy.deepcopy`` per write cost more than the operator's pass at 10,000 pods."""
+    meta, status = pod["metadata"], pod["status"]
+    return {
+        **pod,
+        "metadata": {
+            **meta,
+            "labels": dict(meta["labels"]),
+            "annotations": dict(meta["annotations"]),
+        },
+        "status": {**status, "conditions": [dict(c) for c in status["conditions"]]},
+    }
+
+
 class MemKube:
     """In-memory Kubernetes API: the calls of ``KubePort``, counted.
 
@@ -76,7 +91,7 @@ class MemKube:
         if resource_version is not None and resource_version != current:
             self.writes["conflict"] += 1
             raise KubeConflict(409, f"pod {name} changed since {resource_version}")
-        pod = copy.deepcopy(self.pods[name])
+        pod = _copy_on_write(self.pods[name])
         pod["metadata"]["resourceVersion"] = str(int(current) + 1)
         self.pods[name] = pod
         self.on_change()
