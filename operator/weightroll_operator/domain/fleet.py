@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightroll_operator.api.v1alpha1 import LabelSelector, SelectorOperator, WeightUpdateSpec
@@ -162,10 +162,11 @@ class Unit:
 
     key: str
     pods: tuple[PodView, ...]
+    #: Every pod is Ready (computed once: a pass reads it several times per unit).
+    ready: bool = field(init=False)
 
-    @property
-    def ready(self) -> bool:
-        return all(p.ready for p in self.pods)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ready", all(p.ready for p in self.pods))
 
 
 def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
@@ -174,8 +175,13 @@ def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
     for pod in pods:
         groups.setdefault(pod.unit, []).append(pod)
     return tuple(
-        Unit(key, tuple(sorted(ps, key=lambda p: p.name))) for key, ps in sorted(groups.items())
+        Unit(key, (ps[0],) if len(ps) == 1 else tuple(sorted(ps, key=_name)))
+        for key, ps in sorted(groups.items())
     )
+
+
+def _name(pod: PodView) -> str:
+    return pod.name
 
 
 def trim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:

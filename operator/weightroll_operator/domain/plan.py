@@ -187,6 +187,11 @@ class Query:
     update_id: UpdateId | None = None
 
 
+#: The most common query (frozen, so one instance serves every pod).
+_ASK_STATE = Query(state=True)
+_FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
+
+
 def queries(
     pods: tuple[PodView, ...], owner: OwnerKey, version: str, retried_at: str | None = None
 ) -> dict[str, Query]:
@@ -202,11 +207,11 @@ def queries(
             # A verified pod whose containers are not ready (vLLM or the agent restarted under
             # it) may serve boot weights again: ask its agent, so it is re-updated, not counted.
             if pod.gate is not True or not pod.ready:
-                result[pod.name] = Query(state=True)
+                result[pod.name] = _ASK_STATE
         elif st is not None and st.by == owner and _settled_here(st, version, retried_at):
             continue
         else:
-            result[pod.name] = Query(state=True)
+            result[pod.name] = _ASK_STATE
     return result
 
 
@@ -767,7 +772,7 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         Reason.PAUSED_BY_SPEC if spec.paused else Reason.CANARY_COMPLETE if canary_hold else None
     )
     # A failed canary halts whatever maxFailedReplicas tolerates: the canary is the test.
-    canary_units = {u.key for u in sorted(touched, key=_first_start)[: canary or 0]}
+    canary_units = {u.key for u in sorted(touched, key=_first_start)[:canary]} if canary else set()
     canary_failed = sorted(u.key for u in units if u.key in canary_units and failed(u))
     if aborted_at is None and canary_failed:
         aborted_at, abort_reason = timestamp(now), Reason.CANARY_FAILED
@@ -826,7 +831,7 @@ def budget(seen: Seen, flying: frozenset[str]) -> int:
         if not u.ready
         or u.key in seen.frozen
         or u.key in flying
-        or seen.by_unit[u.key] & {PodClass.FAILED, PodClass.ROLLBACK_FAILED}
+        or not seen.by_unit[u.key].isdisjoint(_FAILED_CLASSES)
     )
     return seen.max_unavailable - unavailable
 
@@ -901,19 +906,22 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
     limit = None
     if canary is not None and (len(halt.touched) < canary or flying):
         limit = max(0, canary - len(halt.touched))
-    startable = [
-        u
-        for u in halt.pending
-        if u.key not in seen.frozen
-        and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
-        and all(
-            _can_claim(p, fleet.agents.get(p.name), owner, version)
-            for p in u.pods
-            if seen.classes[p.name] is PodClass.PENDING
+
+    def startable(u: Unit) -> bool:
+        return (
+            u.key not in seen.frozen
+            and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
+            and all(
+                _can_claim(p, fleet.agents.get(p.name), owner, version)
+                for p in u.pods
+                if seen.classes[p.name] is PodClass.PENDING
+            )
         )
-    ]
-    startable.sort(key=lambda u: (u.ready, u.key))
-    for unit in startable:
+
+    # Unready units first, each group by key; the test is evaluated lazily, so a pass that
+    # may start a few units does not examine every pending one (the loop stops early).
+    order = sorted(halt.pending, key=lambda u: (u.ready, u.key))
+    for unit in (u for u in order if startable(u)):
         if limit is not None and limit <= 0:
             break
         if unit.ready:

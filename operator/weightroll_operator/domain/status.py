@@ -68,10 +68,11 @@ def compute_counts(plan: Plan, spec: WeightUpdateSpec) -> ReplicaCounts:
     stale_classes = {PodClass.FOREIGN, PodClass.UNKNOWN, PodClass.BLOCKED}
     if held and not rolling_back:
         stale_classes.add(PodClass.PENDING)
+    restored = _restored(plan)
     verified = sum(
         1
         for name, c in plan.classes.items()
-        if c is PodClass.UPDATED and (plan.pods[name].gate is True or _restored(plan, name))
+        if c is PodClass.UPDATED and (plan.pods[name].gate is True or name in restored)
     )
     return ReplicaCounts(
         total=len(classes),
@@ -83,8 +84,9 @@ def compute_counts(plan: Plan, spec: WeightUpdateSpec) -> ReplicaCounts:
     )
 
 
-def _restored(plan: Plan, name: str) -> bool:
-    return any(isinstance(a, GateOn) and a.pod.name == name for a in plan.actions)
+def _restored(plan: Plan) -> frozenset[str]:
+    """Pods whose traffic this pass restores (one scan of the actions, not one per pod)."""
+    return frozenset(a.pod.name for a in plan.actions if isinstance(a, GateOn))
 
 
 def compute_phase(plan: Plan, spec: WeightUpdateSpec) -> Phase:

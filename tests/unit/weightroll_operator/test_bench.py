@@ -34,3 +34,27 @@ def test_small_fleet_meets_the_goals_at_the_default_settings() -> None:
     assert report["apiWrites"]["pod-status"] == 60  # one gate write each way per pod
     assert report["agentCalls"]["start_update"] == 30
     assert report["apiWrites"].get("conflict", 0) == 0  # one operator: no write refused
+
+
+def test_the_api_double_never_mutates_an_object_it_handed_out() -> None:
+    """The operator reuses the view of an unchanged pod object (reconcile.py ``_view``): the
+    double's copy on write must leave the old object exactly as it was."""
+    import copy
+
+    bench = _bench()
+    pods = bench.make_fleet(2)
+    kube = bench.MemKube(pods, {})
+    old = pods["vllm-00000"]
+    before = copy.deepcopy(old)
+    cond = {"type": "weightroll.io/weights-ready", "status": "False"}
+    asyncio.run(kube.patch_pod_condition(bench.NS, "vllm-00000", cond, resource_version="1"))
+    asyncio.run(
+        kube.patch_pod_metadata(
+            bench.NS, "vllm-00000", annotations={"a": "b"}, labels={"l": "v"}, resource_version="2"
+        )
+    )
+    assert old == before
+    new = pods["vllm-00000"]
+    assert new is not old and new["metadata"]["resourceVersion"] == "3"
+    assert new["metadata"]["annotations"] == {"a": "b"} and new["metadata"]["labels"]["l"] == "v"
+    assert {"type": "Ready", "status": "False"} in new["status"]["conditions"]

@@ -82,3 +82,29 @@ def test_view_cache_is_bounded() -> None:
     for i in range(25):
         rec._view(make_pod(f"p{i}", "10.0.0.1", 8470), None)
     assert len(rec._views) <= 10
+
+
+def test_paused_gc_suspends_collection_only_inside_and_restores_the_setting() -> None:
+    """Issue 11 G: the synchronous steps of a pass run without cyclic collection (which cost
+    a full-heap collection about once a pass at 10,000 pods); the setting is restored after."""
+    import gc
+
+    from weightroll_operator.reconcile import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        gc.disable()  # someone else disabled it: left disabled
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    try:
+        with paused_gc():
+            raise ValueError("boom")
+    except ValueError:
+        pass
+    assert gc.isenabled()
