@@ -75,8 +75,12 @@ class VllmServer:
             # instruction (GOMP_CPU_AFFINITY), and an idle worker busy-waits for a second after
             # each call (the agent's guard calls every 0.5 s): with several servers up, a
             # starting one got a third of core 0 while core 1 idled and missed its start
-            # timeout in CI. Let the OS place them (as the dev cluster does).
+            # timeout in CI. Let the OS place them (as the dev cluster does), one OpenMP thread
+            # each as the binding gave them: the outputs stay batch-invariant (with two threads a
+            # request batched with others took another greedy path than alone, and
+            # test_agent_tp1's drain oracle compares the two).
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = "1"
         args = [
             sys.executable,
             "-m",
