@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -37,6 +38,38 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"WEIGHTROLL_AGENT_{name}", default)
 
 
+def _positive_seconds(env: str) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of seconds above zero (a zero or negative timeout
+    would end every call, or every push, at once)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds above 0 (e.g. 30); "
+                f"it comes from the flag or from WEIGHTROLL_AGENT_{env}"
+            )
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a TCP port (1-65535); it comes from the flag or from "
+            "WEIGHTROLL_AGENT_PORT"
+        )
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
     defaults = AgentConfig()
     parser = argparse.ArgumentParser(
@@ -53,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--tls-key-file", default=_env("TLS_KEY_FILE"), help="serve TLS: private key (PEM)")
     add(
         "--port",
-        type=int,
-        default=int(_env("PORT", str(DEFAULT_PORT)) or DEFAULT_PORT),
+        type=_port,
+        # a string default goes through ``type`` too: a bad variable is reported like a bad flag
+        default=_env("PORT", str(DEFAULT_PORT)),
         help=f"listen port [PORT] (default {DEFAULT_PORT})",
     )
     add(
@@ -99,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
         env = name.upper()
         add(
             f"--{name.replace('_', '-')}",
-            type=float,
-            default=float(_env(env, str(getattr(defaults, name))) or getattr(defaults, name)),
+            type=_positive_seconds(env),
+            default=_env(env) or str(getattr(defaults, name)),
             help=f"{help_text} [{env}]",
         )
     add("--log-level", default=_env("LOG_LEVEL", "INFO"), help="logging level [LOG_LEVEL]")

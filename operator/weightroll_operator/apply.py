@@ -19,10 +19,10 @@ import asyncio
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from weightroll_operator.api.v1alpha1 import API_VERSION, KIND
 from weightroll_operator.domain.actions import (
@@ -59,11 +59,35 @@ __all__ = [
     "EventCounts",
     "SKIPPED",
     "apply",
+    "bounded_map",
     "target_of",
     "write_gate",
 ]
 
 log = logging.getLogger(__name__)
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+
+async def bounded_map(
+    call: Callable[[_In], Awaitable[_Out]], items: Sequence[_In], limit: int
+) -> list[_Out]:
+    """``[await call(x) for x in items]`` with up to ``limit`` calls in flight; results in order.
+
+    ``limit`` workers take the items in turn, so 1,000 pods cost ``limit`` tasks, not 1,000
+    tasks each waiting on a semaphore (a fifth of a pass at 10,000 pods). An exception ends
+    its worker's loop and is raised once every other worker has finished (as ``gather`` does).
+    """
+    results: list[_Out | None] = [None] * len(items)
+    todo = iter(enumerate(items))
+
+    async def worker() -> None:
+        for i, item in todo:
+            results[i] = await call(item)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, min(limit, len(items))))))
+    return cast(list[_Out], results)
 
 
 class _Skipped(WeightrollError):
@@ -308,13 +332,11 @@ async def apply(actions: Sequence[Action], ctx: ApplyContext) -> list[ActionResu
             emits.append(action)
         else:
             by_pod.setdefault(action.pod.name, []).append(action)
-    sem = asyncio.Semaphore(ctx.concurrency)
 
-    async def bounded(chain: list[PodAction]) -> list[ActionResult]:
-        async with sem:
-            return await _run_pod(chain, ctx)
+    async def run_pod(chain: list[PodAction]) -> list[ActionResult]:
+        return await _run_pod(chain, ctx)
 
-    chains = await asyncio.gather(*(bounded(chain) for chain in by_pod.values()))
+    chains = await bounded_map(run_pod, list(by_pod.values()), ctx.concurrency)
     results = [r for chain in chains for r in chain]
 
     async def post(emit: Emit) -> ActionResult:
@@ -337,5 +359,7 @@ async def apply(actions: Sequence[Action], ctx: ApplyContext) -> list[ActionResu
             # The pod's story is a courtesy: the rollout goes on without it.
             log.info("Failed to post Event %s on Pod %s: %s", event.reason, event.pod.name, e)
 
-    await asyncio.gather(*(post_on_pod(e) for e in aggregate(e for e in found if e is not None)))
+    # Bounded like the pod writes: a batch of 1,000 verified pods is 1,000 Events.
+    stories = list(aggregate(e for e in found if e is not None))
+    await bounded_map(post_on_pod, stories, ctx.concurrency)
     return results

@@ -42,6 +42,7 @@ from weightroll_operator.apply import (
     ApplyContext,
     EventCounts,
     apply,
+    bounded_map,
     target_of,
     write_gate,
 )
@@ -53,7 +54,8 @@ from weightroll_operator.domain.fleet import (
     AGENT_PORT_NAME,
     agent_port_mismatch,
     pod_view,
-    select_pods,
+    select_one,
+    sort_views,
 )
 from weightroll_operator.domain.model import (
     CONDITION_WEIGHTS_READY,
@@ -200,8 +202,18 @@ class Reconciler:
     _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, PodView]] = field(
         default_factory=dict
     )
+    #: Per pod (namespace, name): the last view :func:`_state_key` was computed for, and the key.
+    _state_keys: dict[tuple[str, str], tuple[PodView, tuple[str, ...]]] = field(
+        default_factory=dict
+    )
     #: Entries of each cache before it is emptied (pods that vanished leave theirs behind).
     cache_limit: int = 100_000
+    #: Per WeightUpdate: the selection it was made with (namespace, selector, groupBy) and, by
+    #: ``id()`` of each pod object of its last pass, (the object, its view or None when not
+    #: selected). Rebuilt every pass, so it holds only the objects that pass was given.
+    _selections: dict[
+        OwnerKey, tuple[tuple[Any, ...], dict[int, tuple[Mapping[str, Any], PodView | None]]]
+    ] = field(default_factory=dict)
     #: (namespace, pod) -> (resourceVersion of the view our last write was planned from, when).
     _written: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     #: (namespace, pod, incarnation) -> (consecutive agent failures, monotonic retry time, view).
@@ -234,9 +246,40 @@ class Reconciler:
             return cached[2]
         if cached is None and len(self._views) >= self.cache_limit:
             self._views.clear()
+            self._state_keys.clear()
         result = pod_view(pod, group_by=group_by)
         self._views[key] = (pod, group_by, result)
         return result
+
+    def _select(
+        self,
+        owner: OwnerKey,
+        pods: Iterable[Mapping[str, Any]],
+        spec: WeightUpdateSpec,
+        namespace: str,
+    ) -> tuple[PodView, ...]:
+        """:func:`~weightroll_operator.domain.fleet.select_pods`, judging each pod object once.
+
+        Object identity is the change token (see :meth:`_view`): a pod object seen by the
+        previous pass of this WeightUpdate, under the same selection, keeps its verdict and view;
+        at 10,000 pods this is most of them, and the selector is not evaluated again.
+        """
+        signature = (namespace, spec.selector, spec.group_by)
+        previous = self._selections.get(owner)
+        known = previous[1] if previous is not None and previous[0] == signature else {}
+        judged: dict[int, tuple[Mapping[str, Any], PodView | None]] = {}
+        views: list[PodView] = []
+        for pod in pods:
+            hit = known.get(id(pod))
+            if hit is not None and hit[0] is pod:
+                view = hit[1]
+            else:
+                view = select_one(pod, spec, namespace, self._view)
+            judged[id(pod)] = (pod, view)
+            if view is not None:
+                views.append(view)
+        self._selections[owner] = (signature, judged)
+        return sort_views(views)
 
     def _mark_stale(self, views: tuple[PodView, ...]) -> tuple[PodView, ...]:
         """Flag views that predate our own last write to the pod (issue 11, finding C).
@@ -319,7 +362,7 @@ class Reconciler:
             _check_wire(spec, name)
             pods = list(pods)
             with paused_gc():
-                selected = select_pods(pods, spec, namespace, self._view)
+                selected = self._select(owner, pods, spec, namespace)
             mismatch = agent_port_mismatch(spec, selected)
             if mismatch is not None:
                 raise ValueError(mismatch)
@@ -483,6 +526,7 @@ class Reconciler:
                     or "release incomplete"
                 )
             self._locks.pop(owner, None)
+            self._selections.pop(owner, None)
             if self.metrics is not None:
                 # every pod this WeightUpdate left drained, in this call or an earlier one
                 keep = {
@@ -506,13 +550,12 @@ class Reconciler:
             for v in views
         }
         by_name = {v.name: v for v in views}
-        sem = asyncio.Semaphore(self.concurrency)
 
-        async def one(name: str, query: Query) -> tuple[str, AgentView]:
-            async with sem:
-                return name, await self._ask(by_name[name], query, token, full=True)
+        async def one(item: tuple[str, Query]) -> tuple[str, AgentView]:
+            name, query = item
+            return name, await self._ask(by_name[name], query, token, full=True)
 
-        return dict(await asyncio.gather(*(one(n, q) for n, q in asked.items())))
+        return dict(await bounded_map(one, list(asked.items()), self.concurrency))
 
     def _track_left_drained(self, namespace: str, name: str, pods: Mapping[str, float]) -> None:
         if pods:
@@ -629,32 +672,40 @@ class Reconciler:
     async def _observe(
         self, views: tuple[PodView, ...], asked: Mapping[str, Query], token: str | None
     ) -> dict[str, AgentView]:
-        sem = asyncio.Semaphore(self.concurrency)
         by_name = {v.name: v for v in views}
         now = time.monotonic()
         seen: dict[str, AgentView] = {}
         todo: list[tuple[PodView, Query]] = []
+        failures, states = self._agent_failures, self._states
         for name, query in asked.items():
             pod = by_name[name]
-            failing = self._agent_failures.get(_agent_key(pod))
+            failing = failures.get(_agent_key(pod)) if failures else None
             if failing is not None and failing[1] > now:
                 seen[name] = failing[2]  # backing off: the last failure stands until then
                 continue
-            cached = self._states.get((pod.namespace, pod.name))
-            fresh = cached is not None and cached[0] == _state_key(pod) and cached[2] > now
-            if cached is not None and fresh and query.update_id is None:
+            cached = states.get((pod.namespace, pod.name)) if query.update_id is None else None
+            if cached is not None and cached[2] > now and self._same_key(cached[0], pod):
                 seen[name] = cached[1]
             else:
                 todo.append((pod, query))
 
-        async def one(pod: PodView, query: Query) -> tuple[str, AgentView]:
-            async with sem:
-                view = await self._ask(pod, query, token)
+        async def one(item: tuple[PodView, Query]) -> tuple[str, AgentView]:
+            pod, query = item
+            view = await self._ask(pod, query, token)
             self._note_agent(pod, view)
             return pod.name, view
 
-        seen.update(await asyncio.gather(*(one(p, q) for p, q in todo)))
+        seen.update(await bounded_map(one, todo, self.concurrency))
         return seen
+
+    def _same_key(self, key: tuple[str, ...], pod: PodView) -> bool:
+        """``key == _state_key(pod)``, computed once per view object (views of unchanged pod
+        objects are reused from pass to pass; see :meth:`_view`)."""
+        known = self._state_keys.get((pod.namespace, pod.name))
+        if known is None or known[0] is not pod:
+            known = (pod, _state_key(pod))
+            self._state_keys[(pod.namespace, pod.name)] = known
+        return known[1] == key
 
     def _note_agent(self, pod: PodView, view: AgentView) -> None:
         """Back off exponentially (with jitter) from an agent that did not answer."""

@@ -6,6 +6,7 @@ Pure functions over plain dicts (the pod bodies from the kopf index or a list ca
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,9 @@ __all__ = [
     "group_units",
     "matches",
     "pod_view",
+    "select_one",
     "select_pods",
+    "sort_views",
     "trim_pod",
     "trim_weightupdate",
 ]
@@ -145,15 +148,25 @@ def select_pods(
 
     A pod being deleted never blocks a rollout (issue 4): it is simply not part of the fleet.
     """
-    views = []
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        if meta.get("namespace") != namespace or meta.get("deletionTimestamp"):
-            continue
-        if not matches(spec.selector, meta.get("labels") or {}):
-            continue
-        views.append(view(pod, spec.group_by))
-    return tuple(sorted(views, key=lambda v: v.name))
+    views = [v for v in (select_one(pod, spec, namespace, view) for pod in pods) if v is not None]
+    return sort_views(views)
+
+
+def select_one(
+    pod: Mapping[str, Any], spec: WeightUpdateSpec, namespace: str, view: ViewFn = _view
+) -> PodView | None:
+    """The view of ``pod`` when :func:`select_pods` selects it, else ``None``."""
+    meta = pod.get("metadata") or {}
+    if meta.get("namespace") != namespace or meta.get("deletionTimestamp"):
+        return None
+    if not matches(spec.selector, meta.get("labels") or {}):
+        return None
+    return view(pod, spec.group_by)
+
+
+def sort_views(views: Iterable[PodView]) -> tuple[PodView, ...]:
+    """Views in :func:`select_pods` order (by pod name)."""
+    return tuple(sorted(views, key=_name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,22 +179,27 @@ class Unit:
     ready: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ready", all(p.ready for p in self.pods))
+        pods = self.pods
+        ready = pods[0].ready if len(pods) == 1 else all(p.ready for p in pods)
+        object.__setattr__(self, "ready", ready)
 
 
 def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
     """Group pod views by unit key, sorted by key (a stable rollout order)."""
     groups: dict[str, list[PodView]] = {}
     for pod in pods:
-        groups.setdefault(pod.unit, []).append(pod)
+        same = groups.get(pod.unit)
+        if same is None:
+            groups[pod.unit] = [pod]
+        else:
+            same.append(pod)
     return tuple(
         Unit(key, (ps[0],) if len(ps) == 1 else tuple(sorted(ps, key=_name)))
-        for key, ps in sorted(groups.items())
+        for key, ps in ((k, groups[k]) for k in sorted(groups))
     )
 
 
-def _name(pod: PodView) -> str:
-    return pod.name
+_name: Callable[[PodView], str] = operator.attrgetter("name")
 
 
 def trim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:

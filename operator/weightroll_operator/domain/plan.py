@@ -36,6 +36,7 @@ Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -94,6 +95,12 @@ __all__ = [
 def parse_time(value: str | None) -> datetime | None:
     if not value:
         return None
+    return _parse_time(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_time(value: str) -> datetime:
+    # Pure, and the result is immutable: a pass reads the same few timestamps on many pods.
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
@@ -190,6 +197,12 @@ class Query:
 #: The most common query (frozen, so one instance serves every pod).
 _ASK_STATE = Query(state=True)
 _FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
+#: The classes :func:`_notes` may say something about.
+_NOTED = frozenset({PodClass.UNKNOWN, PodClass.PENDING, PodClass.IN_FLIGHT})
+#: A unit is pending (still to start) when its pods are only in these classes ...
+_STARTABLE = frozenset({PodClass.PENDING, PodClass.UPDATED, PodClass.UNKNOWN})
+#: ... and at least one of them still wants the version.
+_WANTING = frozenset({PodClass.PENDING, PodClass.UNKNOWN})
 
 
 def queries(
@@ -217,8 +230,11 @@ def queries(
 
 def _retried(st: WeightState, retried_at: str | None) -> bool:
     """``weightroll retry`` came after this settled attempt started: try the pod again."""
-    started, retried = parse_time(st.started_at), parse_time(retried_at)
-    return retried is not None and (started is None or started <= retried)
+    retried = parse_time(retried_at)
+    if retried is None:
+        return False
+    started = parse_time(st.started_at)
+    return started is None or started <= retried
 
 
 def _settled_here(st: WeightState, version: str, retried_at: str | None = None) -> bool:
@@ -409,16 +425,18 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
     ]
     rollback = any(p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in flying)
     label = _unit_label(unit)
-
-    def committed(pod: PodView) -> bool:
-        agent = b.fleet.agents.get(pod.name)
-        if agent is None or pod.state is None:
-            return False
-        return serves_attempt(agent, pod.state)
+    agents = b.fleet.agents
+    # Whether each pod's agent serves this pod's attempt now (:func:`serves_attempt`).
+    committed: dict[str, bool] = {}
+    for pod in flying:
+        agent = agents.get(pod.name)
+        committed[pod.name] = (
+            agent is not None and pod.state is not None and serves_attempt(agent, pod.state)
+        )
 
     # A restart between GateOn and Settle leaves the gate True on a committed unit: finish it
     # below instead of draining it again. Anything else with the gate not False is re-drained.
-    all_committed = all(committed(p) for p in flying)
+    all_committed = all(committed.values())
     for pod in flying:
         if pod.gate is not False and not all_committed:
             b.actions.append(GateOff(pod, message=f"Draining for weights {pod.state.version}"))  # type: ignore[union-attr]
@@ -436,7 +454,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
     def timed_out(pod: PodView) -> bool:
         # The update timer starts when the agent accepted the update (its record's startedAt);
         # before that (not accepted yet), at the claim.
-        agent = b.fleet.agents.get(pod.name)
+        agent = agents.get(pod.name)
         update = agent.update if agent is not None else None
         accepted = parse_time(update.started_at) if update is not None else None
         return now >= (accepted or claimed_at) + timeout
@@ -446,11 +464,11 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
     for pod in flying:
         st = pod.state
         assert st is not None
-        agent = b.fleet.agents.get(pod.name)
+        agent = agents.get(pod.name)
         update = agent.update if agent is not None else None
         if agent is None or not agent.reachable:
             running.append(pod)
-        elif committed(pod):
+        elif committed[pod.name]:
             continue
         elif update is None and not rollback and st.version != spec.version:
             # spec.version changed before this pod's update started: retarget it (keeping the
@@ -693,12 +711,21 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
     return Seen(
         units=units,
         classes=classes,
-        by_unit={u.key: frozenset(classes[p.name] for p in u.pods) for u in units},
+        by_unit={
+            u.key: _ONE_CLASS[classes[u.pods[0].name]]
+            if len(u.pods) == 1
+            else frozenset(classes[p.name] for p in u.pods)
+            for u in units
+        },
         blocked_by=tuple(sorted(blocked | set(fleet.peers))),
         max_unavailable=resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units))),
-        frozen=frozenset(u.key for u in units if any(p.stale for p in u.pods)),
+        frozen=frozenset(p.unit for p in fleet.pods if p.stale),
         reasons=reasons,
     )
+
+
+#: The class set of a one-pod unit (most units): built once, not once per unit and pass.
+_ONE_CLASS = {c: frozenset((c,)) for c in PodClass}
 
 
 def advance_units(b: _Builder, seen: Seen) -> frozenset[str]:
@@ -738,28 +765,28 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
     units, by_unit = seen.units, seen.by_unit
     aborted_at, abort_reason = persisted.aborted_at, persisted.abort_reason
 
+    finished = b.finished
+
     def failed(u: Unit) -> bool:
-        return PodClass.FAILED in by_unit[u.key] or b.finished.get(u.key) == "failed"
+        return PodClass.FAILED in by_unit[u.key] or finished.get(u.key) == "failed"
 
     pending = tuple(
         u
         for u in units
-        if u.key not in b.finished
+        if u.key not in finished
         and u.key not in flying
-        and by_unit[u.key] <= {PodClass.PENDING, PodClass.UPDATED, PodClass.UNKNOWN}
-        and by_unit[u.key] & {PodClass.PENDING, PodClass.UNKNOWN}
+        and by_unit[u.key] <= _STARTABLE
+        and not by_unit[u.key].isdisjoint(_WANTING)
     )
-    touched = tuple(
-        u
-        for u in units
-        if any(
-            p.state is not None
-            and p.state.by == owner
-            and p.state.version == version
-            and p.state.rollback_of is None
-            for p in u.pods
-        )
-    )
+    touched_keys = {
+        p.unit
+        for p in b.fleet.pods
+        if (st := p.state) is not None
+        and st.by == owner
+        and st.version == version
+        and st.rollback_of is None
+    }
+    touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
     canary = spec.strategy.canary
     canary_hold = (
         canary is not None
@@ -781,7 +808,11 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
             f"Halted: canary unit {', '.join(canary_failed)} failed",
             warning=True,
         )
-    failed_units = sum(1 for u in units if failed(u))
+    failed_units = sum(
+        1
+        for u in units
+        if PodClass.FAILED in by_unit[u.key] or (finished and finished.get(u.key) == "failed")
+    )
     if aborted_at is None and failed_units > spec.strategy.max_failed_replicas:
         aborted_at, abort_reason = timestamp(now), Reason.FAILURE_BUDGET_EXCEEDED
         b.emit(
@@ -953,12 +984,15 @@ def restore(b: _Builder, seen: Seen) -> None:
         b.emit(Reason.UNIT_RESTORED, f"Restored traffic to {pod.name}, ready at {version}")
 
 
-def _notes(b: _Builder, classes: Mapping[str, PodClass]) -> dict[str, str]:
+def _notes(
+    b: _Builder, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
+) -> dict[str, str]:
     """Why a pod is not being worked on, or is worked on again, by pod name."""
     fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
-    pods = {p.name: p for p in fleet.pods}
     notes: dict[str, str] = {}
     for name, cls in classes.items():
+        if cls not in _NOTED:
+            continue
         agent, st = fleet.agents.get(name), pods[name].state
         if cls is PodClass.UNKNOWN:
             notes[name] = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
@@ -1028,13 +1062,14 @@ def settle(
         abort_reason=halt.abort_reason,
         retried_at=persisted.retried_at,
     )
+    pods = {p.name: p for p in fleet.pods}
     return Plan(
         actions=_aggregate_events(b.actions),
         persisted=new_persisted,
         classes=classes,
-        pods={p.name: p for p in fleet.pods},
+        pods=pods,
         reasons={**seen.reasons, **b.reasons},
-        notes=_notes(b, classes),
+        notes=_notes(b, classes, pods),
         units_total=len(seen.units),
         max_unavailable=seen.max_unavailable,
         paused_reason=halt.paused_reason,

@@ -99,6 +99,39 @@ def test_store_ignores_corrupt_state_and_bounds_history(tmp_path: Path) -> None:
     assert "u-0" not in store.records
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["--push-idle-timeout", "0"], {}, "--push-idle-timeout"),
+        (["--load-timeout", "-5"], {}, "--load-timeout"),
+        (["--watch-interval", "nan"], {}, "--watch-interval"),
+        (["--begin-timeout", "inf"], {}, "--begin-timeout"),
+        (["--finish-timeout", "soon"], {}, "--finish-timeout"),
+        ([], {"WEIGHTROLL_AGENT_CONTROL_TIMEOUT": "0"}, "WEIGHTROLL_AGENT_CONTROL_TIMEOUT"),
+        ([], {"WEIGHTROLL_AGENT_PUSH_IDLE_TIMEOUT": "x"}, "WEIGHTROLL_AGENT_PUSH_IDLE_TIMEOUT"),
+        (["--port", "0"], {}, "--port"),
+        ([], {"WEIGHTROLL_AGENT_PORT": "http"}, "WEIGHTROLL_AGENT_PORT"),
+    ],
+)
+def test_bad_timeouts_and_ports_are_refused_at_start_naming_the_setting(
+    argv: list[str],
+    env: dict[str, str],
+    named: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A zero or negative timeout would end every call (or every trainer push) at once; the
+    agent refuses to start instead, with exit 2 and a message naming the flag or variable."""
+    from engine_agent.sidecar.main import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--token-file", "/nonexistent", *argv])
+    assert stopped.value.code == 2
+    assert named in capsys.readouterr().err
+
+
 def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from engine_agent.sidecar.main import _parser, build_config
 

@@ -108,3 +108,80 @@ def test_paused_gc_suspends_collection_only_inside_and_restores_the_setting() ->
     except ValueError:
         pass
     assert gc.isenabled()
+
+
+def _spec(selector: dict[str, Any], group_by: str | None = None) -> Any:
+    from weightroll_operator.api.v1alpha1 import WeightUpdateSpec
+
+    body: dict[str, Any] = {"selector": selector, "version": "v2", "source": {"uri": "/w/v2"}}
+    if group_by:
+        body["groupBy"] = group_by
+    return WeightUpdateSpec.model_validate(body)
+
+
+def test_selection_memo_matches_select_pods_and_judges_each_object_once() -> None:
+    """Issue 11 G: a pass judges only the pod objects it has not seen under this selection;
+    what it selects is exactly :func:`select_pods` of the same objects."""
+    from weightroll_operator.domain import fleet
+    from weightroll_operator.domain.model import owner_key
+
+    rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
+    owner = owner_key("default", "wu")
+    pods: list[dict[str, Any]] = [
+        make_pod(f"p{i}", "10.0.0.1", 8470, labels={"app": "llm" if i % 3 else "other"})
+        for i in range(9)
+    ]
+    pods.append(make_pod("elsewhere", "10.0.0.2", 8470, namespace="other"))
+    llm = _spec({"matchLabels": {"app": "llm"}})
+    judged: list[str] = []
+    real = fleet.select_one
+
+    def counting(pod: Any, *args: Any) -> Any:
+        judged.append(pod["metadata"]["name"])
+        return real(pod, *args)
+
+    import weightroll_operator.reconcile as reconcile
+
+    reconcile.select_one = counting  # type: ignore[assignment]
+    try:
+        first = rec._select(owner, pods, llm, "default")
+        assert first == fleet.select_pods(pods, llm, "default")
+        assert len(judged) == len(pods)
+        judged.clear()
+        assert rec._select(owner, reversed(pods), llm, "default") == first  # same objects
+        assert judged == []
+        changed = copy.deepcopy(pods[0])  # p0 now joins the selection (a new object)
+        changed["metadata"]["labels"]["app"] = "llm"
+        pods[0] = changed
+        again = rec._select(owner, pods, llm, "default")
+        assert judged == ["p0"]
+        assert again == fleet.select_pods(pods, llm, "default")
+        assert again[0].name == "p0"
+        judged.clear()
+        other = _spec({"matchLabels": {"app": "other"}})  # another selector: judged anew
+        assert rec._select(owner, pods, other, "default") == fleet.select_pods(
+            pods, other, "default"
+        )
+        assert len(judged) == len(pods)
+        judged.clear()
+        grouped = _spec({"matchLabels": {"app": "other"}}, group_by="app")
+        rec._select(owner, pods, grouped, "default")
+        assert len(judged) == len(pods)  # groupBy is part of the selection
+        (held,) = rec._selections.values()
+        assert len(held[1]) == len(pods)  # only the objects of the last pass are kept
+    finally:
+        reconcile.select_one = real
+
+
+def test_state_key_memo_follows_the_view_object() -> None:
+    from dataclasses import replace
+
+    from weightroll_operator.domain.fleet import pod_view
+    from weightroll_operator.reconcile import _state_key
+
+    rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
+    view = pod_view(make_pod("p0", "10.0.0.1", 8470), group_by=None)
+    assert rec._same_key(_state_key(view), view)
+    drained = replace(view, gate=False)  # our view changed: the cached answer is not valid
+    assert not rec._same_key(_state_key(view), drained)
+    assert rec._same_key(_state_key(drained), drained)

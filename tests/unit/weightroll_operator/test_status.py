@@ -121,3 +121,31 @@ def test_render_status_view() -> None:
     assert "Phase:     Failed" in text
     assert "p1   Failed  -        DigestMismatch" in text
     assert "UnitFailed" in text and "total 2, updated 0, verified 1" in text
+
+
+def test_listed_pods_are_the_first_of_a_full_sort() -> None:
+    """``status.pods`` lists every failed pod, then the others by class order and name, up to
+    ``MAX_POD_RESULTS``: the same as sorting them all (issue 11 G made it cheaper)."""
+    import random
+
+    from weightroll_operator.domain.plan import PodClass
+    from weightroll_operator.domain.status import (
+        _ALWAYS_LISTED,
+        _RESULT_ORDER,
+        MAX_POD_RESULTS,
+        _listed,
+    )
+
+    assert set(_RESULT_ORDER) == set(PodClass)
+    rnd = random.Random(7)
+    for size in (0, 1, 10, MAX_POD_RESULTS, 400):
+        for weights in ([1] * 9, [5, 1, 1, 0, 0, 1, 0, 0, 30], [0, 0, 0, 0, 0, 1, 0, 0, 1]):
+            names = [f"p{rnd.randrange(10**6):06d}-{i}" for i in range(size)]
+            classes = {n: rnd.choices(_RESULT_ORDER, weights=weights)[0] for n in names}
+            full = sorted(classes.items(), key=lambda kv: (_RESULT_ORDER.index(kv[1]), kv[0]))
+            expected = []
+            for name, cls in full:
+                if len(expected) >= MAX_POD_RESULTS and cls not in _ALWAYS_LISTED:
+                    break
+                expected.append((name, cls))
+            assert _listed(classes) == expected
