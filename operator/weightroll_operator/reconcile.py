@@ -52,7 +52,9 @@ from weightroll_operator.domain.actions import Action, Claim, Emit, GateOff, Gat
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import (
     AGENT_PORT_NAME,
+    Unit,
     agent_port_mismatch,
+    group_units,
     pod_view,
     select_one,
     sort_views,
@@ -202,6 +204,9 @@ class Reconciler:
     _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, PodView]] = field(
         default_factory=dict
     )
+    #: Per WeightUpdate: its units of the last pass, by key (``group_units`` reuses those whose
+    #: views are the same objects).
+    _units: dict[OwnerKey, dict[str, Unit]] = field(default_factory=dict)
     #: Per pod (namespace, name): the last view :func:`_state_key` was computed for, and the key.
     _state_keys: dict[tuple[str, str], tuple[PodView, tuple[str, ...]]] = field(
         default_factory=dict
@@ -391,6 +396,8 @@ class Reconciler:
         agents = await self._observe(views, asked, token)
         with paused_gc():
             holding = blocking_peers(owner, persisted.start_time, views, peers)
+            units = group_units(views, self._units.get(owner))
+            self._units[owner] = {u.key: u for u in units}
             fleet = Fleet(
                 name=name,
                 owner=owner,
@@ -399,6 +406,7 @@ class Reconciler:
                 peers=holding,
                 uid=str(meta.get("uid") or ""),
                 generation=int(meta.get("generation") or 0),
+                units=units,
             )
             the_plan = plan(spec, fleet, persisted, now)
         ctx = ApplyContext(
@@ -527,6 +535,7 @@ class Reconciler:
                 )
             self._locks.pop(owner, None)
             self._selections.pop(owner, None)
+            self._units.pop(owner, None)
             if self.metrics is not None:
                 # every pod this WeightUpdate left drained, in this call or an earlier one
                 keep = {

@@ -184,8 +184,14 @@ class Unit:
         object.__setattr__(self, "ready", ready)
 
 
-def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
-    """Group pod views by unit key, sorted by key (a stable rollout order)."""
+def group_units(
+    pods: Iterable[PodView], known: Mapping[str, Unit] | None = None
+) -> tuple[Unit, ...]:
+    """Group pod views by unit key, sorted by key (a stable rollout order).
+
+    ``known`` (the units of an earlier call, by key) only saves work: a unit made of the very
+    same view objects is reused instead of built again; the result is the same without it.
+    """
     groups: dict[str, list[PodView]] = {}
     for pod in pods:
         same = groups.get(pod.unit)
@@ -193,10 +199,23 @@ def group_units(pods: Iterable[PodView]) -> tuple[Unit, ...]:
             groups[pod.unit] = [pod]
         else:
             same.append(pod)
-    return tuple(
-        Unit(key, (ps[0],) if len(ps) == 1 else tuple(sorted(ps, key=_name)))
-        for key, ps in ((k, groups[k]) for k in sorted(groups))
-    )
+    known = known or {}
+    units = []
+    for key in sorted(groups):
+        members = groups[key]
+        if len(members) > 1:
+            members.sort(key=_name)
+        unit = known.get(key)
+        if unit is None or not _same_objects(unit.pods, members):
+            unit = Unit(key, tuple(members))
+        units.append(unit)
+    return tuple(units)
+
+
+def _same_objects(held: tuple[PodView, ...], members: list[PodView]) -> bool:
+    if len(held) != len(members):
+        return False
+    return all(a is b for a, b in zip(held, members, strict=True))
 
 
 _name: Callable[[PodView], str] = operator.attrgetter("name")

@@ -158,6 +158,9 @@ class Fleet:
     #: The WeightUpdate's ``metadata.uid`` and ``generation``: part of every attempt id.
     uid: str = ""
     generation: int = 0
+    #: ``group_units(pods)``, when the caller already grouped them (it reuses the units of
+    #: unchanged pods from pass to pass); ``None``: grouped here.
+    units: tuple[Unit, ...] | None = None
 
     def attempt_id(self, version: str, attempt: int, *, rollback: bool = False) -> UpdateId:
         return attempt_id(
@@ -694,7 +697,7 @@ class Seen:
 def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -> Seen:
     """Step 1: classify every pod (:func:`classify`) and group them into units."""
     owner, version = fleet.owner, spec.version
-    units = group_units(fleet.pods)
+    units = fleet.units if fleet.units is not None else group_units(fleet.pods)
     completed = persisted.completion_time is not None
     classes = {
         p.name: classify(

@@ -185,3 +185,33 @@ def test_state_key_memo_follows_the_view_object() -> None:
     drained = replace(view, gate=False)  # our view changed: the cached answer is not valid
     assert not rec._same_key(_state_key(view), drained)
     assert rec._same_key(_state_key(drained), drained)
+
+
+def test_group_units_reuses_only_units_of_the_very_same_views() -> None:
+    from dataclasses import replace
+
+    from weightroll_operator.domain.fleet import group_units, pod_view
+
+    def view(name: str, group: str | None = None) -> Any:
+        labels = {"app": "llm", **({"g": group} if group else {})}
+        return pod_view(make_pod(name, "10.0.0.1", 8470, labels=labels), group_by="g")
+
+    views = [view("b"), view("a"), view("c1", "c"), view("c0", "c"), view("d")]
+    first = group_units(views)
+    assert [(u.key, [p.name for p in u.pods]) for u in first] == [
+        ("a", ["a"]),
+        ("b", ["b"]),
+        ("c", ["c0", "c1"]),
+        ("d", ["d"]),
+    ]
+    known = {u.key: u for u in first}
+    again = group_units(list(reversed(views)), known)
+    assert again == first
+    assert all(x is y for x, y in zip(again, first, strict=True))  # nothing rebuilt
+    views[0] = replace(views[0], ready=False)  # b changed: a new view object
+    views[3] = replace(views[3], stale=True)  # c0 changed: its group is rebuilt
+    third = group_units(views, known)
+    assert third == group_units(views)  # the same as without the memo
+    rebuilt = {u.key for u, old in zip(third, first, strict=True) if u is not old}
+    assert rebuilt == {"b", "c"}
+    assert not next(u for u in third if u.key == "b").ready
