@@ -77,7 +77,8 @@ async def bounded_map(
 
     ``limit`` workers take the items in turn, so 1,000 pods cost ``limit`` tasks, not 1,000
     tasks each waiting on a semaphore (a fifth of a pass at 10,000 pods). An exception ends
-    its worker's loop and is raised once every other worker has finished (as ``gather`` does).
+    its worker's loop; the other workers go on with the remaining items, and the first
+    exception is raised only once they all stopped, so no call outlives the pass that made it.
     """
     results: list[_Out | None] = [None] * len(items)
     todo = iter(enumerate(items))
@@ -86,7 +87,10 @@ async def bounded_map(
         for i, item in todo:
             results[i] = await call(item)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(limit, len(items))))))
+    workers = (worker() for _ in range(max(1, min(limit, len(items)))))
+    for outcome in await asyncio.gather(*workers, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
     return cast(list[_Out], results)
 
 

@@ -30,16 +30,25 @@ def test_results_in_order_and_never_more_than_limit_in_flight(items: int, limit:
         assert peak == limit  # it does use the concurrency it is given
 
 
-def test_an_error_is_raised_after_every_other_item_ran() -> None:
+def test_an_error_is_raised_only_after_every_other_item_ran() -> None:
+    """No call outlives the pass: when the error reaches the caller, nothing is still running."""
     done: list[int] = []
+    seen_by_caller: list[int] = []
 
     async def call(x: int) -> int:
-        await asyncio.sleep(0)
-        if x == 2:
+        if x == 0:  # fails at once, while the others are still running
+            await asyncio.sleep(0)
             raise ValueError("boom")
+        await asyncio.sleep(0.002)
         done.append(x)
         return x
 
+    async def caller() -> None:
+        try:
+            await bounded_map(call, list(range(8)), 3)
+        finally:
+            seen_by_caller.extend(done)
+
     with pytest.raises(ValueError, match="boom"):
-        asyncio.run(bounded_map(call, list(range(8)), 3))
-    assert sorted(done) == [0, 1, 3, 4, 5, 6, 7]
+        asyncio.run(caller())
+    assert sorted(seen_by_caller) == [1, 2, 3, 4, 5, 6, 7]
