@@ -373,6 +373,9 @@ class Reconciler:
                 raise ValueError(mismatch)
         except ValueError as e:
             # Nothing was sent to any pod: a refused spec reaches no agent (no confused deputy).
+            # Its passes may stop until the spec changes: keep none of its pod objects meanwhile.
+            self._selections.pop(owner, None)
+            self._units.pop(owner, None)
             status = invalid_status(old_status, str(e), generation, now)
             await self._write_status(namespace, name, raw_status, status)
             raise InvalidSpec(str(e)) from e

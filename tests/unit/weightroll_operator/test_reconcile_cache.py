@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
+import pytest
 from weightroll_operator.reconcile import Reconciler
 
 from tests.harness.kube_fleet import make_pod
@@ -215,3 +217,32 @@ def test_group_units_reuses_only_units_of_the_very_same_views() -> None:
     rebuilt = {u.key for u, old in zip(third, first, strict=True) if u is not old}
     assert rebuilt == {"b", "c"}
     assert not next(u for u in third if u.key == "b").ready
+
+
+def test_a_refused_spec_keeps_none_of_its_pod_objects() -> None:
+    """Passes of an invalid WeightUpdate may stop until its spec changes (issue 11 finding 7:
+    no pod object is held meanwhile)."""
+    from weightroll_operator.domain.model import owner_key
+    from weightroll_operator.errors import InvalidSpec
+
+    class StatusOnly:
+        async def patch_weightupdate_status(self, *args: Any) -> None:
+            return None
+
+    rec = Reconciler(kube=StatusOnly(), agents=object())  # type: ignore[arg-type]
+    owner = owner_key("default", "wu")
+    pods = [make_pod("p0", "10.0.0.1", 8470)]
+    rec._select(owner, pods, _spec({"matchLabels": {"app": "llm"}}), "default")
+    assert owner in rec._selections
+    body = {
+        "metadata": {"name": "wu", "namespace": "default", "generation": 1},
+        "spec": {
+            "selector": {"matchLabels": {"app": "llm"}},
+            "version": "v2",
+            "source": {"uri": "/w/v2"},
+            "agent": {"port": 9999},  # not the pods' `weightroll` port
+        },
+    }
+    with pytest.raises(InvalidSpec, match=r"spec\.agent\.port"):
+        asyncio.run(rec.reconcile(body, pods))
+    assert owner not in rec._selections
