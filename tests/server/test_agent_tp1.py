@@ -120,7 +120,11 @@ async def test_abort_drain_ends_in_flight_requests_explicitly(sc: Scenario) -> N
         return choice
 
     in_flight = [asyncio.create_task(tracked(i)) for i in range(96)]
-    await asyncio.sleep(0.5)
+    # Every request must be inside vLLM (running or queued in the engine) before the pause: one
+    # still in the API server when the pause lands is not in flight, and is rightly served by
+    # the new weights after the resume. A fixed 0.5 s was not enough on 2 busy cores (42 of 96
+    # had arrived), so the engine's own gauges are polled.
+    await _until_admitted(sc, len(in_flight), finished_at)
     await sc.post_update("tp1-abort-drain", "v2", sc.models.c, drain={"mode": "abort"})
     status = await sc.wait_phase("tp1-abort-drain")
     committed_at = time.monotonic()
@@ -134,6 +138,22 @@ async def test_abort_drain_ends_in_flight_requests_explicitly(sc: Scenario) -> N
     survivors = [i for i, at in finished_at.items() if at > committed_at and reasons[i] != "abort"]
     assert not survivors, f"requests {survivors[:5]} ran through an abort drain"
     await sc.recover("tp1-after-abort-drain")
+
+
+async def _until_admitted(sc: Scenario, total: int, finished: dict[int, float]) -> None:
+    """Wait until vLLM's engine holds every request not finished yet (``vllm:num_requests_*``)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        text = await (await sc.http.get(f"{sc.server.url}/metrics")).text()
+        inside = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        )
+        if inside + len(finished) >= total:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"vLLM never held all {total} requests")
 
 
 async def _assert_failed_closed(sc: Scenario, update_id: str, code: str, text: str) -> None:
