@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -81,8 +81,10 @@ async def test_wait_drain_finishes_in_flight_requests_and_serves_late_ones_new(
     prompts = [f"request {i}" for i in range(6)]  # 4 run (max_num_seqs=4), 2 wait
     old_b = [(await _long(sc, prompt))["text"] for prompt in prompts]  # one at a time
     in_flight = [asyncio.create_task(_long(sc, prompt)) for prompt in prompts]
-    # Six requests of 200 tokens take ~0.7 s on 2 cores; /metrics is too starved to poll.
-    await asyncio.sleep(0.2)
+    # At least one request must be running in the engine before the pause, or none can run
+    # before it (a fixed sleep raced vLLM's API server on 2 busy cores). If all six finish
+    # first, nothing was in flight and each is served by B, which the checks below accept.
+    await _until_engine(sc, lambda running, _: running >= 1 or any(t.done() for t in in_flight))
     await sc.post_update("tp1-drain", "v2", sc.models.c)
     await sc.wait_phase("tp1-drain", "Loading", "Verifying", "Committed", "Failed")
     late = asyncio.create_task(
@@ -141,19 +143,24 @@ async def test_abort_drain_ends_in_flight_requests_explicitly(sc: Scenario) -> N
 
 
 async def _until_admitted(sc: Scenario, total: int, finished: dict[int, float]) -> None:
-    """Wait until vLLM's engine holds every request not finished yet (``vllm:num_requests_*``)."""
+    """Wait until vLLM's engine holds every request not finished yet."""
+    await _until_engine(sc, lambda running, waiting: running + waiting + len(finished) >= total)
+
+
+async def _until_engine(sc: Scenario, enough: Callable[[float, float], bool]) -> None:
+    """Poll vLLM's ``vllm:num_requests_running``/``_waiting`` gauges until ``enough`` holds."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         text = await (await sc.http.get(f"{sc.server.url}/metrics")).text()
-        inside = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
-        )
-        if inside + len(finished) >= total:
+        gauges = {"running": 0.0, "waiting": 0.0}
+        for line in text.splitlines():
+            for name in gauges:
+                if line.startswith(f"vllm:num_requests_{name}{{"):
+                    gauges[name] += float(line.rsplit(" ", 1)[1])
+        if enough(gauges["running"], gauges["waiting"]):
             return
         await asyncio.sleep(0.2)
-    raise AssertionError(f"vLLM never held all {total} requests")
+    raise AssertionError("vLLM's engine never held the requests")
 
 
 async def _assert_failed_closed(sc: Scenario, update_id: str, code: str, text: str) -> None:
