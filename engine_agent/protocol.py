@@ -93,7 +93,8 @@ class UpdateMode(StrEnum):
 
     #: Every required shard of every module.
     FULL = "full"
-    #: Only the modules named by ``scope``; every other shard stays bit-identical.
+    #: Only the modules named by ``scope``, on top of ``base_version``; every other shard stays
+    #: bit-identical.
     PARTIAL = "partial"
     #: Flat-index patches in checkpoint coordinates against ``base_version``.
     SPARSE = "sparse"
@@ -105,7 +106,8 @@ class UpdateSpec(WireModel):
     update_id: UpdateId
     version: Version
     mode: UpdateMode = UpdateMode.FULL
-    #: Required for sparse updates: the version the patch was computed against.
+    #: Required for partial and sparse updates (deltas): the version they were computed
+    #: against. A delta on another base would label mixed weights with the new version.
     base_version: Version | None = None
     #: Required for partial updates: checkpoint tensor names (or name prefixes ending in ".")
     #: whose modules the update replaces.
@@ -113,10 +115,13 @@ class UpdateSpec(WireModel):
 
     @model_validator(mode="after")
     def _mode_fields(self) -> Self:
-        if self.mode is UpdateMode.SPARSE and self.base_version is None:
-            raise ValueError("baseVersion is required when mode is 'sparse'")
         if self.mode is UpdateMode.PARTIAL and not self.scope:
             raise ValueError("scope must list at least one tensor name when mode is 'partial'")
+        if self.mode is not UpdateMode.FULL and self.base_version is None:
+            raise ValueError(
+                f"baseVersion is required when mode is '{self.mode.value}': the version the "
+                "delta was computed against"
+            )
         if self.mode is UpdateMode.FULL and self.scope:
             raise ValueError("scope is only allowed when mode is 'partial'")
         return self

@@ -27,6 +27,8 @@ class DerivedRefresher(Protocol):
 
     #: Name of the layer that owns the derived tensors.
     name: str
+    #: The layer itself (its parameters are swapped for the real ones while it refreshes).
+    layer: nn.Module
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every derived tensor a kernel reads, by qualified name (for identity checks)."""

@@ -59,6 +59,7 @@ from engine_agent.errors import (
     AgentError,
     DerivedStateUnsupported,
     IdentityChanged,
+    InvalidRequest,
     ShapeMismatch,
     SparseRefused,
     UnknownTensor,
@@ -592,7 +593,11 @@ class LoadRouter:
                 self._failpoint("post_load.after")
                 with self._timed("refresh_derived"):
                     for refresher in self.index.refreshers.get(entry.name, []):
-                        names = refresher.refresh(self.act_dtype)
+                        # The owner's own parameters, not the load's guards: MLA registers
+                        # W_UK_T/W_UV as parameters, and a refresher writing into a guard writes
+                        # nothing (found with derived tensors that do not alias kv_b_proj).
+                        with self._real_parameters(refresher.layer):
+                            names = refresher.refresh(self.act_dtype)
                         self.derived_refreshed.extend(names)
                         self.rebuilt.update(names)
                 self._failpoint("refresh.after")
@@ -649,39 +654,51 @@ class LoadRouter:
         """
         for holder_name, holder, pname in self.index.sharers.get(entry.name, []):
             self._mark_dirty()
-            installed = dict(holder._parameters)  # routing proxies while a load is running
-            real = self._originals.get(id(holder))  # the holder's real parameters, if so
-            actual = dict(real) if real is not None else installed
-            shared = actual.get(pname)
-            holder._parameters.clear()
-            holder._parameters.update(actual)
-            try:
-                self._failpoint("tied.before")
-                with self._timed("post_load"):
-                    self._post_load(holder_name, holder)
-                if holder._parameters.get(pname) is not shared:
-                    raise IdentityChanged(
-                        f"{holder_name}.{pname}: the post-load step of a module sharing "
-                        f"{entry.name}'s parameter replaced it; the tie would break",
-                        field=f"{holder_name}.{pname}",
-                    )
-                self.derived_refreshed.append(f"{holder_name}:post_load(shares {entry.name})")
-                self._failpoint("tied.after")
-            except AgentError:
-                raise
-            except Exception as e:
-                raise AgentError(
-                    f"post-load processing of {holder_name} (sharing {entry.name}'s parameter) "
-                    f"failed: {type(e).__name__}: {e}",
-                    field=holder_name,
-                ) from e
-            finally:
-                _slots(holder)[pname] = shared
-                if real is not None:  # what the load restores when it ends
-                    real.clear()
-                    real.update(holder._parameters)
-                    holder._parameters.clear()
-                    holder._parameters.update(installed)
+            with self._real_parameters(holder):
+                shared = holder._parameters.get(pname)
+                try:
+                    self._failpoint("tied.before")
+                    with self._timed("post_load"):
+                        self._post_load(holder_name, holder)
+                    if holder._parameters.get(pname) is not shared:
+                        raise IdentityChanged(
+                            f"{holder_name}.{pname}: the post-load step of a module sharing "
+                            f"{entry.name}'s parameter replaced it; the tie would break",
+                            field=f"{holder_name}.{pname}",
+                        )
+                    self.derived_refreshed.append(f"{holder_name}:post_load(shares {entry.name})")
+                    self._failpoint("tied.after")
+                except AgentError:
+                    raise
+                except Exception as e:
+                    raise AgentError(
+                        f"post-load processing of {holder_name} (sharing {entry.name}'s "
+                        f"parameter) failed: {type(e).__name__}: {e}",
+                        field=holder_name,
+                    ) from e
+                finally:
+                    _slots(holder)[pname] = shared
+
+    @contextmanager
+    def _real_parameters(self, module: nn.Module) -> Iterator[None]:
+        """Run with ``module``'s real parameters in its slots while a load has installed
+        proxies and guards there (:meth:`_installed`); what the block leaves is what the load
+        restores when it ends. Outside a load the module already holds its real parameters.
+        """
+        real = self._originals.get(id(module))
+        if real is None:
+            yield
+            return
+        installed = dict(module._parameters)
+        module._parameters.clear()
+        module._parameters.update(real)
+        try:
+            yield
+        finally:
+            real.clear()
+            real.update(module._parameters)
+            module._parameters.clear()
+            module._parameters.update(installed)
 
     def _replay_expert_kernel_format(self, name: str, module: nn.Module, quant_method: Any) -> None:
         # vLLM's unquantized MoE method skips the experts' own post-load step on a weight update
@@ -768,6 +785,13 @@ class LoadRouter:
             numel = math.prod(shape)
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
                 raise ShapeMismatch(f"{name}: patch index out of range [0, {numel})", field=name)
+            if indices.numel() != torch.unique(indices).numel():
+                # index_copy_ with a repeated index leaves either value: ranks holding the same
+                # replicated element could disagree, and no later check would see it.
+                raise InvalidRequest(
+                    f"{name}: a patch index repeats; each element may be patched once",
+                    field=name,
+                )
             local = self._local_positions(name, shape, entry, key.param, live)[indices]
             mine = local >= 0
             plan.append((entry, key.param, local[mine], values[mine]))

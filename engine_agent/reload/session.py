@@ -16,7 +16,8 @@ Invariants (gap 1 of the mission):
       a failed update leaves the engine POISONED.
     * A poisoned engine accepts only a *full* update: a partial or sparse update would take the
       mixed state as its base.
-    * A sparse update is accepted only from ``CLEAN`` at exactly its ``base_version``.
+    * A partial or sparse update (a delta) is accepted only from ``CLEAN`` at exactly its
+      ``base_version``.
     * ``serving_safe`` is true in ``CLEAN`` only.
 """
 
@@ -88,10 +89,10 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
             f"a {spec.mode.value} update would build on mixed weights",
             field="mode",
         )
-    if spec.mode is UpdateMode.SPARSE and spec.base_version != ws.version:
+    if spec.mode is not UpdateMode.FULL and spec.base_version != ws.version:
         raise WrongState(
-            f"sparse update is based on {spec.base_version!r} but the engine serves "
-            f"{ws.version!r}; send a full update or a patch against {ws.version!r}",
+            f"{spec.mode.value} update is based on {spec.base_version!r} but the engine serves "
+            f"{ws.version!r}; send a full update or a delta against {ws.version!r}",
             field="base_version",
         )
     return replace(

@@ -33,7 +33,7 @@ Invariants:
       state file adopts the ranks' version only when vLLM's weight version names it (or is
       vLLM's boot value ``default``: no agent ever touched this engine).
     * **Partial and sparse build only on what was accepted.** They are refused (409) unless the
-      agent holds an accepted version and no hold: a sparse update's ``baseVersion`` must be it.
+      agent holds an accepted version and no hold, and their ``baseVersion`` must be it.
 
 Time is injected (``now`` for timestamps, ``monotonic`` for durations) for tests.
 """
@@ -322,10 +322,9 @@ class Agent:
             return f"{what}, but the replica is held ({memory.hold}); send a full update"
         if memory.expected_version is None:
             return f"{what}, and it has accepted none; send a full update"
-        if request.mode is UpdateMode.SPARSE and request.base_version != memory.expected_version:
+        if request.base_version != memory.expected_version:
             return (
-                f"{what} ({memory.expected_version}), but the patch's baseVersion is "
-                f"{request.base_version}"
+                f"{what} ({memory.expected_version}), but its baseVersion is {request.base_version}"
             )
         return None
 
@@ -763,11 +762,7 @@ class Agent:
             await self.client.set_weight_version(request.version)
 
             # Committed on every rank: adopt the version, clear the hold, then resume.
-            memory = self.store.memory
-            memory.expected_version = request.version
-            memory.source = request.source
-            memory.committed_update_id = request.id
-            memory.hold = memory.hold_code = None
+            self.store.memory.commit(request.version, request.id, request.source)
             self.store.save()
             await self.client.resume()
             lap("resume")

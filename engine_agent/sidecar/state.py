@@ -106,8 +106,22 @@ class AgentMemory:
     hold: str | None = None
     #: Problem code of the hold (metric label).
     hold_code: str | None = None
-    #: Id of the update that committed ``expected_version`` (``None``: boot weights).
+    #: Id of the update or trainer push that committed ``expected_version`` (``None``: boot
+    #: weights, or adopted after a restart without state).
     committed_update_id: str | None = None
+
+    def commit(self, version: str, update_id: str, source: SourceSpec | None) -> None:
+        """Every rank committed ``version`` by ``update_id``: the version, its source and the
+        commit's id change together, and the hold is cleared.
+
+        One method for both commit paths (file updates and trainer pushes), so no commit can
+        leave the id of an earlier one standing: ``/v1/state`` attributes the weights the ranks
+        serve to this id, and the operator gates a pod on only for its own attempt's id.
+        """
+        self.expected_version = version
+        self.source = source
+        self.committed_update_id = update_id
+        self.hold = self.hold_code = None
 
 
 class Store:

@@ -57,7 +57,7 @@ from engine_agent.protocol import (
     UpdatePhase,
     UpdateSpec,
 )
-from engine_agent.sidecar.agent import Agent
+from engine_agent.sidecar.agent import UNACCEPTED_PREFIX, Agent
 from engine_agent.sidecar.engine import EngineError, EngineRejected, EngineTimeout
 from engine_agent.sidecar.ranks import (
     Problem,
@@ -223,6 +223,9 @@ class TransferCoordinator:
         self._hold(Problem("push_incomplete", f"push {push_id} started and has not committed"))
         async with self._failing_closed(push):
             await self._pause()
+            # Not accepted until every check passed: an agent restarted without its state must
+            # not adopt the push's bytes (vLLM's untouched "default" marker would let it).
+            await self.agent.client.set_weight_version(UNACCEPTED_PREFIX + push_id)
             spec = UpdateSpec(update_id=push_id, version=push_id, mode=UpdateMode.FULL)
             armed = check_session(
                 await self._ranks(
@@ -323,11 +326,10 @@ class TransferCoordinator:
             problems.append(Problem("cache_reset_failed", "vLLM refused to reset the prefix cache"))
         if problems:
             raise PushFailed(409, problems)
-        await client.post_json("/update_weight_version", {"new_version": version}, 30.0)
-        memory = self.agent.store.memory
-        memory.expected_version = version
-        memory.source = None
-        memory.hold = memory.hold_code = None
+        await client.set_weight_version(version)
+        # The push's id, not the last file update's: an operator attempt that committed this
+        # version earlier must not vouch for the trainer's bytes.
+        self.agent.store.memory.commit(version, push.id, None)
         self.agent.store.save()
         self.agent.forget_observation()
         await client.resume()

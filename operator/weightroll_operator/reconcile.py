@@ -695,7 +695,10 @@ class Reconciler:
             if failing is not None and failing[1] > now:
                 seen[name] = failing[2]  # backing off: the last failure stands until then
                 continue
-            cached = states.get((pod.namespace, pod.name)) if query.update_id is None else None
+            # Only a fresh answer may put a pod into traffic (restore, a joining pod): a cached
+            # one serves pods in traffic only, whose agents' own readiness probes still guard.
+            cacheable = query.update_id is None and pod.gate is True
+            cached = states.get((pod.namespace, pod.name)) if cacheable else None
             if cached is not None and cached[2] > now and self._same_key(cached[0], pod):
                 seen[name] = cached[1]
             else:

@@ -226,7 +226,10 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
             "`full`: every shard; `partial`: only the modules named by `scope`; `sparse`: a "
             "patch file against `baseVersion`."
         ),
-        "baseVersion": "Required for `sparse`.",
+        "baseVersion": (
+            "Required for `partial` and `sparse` (deltas): the version they were computed "
+            "against; the agent and every rank refuse one on another base."
+        ),
         "scope": "Required for `partial` (tensor names, or prefixes ending in `.`); else absent.",
         "drain.mode": "`wait` (then abort after the timeout) or `abort` at once.",
         "drain.timeoutSeconds": "Bound of the `wait` drain.",

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine_agent.reload.sparse import write_patch
 from tests.harness.engines import Engine, Outputs, cold_outputs, start_engine
 from tests.harness.models import load_tensors, write_subset, write_tensors
 
@@ -116,7 +117,13 @@ def test_gap1_half_failed_update_poisons_until_a_full_update_commits(
     partial = _only(
         engine.rpc(
             "weightroll_begin",
-            {"updateId": "p", "version": "c", "mode": "partial", "scope": ["model.norm.weight"]},
+            {
+                "updateId": "p",
+                "version": "c",
+                "mode": "partial",
+                "scope": ["model.norm.weight"],
+                "baseVersion": "a",  # what the ranks last committed: refused for the poison
+            },
         )
     )
     assert not partial["ok"] and partial["error"]["code"] == "wrong_state"
@@ -201,7 +208,9 @@ def test_partial_update_of_one_mlp_leaves_everything_else_bit_identical(
     before = engine.llm.collective_rpc("probe_dense_weights", args=("{}",))[0]
     mlp = write_subset(dense["b"], tmp_path / "mlp.safetensors", lambda n: ".layers.1.mlp." in n)
     report = _only(
-        engine.update("mlp1", "a-mlp1", mlp, mode="partial", scope=["model.layers.1.mlp."])
+        engine.update(
+            "mlp1", "a-mlp1", mlp, mode="partial", scope=["model.layers.1.mlp."], baseVersion="a"
+        )
     )
     assert report["ok"] and report["required"] == 3 and report["version"] == "a-mlp1", report
     after = engine.llm.collective_rpc("probe_dense_weights", args=("{}",))[0]
@@ -228,6 +237,7 @@ def test_partial_update_must_cover_every_shard_of_a_touched_module(
             gate_only,
             mode="partial",
             scope=["model.layers.1.mlp.gate_proj.weight"],
+            baseVersion="a",
         )
     )
     assert not report["ok"]
@@ -245,6 +255,7 @@ def test_partial_update_must_cover_every_shard_of_a_touched_module(
         ("truncated_file", "source_unavailable"),
         ("not_safetensors", "source_unavailable"),
         ("out_of_scope", "unknown_tensor"),
+        ("repeated_patch_index", "invalid_request"),
     ],
 )
 def test_bad_input_is_refused_without_touching_the_engine(
@@ -276,9 +287,16 @@ def test_bad_input_is_refused_without_touching_the_engine(
     elif case == "not_safetensors":
         path = tmp_path / "junk.safetensors"
         path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    elif case == "repeated_patch_index":
+        norm = "model.norm.weight"  # a module sparse patches may write (no packed copy)
+        shape = tuple(tensors[norm].shape)
+        indices = torch.tensor([3, 5, 3])
+        values = torch.ones(3, dtype=tensors[norm].dtype)
+        path = write_patch(tmp_path / "x.patch.safetensors", "a", {norm: (shape, indices, values)})
+        spec = {"mode": "sparse", "baseVersion": "a"}
     else:
         path = write_tensors(tmp_path / "x.safetensors", {down: tensors[down]})
-        spec = {"mode": "partial", "scope": ["model.layers.1.mlp."]}
+        spec = {"mode": "partial", "scope": ["model.layers.1.mlp."], "baseVersion": "a"}
     report = _only(engine.update(f"bad-{case.replace('_', '-')}", "b", path, **spec))
     assert not report["ok"] and report["error"]["code"] == code, report
     assert report["error"]["message"]

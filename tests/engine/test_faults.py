@@ -157,7 +157,8 @@ def test_post_load_failure_after_the_kernel_swap_poisons(
 
     monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", swap_then_fail)
     # The first module processed is a linear (gate_up_proj), so no live byte was copied yet.
-    report = engine.update("oom", "a-mlp0", mlp, mode="partial", scope=["model.layers.0.mlp."])[0]
+    scope = {"mode": "partial", "scope": ["model.layers.0.mlp."], "baseVersion": "a"}
+    report = engine.update("oom", "a-mlp0", mlp, **scope)[0]
     monkeypatch.undo()
     assert not report["ok"] and "out of memory" in report["error"]["message"], report
     _assert_outcome(tied, before, "poisoned")
@@ -208,7 +209,8 @@ def test_derived_state_without_a_refresher_fails_begin_naming_module_and_attribu
         norm = write_subset(
             tied["b"], tmp_path / "norm.safetensors", lambda n: n == "model.norm.weight"
         )
-        ok = engine.update("norm", "a-norm", norm, mode="partial", scope=["model.norm.weight"])[0]
+        scope = {"mode": "partial", "scope": ["model.norm.weight"], "baseVersion": "a"}
+        ok = engine.update("norm", "a-norm", norm, **scope)[0]
         assert ok["ok"], ok
     finally:
         del down.scales_copy

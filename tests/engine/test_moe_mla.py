@@ -168,7 +168,9 @@ def test_a_checkpoint_cannot_write_derived_state_directly(mla: dict[str, Any]) -
         mla["root"] / "w_uv.safetensors", {w_uv: torch.zeros(4, 512, 32, dtype=torch.bfloat16)}
     )
     report = _only(
-        engine.update("mla-w-uv", "a-x", sneaky, mode="partial", scope=["model.layers.0."])
+        engine.update(
+            "mla-w-uv", "a-x", sneaky, mode="partial", scope=["model.layers.0."], baseVersion="a"
+        )
     )
     assert not report["ok"] and report["error"]["code"] == "unknown_tensor", report
     assert "W_UV" in report["error"]["message"]

@@ -128,7 +128,7 @@ def _cases(model: str, a: Path, b: Path, root: Path) -> dict[str, Case]:
         "partial": Case(
             [partial_file],
             "a-partial",
-            {"mode": "partial", "scope": [prefix]},
+            {"mode": "partial", "scope": [prefix], "baseVersion": "a"},
             cold=partial_cold,
             refreshed=tied_refresh,
         ),

@@ -26,6 +26,7 @@ import torch
 from engine_agent.vllm_extension import WeightRollExtension
 
 PACKED_GEMM_ENV = "WEIGHTROLL_TEST_PACKED_GEMM"
+MLA_COPIES_ENV = "WEIGHTROLL_TEST_MLA_COPIES"
 
 
 def install_packed_gemm() -> None:
@@ -57,6 +58,35 @@ def install_packed_gemm() -> None:
 
 
 install_packed_gemm()
+
+
+def install_mla_private_copies() -> None:
+    """Make MLA's ``W_UK_T``/``W_UV`` tensors of their own (idempotent), while
+    :data:`MLA_COPIES_ENV` is 1 when the layer processes its weights.
+
+    An unquantized bf16 ``kv_b_proj`` yields them as *views* of its weight, so refreshing the
+    weight refreshes them by aliasing whatever the refresher does. A quantized ``kv_b_proj``
+    (FP8 DeepSeek-V3/R1) or an activation dtype other than the weight's makes them separate
+    tensors (``get_and_maybe_dequant_weights`` returns a new one); this makes the tiny bf16
+    model behave that way. A cold engine built the same way is the oracle.
+    """
+    from vllm.model_executor.layers.attention import mla_attention
+
+    original = mla_attention.split_kv_b_proj
+    if getattr(original, "weightroll_copies", False):
+        return
+
+    def split(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        w_uk, w_uv = original(*args, **kwargs)
+        if os.environ.get(MLA_COPIES_ENV) != "1":
+            return w_uk, w_uv
+        return w_uk.clone(), w_uv.clone()
+
+    split.weightroll_copies = True  # type: ignore[attr-defined]
+    mla_attention.split_kv_b_proj = split
+
+
+install_mla_private_copies()
 
 
 def _own_state(kernel: Any) -> bool:

@@ -185,6 +185,10 @@ async def test_vllm_restarted_mid_push(sc: Scenario) -> None:
     while not any("push" in reason for reason in (await sc.readyz())[1]["reasons"]):
         assert loop.time() < end, "the push never started"
         await asyncio.sleep(0.2)
+    # Until it commits, vLLM's own marker says no agent accepted the push: an agent restarted
+    # without its state directory must not adopt the bytes (vLLM's "default" would let it).
+    marker = (await (await sc.http.get(f"{sc.server.url}/weight_info")).json())["weight_version"]
+    assert marker.startswith("weightroll-unaccepted:push-"), marker
     await sc.server.stop()
     hold.unlink()
     result = await trainer
@@ -197,6 +201,26 @@ async def test_vllm_restarted_mid_push(sc: Scenario) -> None:
         await asyncio.sleep(0.3)
         body = await sc.wait_ready(False)
     await recover(sc, "step-5")
+    assert await sc.outputs() == sc.notes["warm_b"]
+
+
+async def test_a_push_of_the_same_label_is_not_attributed_to_the_earlier_update(
+    sc: Scenario,
+) -> None:
+    """A file update commits label L by its id; a trainer push then commits L too. The agent's
+    live state must attribute the weights to the push: the operator gates a pod on only when
+    the commit names its own attempt, and that attempt never checked the trainer's bytes."""
+    await sc.post_update("tp1-file-l", "same-label", sc.models.c)
+    status = await sc.wait_phase("tp1-file-l")
+    assert status["phase"] == "Committed", status
+    await sc.wait_ready()
+    assert (await sc.state())["committedUpdateId"] == "tp1-file-l"
+    result = await push(sc, "same-label", sc.models.b)
+    assert result["outcome"] == "committed", result
+    await sc.wait_ready()
+    state = await sc.state()
+    assert state["version"] == "same-label"
+    assert state["committedUpdateId"].startswith("push-"), state
     assert await sc.outputs() == sc.notes["warm_b"]
 
 

@@ -146,7 +146,9 @@ class WeightState:
     traffic_label_value: str | None = None
     #: Set on rollback states: the version being rolled back from.
     rollback_of: str | None = None
-    #: Attempts this WeightUpdate made on the pod (part of ``update_id``, see :func:`attempt_id`).
+    #: Claims of the pod so far, by any WeightUpdate (part of ``update_id``, see
+    #: :func:`attempt_id`): one count per pod, so an id never repeats after another
+    #: WeightUpdate drove the pod in between.
     attempt: int = 0
 
     def __post_init__(self) -> None:

@@ -277,7 +277,9 @@ def classify(
             return PodClass.ROLLED_BACK
     reachable = agent is not None and agent.reachable
     verified = st is not None and st.state is UnitState.VERIFIED and st.version == version
-    if verified and (not reachable or agent is None or agent.version == version):
+    # An agent at the version that is not ready (held, paused, or poisoned after a failed push)
+    # no longer vouches for the verdict: the pod is updated again, not counted.
+    if verified and (not reachable or agent is None or (agent.version == version and agent.ready)):
         return PodClass.UPDATED
     if reachable and agent is not None and agent.version == version and agent.ready:
         return PodClass.UPDATED
@@ -587,7 +589,9 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
     for pod in unit.pods:
         agent = b.fleet.agents.get(pod.name)
         prior = pod.state if pod.state is not None and pod.state.by == owner else None
-        attempt = (prior.attempt if prior is not None else 0) + 1
+        # Counted per pod across WeightUpdates: another's claim overwrote this one's record,
+        # so a count restarted at 1 would repeat an id this WeightUpdate already used here.
+        attempt = (pod.state.attempt if pod.state is not None else 0) + 1
         if rollback_of is not None:
             assert pod.state is not None and pod.state.previous_version
             st = pod.state.evolve(
@@ -1008,11 +1012,16 @@ def _notes(
             and st.version == version
             and agent is not None
             and agent.reachable
-            and agent.version != version
+            and (agent.version != version or not agent.ready)
         ):
+            why = (
+                f"its agent now serves {agent.version or 'an unknown version'}"
+                if agent.version != version
+                else "its agent is not ready (held, paused or poisoned)"
+            )
             notes[name] = (
-                f"NotServing: verified at {version} by {st.update_id}, but its agent now serves "
-                f"{agent.version or 'an unknown version'}; updated again by a new attempt"
+                f"NotServing: verified at {version} by {st.update_id}, but {why}; updated "
+                "again by a new attempt"
             )
     return notes
 

@@ -113,7 +113,9 @@ async def test_a_sparse_patch_on_a_rejected_version_is_refused_even_if_the_fence
     response = await harness.post("/v1/updates", patch)
     assert response.status == 409, await response.text()
     assert "builds on the version this agent accepted" in (await response.json())["message"]
-    partial = update_body("u-4", "v3", checkpoints["v2"], mode="partial", scope=["lm_head."])
+    partial = update_body(
+        "u-4", "v3", checkpoints["v2"], mode="partial", scope=["lm_head."], baseVersion="v2"
+    )
     assert (await harness.post("/v1/updates", partial)).status == 409
     assert harness.fake.calls("weightroll_begin") == 4  # u-1 and u-2 on two ranks, nothing more
     await harness.wait_ready(False)

@@ -79,6 +79,7 @@ def _body(**changes: Any) -> dict[str, Any]:
         (_body(source={"uri": "/ckpt", "extra": 1}), 422, "source.extra", "Extra inputs"),
         (_body(mode="sparse"), 422, None, "baseVersion is required"),
         (_body(mode="partial"), 422, None, "scope"),
+        (_body(mode="partial", scope=["lm_head."]), 422, None, "baseVersion is required"),
         (_body(mode="everything"), 422, "mode", "full"),
         (_body(drain={"mode": "later"}), 422, "drain.mode", "wait"),
         (_body(drain={"timeoutSeconds": -1}), 422, "drain.timeoutSeconds", "greater than"),

@@ -268,7 +268,8 @@ async def test_two_weightupdates_on_one_fleet(h: Harness) -> None:
     await h.run_until(["a", "b"], h.phase_is("b", "Succeeded"), timeout=20)
     for i in range(4):
         assert h.agents[f"pod-{i}"].version == "v3"
-        assert h.agents[f"pod-{i}"].runs == ["a-v2-a1", "b-v3-a1"]
+        # attempts are counted per pod, across WeightUpdates: b's claim is the pod's second
+        assert h.agents[f"pod-{i}"].runs == ["a-v2-a1", "b-v3-a2"]
     # a pod was never owned by both: ownership always passed through "unowned"
     owners = [
         (r.name, ((r.data or {}).get("metadata") or {}).get("annotations", {}))

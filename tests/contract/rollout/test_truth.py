@@ -75,7 +75,7 @@ async def test_recreated_weightupdate_with_the_same_name_reloads(h: Harness) -> 
     await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
     assert _serving(h, ["pod-0", "pod-1"], "v2"), "Succeeded while the agents serve v1"
     for pod in ("pod-0", "pod-1"):
-        assert h.agents[pod].runs == ["wu-v2-a1", "back-v1-a1", "wu-v2-a1"]
+        assert h.agents[pod].runs == ["wu-v2-a1", "back-v1-a2", "wu-v2-a3"]
         assert len(set(h.agents[pod].executions)) == 3  # three distinct attempt ids
     h.assert_never_ready_unverified({"v1", "v2"})
 

@@ -15,7 +15,7 @@ POISONED = WeightState(EngineState.POISONED, "v1", "u0", poison_reason="half-fai
 
 def spec(mode: str = "full", **kw: object) -> UpdateSpec:
     extra: dict[str, object] = {"update_id": "u1", "version": "v2", "mode": mode}
-    if mode == "sparse":
+    if mode in ("sparse", "partial"):
         extra["base_version"] = "v1"
     if mode == "partial":
         extra["scope"] = ["model.norm.weight"]
@@ -27,6 +27,7 @@ def spec(mode: str = "full", **kw: object) -> UpdateSpec:
     [
         (CLEAN, "full", {}, None),
         (CLEAN, "partial", {}, None),
+        (CLEAN, "partial", {"base_version": "v0"}, WrongState),  # a delta on another base
         (CLEAN, "sparse", {}, None),
         (CLEAN, "sparse", {"base_version": "v0"}, WrongState),
         (POISONED, "full", {}, None),

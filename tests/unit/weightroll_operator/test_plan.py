@@ -12,7 +12,7 @@ from weightroll_operator.api.v1alpha1 import (
 )
 from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
 from weightroll_operator.domain.conditions import Reason, timestamp
-from weightroll_operator.domain.model import UnitState
+from weightroll_operator.domain.model import AgentView, UnitState
 from weightroll_operator.domain.plan import Persisted, PodClass, queries
 
 from engine_agent.protocol import UpdatePhase
@@ -557,11 +557,43 @@ def test_every_claim_is_a_new_attempt_with_its_own_id() -> None:
     p = plan(spec(), fleet, Persisted(target_version="v2"), NOW)
     [claim] = [a for a in p.actions if isinstance(a, Claim)]
     assert (claim.state.update_id, claim.state.attempt) == ("wu-v2-0f3c2a91-g7-a4", 4)
-    # a pod last driven by another WeightUpdate starts at attempt 1
+    # a pod last driven by another WeightUpdate goes on counting from that one's claims
     foreign = state(UnitState.VERIFIED, by=OTHER, version="v1", attempt=9)
     fleet = Fleet(name="wu", owner=ME, pods=(pod("p0", st=foreign),), agents={"p0": agent("v1")})
     [claim] = [a for a in plan(spec(), fleet, Persisted(target_version="v2"), NOW).actions[:1]]
-    assert isinstance(claim, Claim) and claim.state.attempt == 1
+    assert isinstance(claim, Claim) and claim.state.attempt == 10
+
+
+def test_an_attempt_id_never_repeats_after_another_weightupdate_drove_the_pod() -> None:
+    """A verifies p0 (attempt 1); B claims it and is deleted (its release records
+    ``B~deleted``); A claims p0 again. Its id must differ from attempt 1's: the agent keeps that
+    record (Committed), and a repeated id would be answered with it instead of a reload."""
+    from weightroll_operator.domain.model import OwnerKey, WeightState
+    from weightroll_operator.domain.plan import Fleet, plan
+
+    def claim_of(
+        st: WeightState | None, owner: OwnerKey, version: str, seen: AgentView
+    ) -> WeightState:
+        fleet = Fleet(
+            name=owner.split("/")[1],
+            owner=owner,
+            pods=(pod("p0", st=st),),
+            agents={"p0": seen},
+            uid="0f3c2a91-aaaa",
+            generation=1,
+        )
+        target = spec(_spec={"version": version, "source": {"uri": f"/weights/{version}"}})
+        actions = plan(target, fleet, Persisted(target_version=version), NOW).actions
+        [claim] = [a for a in actions if isinstance(a, Claim)]
+        return claim.state
+
+    first = claim_of(None, ME, "v2", agent("v1"))
+    by_b = claim_of(first.evolve(state=UnitState.VERIFIED), OTHER, "v3", agent("v2"))
+    # B's update failed (the agent holds the replica) and B was deleted
+    released = by_b.evolve(state=UnitState.FAILED, by=OwnerKey(f"{OTHER}~deleted"))
+    again = claim_of(released, ME, "v2", agent("v2", ready=False))
+    assert (first.attempt, by_b.attempt, again.attempt) == (1, 2, 3)
+    assert again.update_id != first.update_id
 
 
 @pytest.mark.parametrize(
@@ -594,6 +626,26 @@ def test_verified_pod_serving_other_weights_is_pending_again() -> None:
     p = run(spec(), [restarted], {"p0": held}, DONE)
     [claim] = [a for a in p.actions if isinstance(a, Claim)]  # pending again: claimed
     assert claim.state.previous_version == "v1" and claim.state.attempt == 1
+
+
+@pytest.mark.parametrize(
+    ("live", "re_updated"),
+    [
+        (agent("v2"), False),  # ready at the version: still verified (traffic restored)
+        (agent("v2", ready=False, clean=False), True),  # poisoned by a failed trainer push
+        (agent("v2", ready=False), True),  # held or paused at the version
+        (agent("v2", reachable=False), False),  # unknown: left alone (and left drained)
+    ],
+)
+def test_verified_pod_whose_agent_is_not_ready_at_the_version_is_updated_again(
+    live: AgentView, re_updated: bool
+) -> None:
+    """Same version, but its agent no longer vouches for it: updated again, with the reason."""
+    drained = pod("p0", st=state(UnitState.VERIFIED), ready=False)
+    p = run(spec(), [drained], {"p0": live}, DONE)
+    assert (claimed(p) == ["p0"]) is re_updated
+    assert (p.classes["p0"] is PodClass.UPDATED) is not re_updated
+    assert ("not ready" in p.notes.get("p0", "")) is (re_updated and live.version == "v2")
 
 
 def test_stale_view_is_unavailable_and_untouched() -> None:

@@ -246,3 +246,33 @@ def test_a_refused_spec_keeps_none_of_its_pod_objects() -> None:
     with pytest.raises(InvalidSpec, match=r"spec\.agent\.port"):
         asyncio.run(rec.reconcile(body, pods))
     assert owner not in rec._selections
+
+
+def test_only_a_fresh_agent_answer_can_put_a_pod_into_traffic() -> None:
+    """``/v1/state`` answers are cached (``state_ttl``) for pods in traffic only. A pod out of
+    traffic is asked afresh every pass: the planner may gate it on from that answer (restore,
+    a joining pod), and a trainer push may have started since the last one."""
+    from dataclasses import replace
+
+    from weightroll_operator.domain.fleet import pod_view
+    from weightroll_operator.domain.plan import Query
+
+    from engine_agent.protocol import AgentState, EngineState
+
+    class CountingAgents:
+        calls = 0
+
+        async def state(self, target: Any) -> AgentState:
+            self.calls += 1
+            return AgentState(
+                version="v2", engine_state=EngineState.CLEAN, ready=True, paused=False
+            )
+
+    agents = CountingAgents()
+    rec = Reconciler(kube=object(), agents=agents, state_ttl=30.0)  # type: ignore[arg-type]
+    in_traffic = pod_view(make_pod("p0", "10.0.0.1", 8470), group_by=None)
+    for view, asked in ((in_traffic, 1), (replace(in_traffic, gate=False), 3)):
+        agents.calls = 0
+        for _ in range(3):
+            asyncio.run(rec._observe((view,), {"p0": Query(state=True)}, None))
+        assert agents.calls == asked, view.gate
