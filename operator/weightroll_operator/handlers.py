@@ -141,19 +141,23 @@ def register(
             rt.wakeups.unregister(ns, name)
 
     @kopf.on.event("pods", id="wake", registry=registry)
-    async def wake_loops(namespace: str | None, **_: Any) -> None:  # async: on the loop's thread
-        rt.wakeups.wake(namespace or "")
+    async def wake_loops(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
+        rt.wakeups.wake(namespace or "")  # async: on the loop's thread
+        # every event, the initial listing too: rebuilds the left-drained series after a restart
+        rt.reconciler.note_left_drained(body, deleted=kw.get("type") == "DELETED")
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, id="release", registry=registry)
     async def release_on_delete(body: kopf.Body, namespace: str | None, **kw: Any) -> None:
-        pods = _of(kw["pods_by_namespace"], namespace)
+        def pods() -> Iterable[Mapping[str, Any]]:  # read once the WeightUpdate's lock is held
+            return _of(kw["pods_by_namespace"], namespace)
+
         try:  # the finalizer stays until every owned pod is released
             await rt.reconciler.finalize(body, pods)
         except WeightrollError as e:
             raise kopf.TemporaryError(str(e), delay=retry_in(kw)) from e
         if rt.config.admit_unmanaged_pods:
             peers = _of(kw["updates_by_namespace"], namespace)
-            await rt.reconciler.admit_all(pods, peers, gone=body.metadata.name)
+            await rt.reconciler.admit_all(pods(), peers, gone=body.metadata.name)
 
     def unadmitted(body: kopf.Body, **kw: Any) -> bool:
         enabled, gone = rt.config.admit_unmanaged_pods, kw.get("type") == "DELETED"
@@ -168,7 +172,13 @@ def register(
     @kopf.on.probe(id="lastPassAgeSeconds", registry=registry)
     def liveness(**kw: Any) -> float:
         updates: kopf.Index[str, Any] = kw["updates_by_namespace"]
-        active = any(len(updates.get(ns, [])) for ns in updates)
+        # A WeightUpdate being deleted has no pass loop (kopf stops its daemon): a deletion
+        # waiting on an agent is not a stall, and restarting the operator would not help it.
+        active = any(
+            not (wu.get("metadata") or {}).get("deletionTimestamp")
+            for ns in updates
+            for wu in updates.get(ns, [])
+        )
         try:
             return rt.liveness.check(active=active, now=time.monotonic())
         except Stalled as e:

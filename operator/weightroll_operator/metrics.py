@@ -148,6 +148,13 @@ class Metrics:
         self._token_reasons.pop((namespace, name), None)
         return removed
 
+    def left_drained(self, namespace: str, name: str, pods: Mapping[str, float]) -> None:
+        """Export the drained series of ``pods`` left drained by the deleted ``name`` (rebuilt
+        from the pods' own records after an operator restart; see :meth:`forget`)."""
+        for pod, since in pods.items():
+            self.drained_since.labels(namespace, name, pod).set(since)
+        self._drained.setdefault((namespace, name), set()).update(pods)
+
     def restored(self, namespace: str, name: str, pods: Iterable[str]) -> None:
         """Remove the drained series of ``pods`` left drained by the deleted ``name``."""
         seen = self._drained.get((namespace, name), set())

@@ -60,6 +60,7 @@ from weightroll_operator.domain.fleet import (
     sort_views,
 )
 from weightroll_operator.domain.model import (
+    ANNOTATION_WEIGHT_STATE,
     CONDITION_WEIGHTS_READY,
     AgentView,
     OwnerKey,
@@ -83,7 +84,7 @@ from weightroll_operator.domain.plan import (
     plan,
     queries,
 )
-from weightroll_operator.domain.release import release
+from weightroll_operator.domain.release import DELETED_SUFFIX, release
 from weightroll_operator.domain.status import build_status, invalid_status, status_patch
 from weightroll_operator.errors import (
     AgentError,
@@ -279,7 +280,7 @@ class Reconciler:
             if hit is not None and hit[0] is pod:
                 view = hit[1]
             else:
-                view = select_one(pod, spec, namespace, self._view)
+                view = select_one(pod, spec, namespace, self._view, owner)
             judged[id(pod)] = (pod, view)
             if view is not None:
                 views.append(view)
@@ -343,6 +344,13 @@ class Reconciler:
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
         owner = owner_key(namespace, name)
         async with self._locks.setdefault(owner, asyncio.Lock()):
+            if meta.get("deletionTimestamp"):
+                # Being deleted: :meth:`finalize` releases its pods; a pass now could claim a
+                # pod after the release and leave it owned by a WeightUpdate that is gone.
+                return PassResult(
+                    phase=_phase_of(body), status_written=False, actions=(), errors=(),
+                    delay=self.idle_interval,
+                )  # fmt: skip
             return await self._pass(body, pods, list(peers), namespace, name, owner)
 
     async def _pass(
@@ -456,8 +464,17 @@ class Reconciler:
             delay=self.poll_interval if busy else self.idle_interval,
         )
 
-    async def finalize(self, body: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> int:
+    async def finalize(
+        self,
+        body: Mapping[str, Any],
+        pods: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
+    ) -> int:
         """Release every pod a deleted WeightUpdate owns; return how many were released.
+
+        ``pods`` may be a function that reads the pod index: it is called once this
+        WeightUpdate's lock is held, so a pass that claimed a pod just before cannot be missed
+        (kopf runs the deletion handler beside the daemon's last pass). A pod whose view still
+        predates our own last write to it cannot be judged yet: the release is retried.
 
         The decision per pod is :func:`~weightroll_operator.domain.release.release`: running
         updates are aborted, committed ones settled, pods whose agent is ready go back into
@@ -496,11 +513,19 @@ class Reconciler:
                 now=self.clock(),
                 events=self.events,
             )
-            views = [
-                pod_view(raw, group_by=None)
-                for raw in pods
-                if (raw.get("metadata") or {}).get("namespace") == namespace
-            ]
+            views = self._mark_stale(
+                tuple(
+                    pod_view(raw, group_by=None)
+                    for raw in (pods() if callable(pods) else pods)
+                    if (raw.get("metadata") or {}).get("namespace") == namespace
+                )
+            )
+            lagging = sorted(v.name for v in views if v.stale)
+            if lagging:
+                raise ReleaseIncomplete(
+                    f"{', '.join(lagging[:10])}: the pod index has not caught up with the "
+                    "operator's last write; retried"
+                )
             remaining = [v for v in views if v.owner == owner]
             released = 0
             left: dict[str, float] = {}
@@ -573,6 +598,42 @@ class Reconciler:
         if pods:
             here = self._left_drained.setdefault(namespace, {})
             here.update({pod: (name, since) for pod, since in pods.items()})
+
+    def note_left_drained(self, pod: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """Track ``pod`` if a deleted WeightUpdate left it drained (its ``weight-state`` is by
+        ``<owner>~deleted`` and its gate is False), exporting its drained series.
+
+        Called for every pod event, the initial listing included: the series of pods left
+        drained lived only in this process, so a restarted operator (an upgrade, a failover to
+        the standby) lost them and ``WeightReplicaLeftDrained`` resolved while the capacity
+        stayed lost. The pod's own record survives; this rebuilds the series from it. A pod
+        that is ``deleted`` (its DELETED event) loses its series.
+        """
+        meta = pod.get("metadata") or {}
+        if deleted:
+            namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+            left = self._left_drained.get(namespace, {})
+            entry = left.pop(name, None)
+            if entry is not None and self.metrics is not None:
+                self.metrics.restored(namespace, entry[0], [name])
+            if not left:
+                self._left_drained.pop(namespace, None)
+            return
+        raw = (meta.get("annotations") or {}).get(ANNOTATION_WEIGHT_STATE)
+        if not raw or DELETED_SUFFIX not in raw:  # most pods: no parse
+            return
+        view = pod_view(pod, group_by=None)
+        st = view.state
+        if st is None or not st.by.endswith(DELETED_SUFFIX) or view.gate is not False:
+            return
+        if view.deleting or view.name in self._left_drained.get(view.namespace, {}):
+            return
+        gone = st.by.removesuffix(DELETED_SUFFIX).rpartition("/")[2]
+        started = parse_time(st.started_at)
+        since = started.timestamp() if started is not None else time.time()
+        self._track_left_drained(view.namespace, gone, {view.name: since})
+        if self.metrics is not None:
+            self.metrics.left_drained(view.namespace, gone, {view.name: since})
 
     def _sweep_left_drained(self, namespace: str, pods: Iterable[Mapping[str, Any]]) -> None:
         """Drop the drained series of pods a deleted WeightUpdate left drained, once they are
@@ -927,6 +988,14 @@ def _check_wire(spec: WeightUpdateSpec, name: str) -> None:
     except ValidationError as e:
         message = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
         raise ValueError(f"spec.source: {message}") from e
+
+
+def _phase_of(body: Mapping[str, Any]) -> Phase:
+    """The phase the WeightUpdate's status records (Pending when none can be read)."""
+    try:
+        return Phase((body.get("status") or {}).get("phase") or Phase.PENDING)
+    except ValueError:
+        return Phase.PENDING
 
 
 def _orphan_state(owner: OwnerKey, spec: WeightUpdateSpec | None) -> WeightState:

@@ -143,24 +143,37 @@ def select_pods(
     spec: WeightUpdateSpec,
     namespace: str,
     view: ViewFn = _view,
+    owner: OwnerKey | None = None,
 ) -> tuple[PodView, ...]:
-    """Views of the pods in ``namespace`` matched by the spec's selector, deleting pods left out.
+    """Views of the pods in ``namespace`` matched by the spec's selector, or owned by ``owner``
+    (the WeightUpdate), deleting pods left out.
 
     A pod being deleted never blocks a rollout (issue 4): it is simply not part of the fleet.
+    A pod the WeightUpdate owns stays in it even when it stops matching: the claim removes the
+    ``trafficLabel``, which a selector may name, and a relabelled pod is still drained. Left
+    out, it would be drained with no one to finish it, and out of the budget and the metrics.
     """
-    views = [v for v in (select_one(pod, spec, namespace, view) for pod in pods) if v is not None]
+    views = [
+        v for v in (select_one(pod, spec, namespace, view, owner) for pod in pods) if v is not None
+    ]
     return sort_views(views)
 
 
 def select_one(
-    pod: Mapping[str, Any], spec: WeightUpdateSpec, namespace: str, view: ViewFn = _view
+    pod: Mapping[str, Any],
+    spec: WeightUpdateSpec,
+    namespace: str,
+    view: ViewFn = _view,
+    owner: OwnerKey | None = None,
 ) -> PodView | None:
     """The view of ``pod`` when :func:`select_pods` selects it, else ``None``."""
     meta = pod.get("metadata") or {}
     if meta.get("namespace") != namespace or meta.get("deletionTimestamp"):
         return None
     if not matches(spec.selector, meta.get("labels") or {}):
-        return None
+        owned = owner is not None and (meta.get("annotations") or {}).get(ANNOTATION_OWNER) == owner
+        if not owned:
+            return None
     return view(pod, spec.group_by)
 
 
@@ -261,7 +274,7 @@ def trim_weightupdate(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     return {
-        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+        "metadata": {k: meta[k] for k in ("name", "namespace", "deletionTimestamp") if k in meta},
         "spec": dict(body.get("spec") or {}),
         "status": {k: status.get(k) for k in ("phase", "startTime") if k in status},
     }

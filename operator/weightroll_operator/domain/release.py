@@ -43,7 +43,10 @@ from weightroll_operator.domain.model import (
 )
 from weightroll_operator.domain.plan import parse_time, serves_attempt
 
-__all__ = ["Release", "deleted_owner", "release"]
+__all__ = ["DELETED_SUFFIX", "Release", "deleted_owner", "release"]
+
+#: Suffix of the ``by`` of states written on deletion (:func:`deleted_owner`).
+DELETED_SUFFIX = "~deleted"
 
 
 def _listed(reason: str, what: str, pods: Mapping[str, str], *, warning: bool = False) -> Emit:
@@ -59,7 +62,7 @@ def _listed(reason: str, what: str, pods: Mapping[str, str], *, warning: bool = 
 
 def deleted_owner(owner: OwnerKey) -> OwnerKey:
     """The ``by`` of states written on deletion: no live WeightUpdate has this key."""
-    return OwnerKey(f"{owner}~deleted")
+    return OwnerKey(f"{owner}{DELETED_SUFFIX}")
 
 
 @dataclass(frozen=True, slots=True)

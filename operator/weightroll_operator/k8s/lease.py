@@ -156,21 +156,29 @@ class LeaderElector:
         while True:
             await asyncio.sleep(self.renew_seconds)
             try:
-                held = await self.try_acquire()
-            except KubeError as e:
-                log.warning("Failed to renew the leader Lease: %s", e)
+                # Bounded by what is left of the deadline: on a slow API server a renewal that
+                # answers late would let this replica act after a standby took the Lease.
+                held = await asyncio.wait_for(self.try_acquire(), self._left())
+            except (KubeError, TimeoutError) as e:
+                log.warning("Failed to renew the leader Lease: %s", e or "timed out")
                 held = False
-            if not held and self.clock() - self._last_renew >= self.renew_deadline:
+            if not held and self._left() <= 0:
                 log.error("Lost the leader Lease %s/%s: stopping", self.namespace, self.name)
                 return
             if not held:
                 try:
-                    lease = await self.api.get_lease(self.namespace, self.name)
-                except KubeError:
+                    lease = await asyncio.wait_for(
+                        self.api.get_lease(self.namespace, self.name), self._left()
+                    )
+                except (KubeError, TimeoutError):
                     continue
                 if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
                     log.error("Another replica holds the leader Lease: stopping")
                     return
+
+    def _left(self) -> float:
+        """Seconds left before a holder that could not renew must stop."""
+        return max(0.0, self.renew_deadline - (self.clock() - self._last_renew))
 
     async def release(self) -> None:
         """Give the Lease up (clean shutdown), so a standby takes over at once."""

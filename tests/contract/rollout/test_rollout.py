@@ -424,3 +424,31 @@ async def test_agent_refusing_the_update_is_reported(h: Harness) -> None:
     await h.run_until(["wu"], h.phase_is("wu", "Failed"))
     assert await h.gate("pod-0") == "False"
     h.assert_never_ready_unverified({"v2"})
+
+
+async def test_a_selector_naming_the_traffic_label_keeps_its_claimed_pods(h: Harness) -> None:
+    """Found after issue 11 was built: the claim removes ``trafficLabel``, and a selector copied
+    from the Service names it, so a claimed pod stopped matching and left the fleet, drained,
+    with no step, no budget and no drained series; the next unit went the same way until the
+    whole fleet was out of traffic. A pod the WeightUpdate owns stays in its fleet."""
+    from tests.harness.kube_fleet import make_pod
+
+    await h.add_pods(0)  # the token Secret
+    for i in range(4):
+        agent = await h.agents.add(f"pod-{i}", i)
+        labels = {"app": "llm", "serving": "true"}
+        await h.create_pod(make_pod(f"pod-{i}", agent.host, h.agents.port, labels=labels))
+    await h.create_wu(
+        "wu",
+        "v2",
+        selector={"matchLabels": {"app": "llm", "serving": "true"}},
+        strategy={"maxUnavailable": 1, "trafficLabel": "serving"},
+    )
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+    for i in range(4):
+        pod = await h.pod(f"pod-{i}")
+        assert pod["metadata"]["labels"]["serving"] == "true"
+        assert await h.gate(f"pod-{i}") == "True"
+        assert h.agents[f"pod-{i}"].version == "v2"
+    h.assert_never_ready_unverified({"v2"})
+    assert h.max_drained_at_once() <= 1

@@ -205,8 +205,19 @@ async def test_deletion_keeps_the_finalizer_until_every_pod_is_released(h: Harne
     assert await h.rec.finalize(await h.wu("wu"), await h.pods()) == 1
     assert await h.owner_of("pod-0") is None
     assert await h.gate("pod-0") == "False"  # aborted, held by its agent: stays drained
-    text = generate_latest(h.metrics.registry).decode()
-    assert 'drained_since_timestamp_seconds{name="wu",namespace="default",pod="pod-0"}' in text
+    series = 'drained_since_timestamp_seconds{name="wu",namespace="default",pod="pod-0"}'
+    assert series in generate_latest(h.metrics.registry).decode()
+    # A restarted operator (an upgrade, a failover) rebuilds the series from the pod's own
+    # record as kopf lists the pods: it lived only in the old process's memory.
+    from weightroll_operator.metrics import Metrics
+
+    h.metrics = Metrics()
+    restarted = h.new_reconciler()
+    for pod in await h.pods():
+        restarted.note_left_drained(pod)
+    assert series in generate_latest(h.metrics.registry).decode()
+    restarted.note_left_drained(await h.pod("pod-0"), deleted=True)  # the pod is deleted
+    assert series not in generate_latest(h.metrics.registry).decode()
     events = await h.kube.list_events(NS, "wu")
     reasons = {e["reason"]: e["message"] for e in events}
     assert "pod-0" in reasons["LeftDrained"], reasons
@@ -313,3 +324,42 @@ async def test_operator_downtime_does_not_count_against_the_progress_deadline(
     h.rec = h.new_reconciler()  # started now
     await h.run_until(["wu"], h.phase_is("wu", "Succeeded", "Failed"))
     assert (await h.status("wu"))["phase"] == "Succeeded"
+
+
+async def test_a_release_never_judges_a_pod_from_before_the_operator_s_own_last_write(
+    h: Harness,
+) -> None:
+    """kopf runs the deletion handler beside the daemon's last pass, and the handler's pod list
+    was read before it waited for the WeightUpdate's lock. A pod claimed by that pass looked
+    unowned, the finalizer went, and the pod stayed drained and owned by a WeightUpdate that no
+    longer existed, blocking every later one. Now the list is read under the lock (a callable),
+    a view older than the operator's own last write is not judged, and a pass of a WeightUpdate
+    being deleted does nothing."""
+    from tests.harness.kube_fleet import make_pod
+
+    await h.add_pods(0)  # the token Secret
+    for i in range(2):  # with a resourceVersion, as the API server gives (writes conditional)
+        agent = await h.agents.add(f"pod-{i}", i)
+        pod = make_pod(f"pod-{i}", agent.host, h.agents.port)
+        pod["metadata"]["resourceVersion"] = "1"
+        await h.create_pod(pod)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
+    before = await h.pods()
+    await h.tick("wu")  # claims and drains pod-0
+    assert await h.owner_of("pod-0") == f"{NS}/wu"
+    with pytest.raises(WeightrollError, match="pod-0: the pod index has not caught up"):
+        await h.rec.finalize(await h.wu("wu"), before)
+    assert await h.owner_of("pod-0") == f"{NS}/wu"
+
+    body = await h.wu("wu")
+    body["metadata"]["deletionTimestamp"] = "2026-12-01T12:00:00Z"
+    assert (await h.rec.reconcile(body, await h.pods())).actions == ()  # claims nothing more
+
+    listed: list[Any] = []
+
+    async def read_pods() -> None:
+        listed.extend(await h.pods())
+
+    await read_pods()
+    await h.rec.finalize(body, lambda: listed)
+    assert await h.owner_of("pod-0") is None and await h.owner_of("pod-1") is None

@@ -94,3 +94,20 @@ async def test_release_hands_over_at_once() -> None:
     await a.release()
     assert api.lease is not None and api.lease["spec"]["holderIdentity"] == ""
     assert await b.try_acquire() is True  # no waiting for expiry
+
+
+@pytest.mark.asyncio
+async def test_a_holder_stops_within_its_deadline_when_renewals_hang() -> None:
+    """A renewal that never answers (a slow API server) must not keep the holder acting past
+    its renew deadline: the standby takes the Lease once it expires, and both would act."""
+    api = FakeLeases()
+    a = LeaderElector(
+        api, "ops", "weightroll-operator", "pod-a", 15.0, renew_seconds=0.01, renew_deadline=0.2
+    )
+    assert await a.try_acquire()
+
+    async def hang(*_: Any) -> Any:
+        await asyncio.sleep(3600)
+
+    api.get_lease = hang  # type: ignore[method-assign]
+    await asyncio.wait_for(a.hold(), 5.0)  # returned: it stopped, instead of waiting forever

@@ -107,3 +107,11 @@ async def test_stalled_loop_fails_kopfs_liveness_endpoint() -> None:
     assert await _probe(_runtime(5.0), {"ns": [wu]}) == 200
     assert await _probe(_runtime(61.0), {"ns": [wu]}) == 500  # stalled: 61 s > 12 x 5 s
     assert await _probe(_runtime(61.0), {}) == 200  # no WeightUpdates: nothing to pass over
+    # Only a WeightUpdate being deleted (kopf stopped its loop; its release waits on an agent):
+    # not a stall. Restarting the operator would not help it, and every restart fails over.
+    from weightroll_operator.domain.fleet import trim_weightupdate  # what the index holds
+
+    marked = {"metadata": {**wu["metadata"], "deletionTimestamp": "2026-12-01T12:00:00Z"}}
+    deleting = trim_weightupdate(marked)
+    assert await _probe(_runtime(61.0), {"ns": [deleting]}) == 200
+    assert await _probe(_runtime(61.0), {"ns": [deleting, wu]}) == 500
