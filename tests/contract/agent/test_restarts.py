@@ -188,6 +188,14 @@ async def _get(http: ClientSession, url: str, timeout: float = 20) -> tuple[int,
             await asyncio.sleep(0.1)
 
 
+async def _until_ready(http: ClientSession, url: str, timeout: float = 60) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while (await _get(http, url))[0] != 200:
+        assert loop.time() < end, f"{url} never answered 200"
+        await asyncio.sleep(0.1)
+
+
 async def test_agent_killed_mid_update_and_restarted(
     fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
@@ -197,7 +205,9 @@ async def test_agent_killed_mid_update_and_restarted(
     process = await _spawn_agent(fake, token_file, state_dir, port)
     async with ClientSession() as http:
         try:
-            await _get(http, f"{base}/healthz")
+            # Ready, not just listening: an update posted before the agent recovered the
+            # engine state is refused (409), which a loaded CI machine hit after /healthz.
+            await _until_ready(http, f"{base}/readyz")
             gate = fake.gate("weightroll_load")
             response = await http.post(
                 f"{base}/v1/updates",
