@@ -122,9 +122,7 @@ def register(
         async def one_pass() -> float:
             nonlocal failures
             try:
-                delay = (await run(body, namespace, kw)).delay
-                failures = 0
-                return delay
+                result = await run(body, namespace, kw)
             except kopf.PermanentError as e:
                 logger.debug("Pass of %s/%s ended: %s", namespace, body.metadata.name, e)
                 return rt.config.interval  # the status says why; a change wakes the loop
@@ -133,6 +131,13 @@ def register(
                 logger.debug("Pass of %s/%s failed (%d): %s", namespace, body.metadata.name,
                              failures, e)  # fmt: skip
                 return backoff_delay(failures, rt.config.interval, 300.0)
+            if result.calls_failed:
+                # A write or agent call failed inside the pass (429, 500, an agent refusing):
+                # back off exponentially from the poll interval, not retry at it forever.
+                failures += 1
+                return max(result.delay, backoff_delay(failures, rt.config.poll_interval, 300.0))
+            failures = 0
+            return result.delay
 
         ns, name = namespace or "", str(body.metadata.name)
         try:

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -151,8 +151,17 @@ def _elector(config: OperatorConfig, kube: KubeApi) -> LeaderElector:
     )
 
 
-async def _serve(config: OperatorConfig, kube: KubeApi, **kopf_kwargs: Any) -> int:
-    """Webhook, then (with leader election) the Lease, then kopf; the exit code."""
+async def _serve(
+    config: OperatorConfig,
+    kube: KubeApi,
+    on_acting: Callable[[], None] = lambda: None,
+    **kopf_kwargs: Any,
+) -> int:
+    """Webhook, then (with leader election) the Lease, then kopf; the exit code.
+
+    ``on_acting`` runs when this process starts to act (it holds the Lease, if any): time
+    before it was the old leader's or nobody's and never counts against a unit's timers.
+    """
     webhook = None
     if config.webhook_port:
         webhook = WebhookServer(
@@ -168,6 +177,7 @@ async def _serve(config: OperatorConfig, kube: KubeApi, **kopf_kwargs: Any) -> i
                 await elector.acquire()
             holding = asyncio.create_task(elector.hold())
             holding.add_done_callback(lambda _: stop.set())
+        on_acting()
         await kopf.operator(stop_flag=stop, **kopf_kwargs)
         return 1 if holding is not None and holding.done() else 0
     finally:
@@ -216,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _serve(
             config,
             kube,
+            runtime.reconciler.begin_acting,
             registry=registry,
             standalone=args.peering is None,
             peering_name=args.peering,

@@ -58,6 +58,7 @@ from weightroll_operator.domain.fleet import (
     pod_view,
     select_one,
     sort_views,
+    terminating_units,
 )
 from weightroll_operator.domain.model import (
     ANNOTATION_WEIGHT_STATE,
@@ -79,7 +80,7 @@ from weightroll_operator.domain.plan import (
     Persisted,
     Plan,
     Query,
-    build_request,
+    check_wire,
     parse_time,
     plan,
     queries,
@@ -165,6 +166,17 @@ class PassResult:
     #: Seconds until the next pass is useful (units in flight poll sooner).
     delay: float
 
+    @property
+    def calls_failed(self) -> bool:
+        """A pod write or an agent call failed (not a conflict, re-planned at once, nor an
+        Event): the caller backs off before the next pass."""
+        return any(
+            r.error is not SKIPPED
+            and not isinstance(r.error, KubeConflict)
+            and not isinstance(r.action, Emit)
+            for r in self.errors
+        )
+
 
 @dataclass
 class Reconciler:
@@ -235,6 +247,11 @@ class Reconciler:
     def __post_init__(self) -> None:
         if self.started is None:
             self.started = self.clock()
+
+    def begin_acting(self) -> None:
+        """This process starts to act now (it took the Lease): the downtime floor of every
+        deadline and unit timer (``Persisted.clock_floor``) moves here."""
+        self.started = self.clock()
 
     def _view(self, pod: Mapping[str, Any], group_by: str | None) -> PodView:
         """:func:`pod_view`, reused while the *same* pod object is passed again.
@@ -372,7 +389,7 @@ class Reconciler:
             old_status = None
         try:
             spec = parse_spec(body.get("spec"))
-            _check_wire(spec, name)
+            check_wire(spec, name)
             pods = list(pods)
             with paused_gc():
                 selected = self._select(owner, pods, spec, namespace)
@@ -404,7 +421,8 @@ class Reconciler:
         persisted = replace(persisted, clock_floor=timestamp(self.started or now))
         with paused_gc():
             asked = queries(views, owner, spec.version, persisted.retried_at)
-        agents = await self._observe(views, asked, token)
+        cached: set[str] = set()
+        agents = await self._observe(views, asked, token, cached)
         with paused_gc():
             holding = blocking_peers(owner, persisted.start_time, views, peers)
             units = group_units(views, self._units.get(owner))
@@ -418,8 +436,21 @@ class Reconciler:
                 uid=str(meta.get("uid") or ""),
                 generation=int(meta.get("generation") or 0),
                 units=units,
+                cached=frozenset(cached),
+                terminating=terminating_units(pods, spec, namespace, owner),
             )
             the_plan = plan(spec, fleet, persisted, now)
+        for _round in range(2):
+            # A claim waits for a fresh answer from the agents it names (``Plan.refresh``):
+            # ask them now and plan again, rather than a pass later.
+            if not the_plan.refresh:
+                break
+            fresh = {n: Query(state=True) for n in the_plan.refresh}
+            agents = {**agents, **await self._observe(views, fresh, token, fresh_only=True)}
+            cached -= the_plan.refresh
+            fleet = replace(fleet, agents=agents, cached=frozenset(cached))
+            with paused_gc():
+                the_plan = plan(spec, fleet, persisted, now)
         ctx = ApplyContext(
             kube=self.kube,
             agents=self.agents,
@@ -493,8 +524,24 @@ class Reconciler:
                 spec: WeightUpdateSpec | None = parse_spec(body.get("spec"))
             except ValueError:
                 spec = None
+            views = self._mark_stale(
+                tuple(
+                    pod_view(raw, group_by=None)
+                    for raw in (pods() if callable(pods) else pods)
+                    if (raw.get("metadata") or {}).get("namespace") == namespace
+                )
+            )
+            lagging = sorted(v.name for v in views if v.stale)
+            if lagging:
+                raise ReleaseIncomplete(
+                    f"{', '.join(lagging[:10])}: the pod index has not caught up with the "
+                    "operator's last write; retried"
+                )
+            remaining = [v for v in views if v.owner == owner]
             token = None
-            if spec is not None:
+            if spec is not None and remaining:
+                # Only agents need the token: with no pod left to release, a Secret deleted
+                # with the WeightUpdate (one manifest, or its namespace) cannot hold deletion.
                 try:
                     token = await self._token(namespace, spec)
                 except KubeError as e:
@@ -513,20 +560,6 @@ class Reconciler:
                 now=self.clock(),
                 events=self.events,
             )
-            views = self._mark_stale(
-                tuple(
-                    pod_view(raw, group_by=None)
-                    for raw in (pods() if callable(pods) else pods)
-                    if (raw.get("metadata") or {}).get("namespace") == namespace
-                )
-            )
-            lagging = sorted(v.name for v in views if v.stale)
-            if lagging:
-                raise ReleaseIncomplete(
-                    f"{', '.join(lagging[:10])}: the pod index has not caught up with the "
-                    "operator's last write; retried"
-                )
-            remaining = [v for v in views if v.owner == owner]
             released = 0
             left: dict[str, float] = {}
             failed: dict[str, str] = {}
@@ -743,8 +776,16 @@ class Reconciler:
         return value
 
     async def _observe(
-        self, views: tuple[PodView, ...], asked: Mapping[str, Query], token: str | None
+        self,
+        views: tuple[PodView, ...],
+        asked: Mapping[str, Query],
+        token: str | None,
+        cached: set[str] | None = None,
+        *,
+        fresh_only: bool = False,
     ) -> dict[str, AgentView]:
+        """Ask each pod's agent what ``asked`` names; the names answered from the cache (an
+        earlier pass's answer) are added to ``cached``; ``fresh_only`` asks every one anew."""
         by_name = {v.name: v for v in views}
         now = time.monotonic()
         seen: dict[str, AgentView] = {}
@@ -758,10 +799,12 @@ class Reconciler:
                 continue
             # Only a fresh answer may put a pod into traffic (restore, a joining pod): a cached
             # one serves pods in traffic only, whose agents' own readiness probes still guard.
-            cacheable = query.update_id is None and pod.gate is True
-            cached = states.get((pod.namespace, pod.name)) if cacheable else None
-            if cached is not None and cached[2] > now and self._same_key(cached[0], pod):
-                seen[name] = cached[1]
+            cacheable = query.update_id is None and pod.gate is True and not fresh_only
+            hit = states.get((pod.namespace, pod.name)) if cacheable else None
+            if hit is not None and hit[2] > now and self._same_key(hit[0], pod):
+                seen[name] = hit[1]
+                if cached is not None:
+                    cached.add(name)
             else:
                 todo.append((pod, query))
 
@@ -973,21 +1016,6 @@ def _state_key(pod: PodView) -> tuple[str, ...]:
         "" if state is None else f"{state.state}|{state.version}|{state.update_id}",
         str(pod.gate),
     )
-
-
-def _check_wire(spec: WeightUpdateSpec, name: str) -> None:
-    """Specs the CRD schema cannot check: the source must be expressible on the agent wire."""
-    probe = WeightState(
-        state=UnitState.DRAINING,
-        by=OwnerKey("-"),
-        version=spec.version,
-        update_id=make_update_id(name, spec.version),
-    )
-    try:
-        build_request(spec, probe)
-    except ValidationError as e:
-        message = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
-        raise ValueError(f"spec.source: {message}") from e
 
 
 def _phase_of(body: Mapping[str, Any]) -> Phase:

@@ -39,6 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from weightroll_operator.api.v1alpha1 import parse_spec
+from weightroll_operator.domain.plan import check_wire
 
 __all__ = ["WEBHOOK_PATH", "WebhookServer", "review", "validate"]
 
@@ -60,6 +61,8 @@ def validate(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> str | Non
         return None  # metadata-only update (finalizers, annotations): never blocked
     try:
         parsed = parse_spec(spec)
+        # what the agent's wire protocol refuses (a NUL in a path): refused here, not later
+        check_wire(parsed, str((new.get("metadata") or {}).get("name") or "new"))
     except ValueError as e:
         return str(e)
     strategy = parsed.strategy

@@ -31,6 +31,7 @@ __all__ = [
     "select_one",
     "select_pods",
     "sort_views",
+    "terminating_units",
     "trim_pod",
     "trim_weightupdate",
 ]
@@ -175,6 +176,28 @@ def select_one(
         if not owned:
             return None
     return view(pod, spec.group_by)
+
+
+def terminating_units(
+    pods: Iterable[Mapping[str, Any]],
+    spec: WeightUpdateSpec,
+    namespace: str,
+    owner: OwnerKey | None = None,
+) -> frozenset[str]:
+    """The unit keys of the pods :func:`select_one` would select but for their deletion.
+
+    A pod being deleted is out of traffic until it is gone, and its replacement may not exist
+    yet: the budget counts its unit as unavailable (issue 11, C), though it is not in the fleet.
+    """
+    keys: set[str] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if not meta.get("deletionTimestamp") or meta.get("namespace") != namespace:
+            continue
+        owned = owner is not None and (meta.get("annotations") or {}).get(ANNOTATION_OWNER) == owner
+        if owned or matches(spec.selector, meta.get("labels") or {}):
+            keys.add(_view(pod, spec.group_by).unit)
+    return frozenset(keys)
 
 
 def sort_views(views: Iterable[PodView]) -> tuple[PodView, ...]:

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
+from pydantic import ValidationError
+
 from engine_agent.protocol import DrainMode as WireDrainMode
 from engine_agent.protocol import DrainSpec as WireDrainSpec
 from engine_agent.protocol import SourceSpec as WireSourceSpec
@@ -75,6 +77,7 @@ from weightroll_operator.domain.model import (
     UpdateId,
     WeightState,
     attempt_id,
+    make_update_id,
 )
 
 __all__ = [
@@ -84,6 +87,7 @@ __all__ = [
     "PodClass",
     "Query",
     "build_request",
+    "check_wire",
     "classify",
     "parse_time",
     "plan",
@@ -161,6 +165,11 @@ class Fleet:
     #: ``group_units(pods)``, when the caller already grouped them (it reuses the units of
     #: unchanged pods from pass to pass); ``None``: grouped here.
     units: tuple[Unit, ...] | None = None
+    #: Pods whose agent answer is an earlier pass's (cached): they are not claimed on it.
+    cached: frozenset[str] = frozenset()
+    #: Selected pods being deleted, by unit key: out of traffic until they are gone, so each
+    #: such unit counts as unavailable (its replacement may not be seen yet).
+    terminating: frozenset[str] = frozenset()
 
     def attempt_id(self, version: str, attempt: int, *, rollback: bool = False) -> UpdateId:
         return attempt_id(
@@ -290,6 +299,25 @@ def classify(
     return PodClass.PENDING
 
 
+def check_wire(spec: WeightUpdateSpec, name: str) -> None:
+    """Specs the CRD schema cannot check: the source must be expressible on the agent wire.
+
+    Raises:
+        ValueError: naming ``spec.source`` and what the agent's protocol refuses in it.
+    """
+    probe = WeightState(
+        state=UnitState.DRAINING,
+        by=OwnerKey("-"),
+        version=spec.version,
+        update_id=make_update_id(name, spec.version),
+    )
+    try:
+        build_request(spec, probe)
+    except ValidationError as e:
+        message = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+        raise ValueError(f"spec.source: {message}") from e
+
+
 def build_request(
     spec: WeightUpdateSpec, st: WeightState, *, rollback: bool = False
 ) -> UpdateRequest:
@@ -349,6 +377,8 @@ class Plan:
     completed: bool
     rolling_back: bool
     rollback_remaining: int
+    #: Pods a claim waits for a fresh agent answer for: ask them afresh and plan again.
+    refresh: frozenset[str] = frozenset()
 
 
 class _Builder:
@@ -359,6 +389,10 @@ class _Builder:
         self.finished: dict[str, str] = {}
         self.durations: dict[str, float] = {}
         self.progressed = False
+        #: ``Persisted.clock_floor``: no timer counts time before it.
+        self.clock_floor: datetime | None = None
+        #: Pods a claim waits for a fresh agent answer for (:attr:`Plan.refresh`).
+        self.refresh: set[str] = set()
 
     def emit(self, reason: str, message: str, warning: bool = False) -> None:
         self.actions.append(Emit(reason=reason, message=message, warning=warning))
@@ -404,22 +438,14 @@ def serves_attempt(agent: AgentView, st: WeightState) -> bool:
     )
 
 
-def _can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str) -> bool:
-    """Claim only a pod whose agent answers at a known version (``AgentView.claimable``), or
-    one this WeightUpdate already tried at this version (retry: its previous weights are known).
+def _can_claim(agent: AgentView | None) -> bool:
+    """Claim only a pod whose agent answers at a known version (``AgentView.claimable``).
+
+    Also when this WeightUpdate tried the pod before (a retry): an agent with no known version
+    is booting (vLLM not up), and a claim would count its boot time against the update timer,
+    fail the unit and, with ``onFailure: Rollback``, roll the fleet back.
     """
-    if agent is None or not agent.reachable or agent.active_update_id:
-        return False
-    if agent.claimable:
-        return True
-    st = pod.state
-    return (
-        st is not None
-        and st.by == owner
-        and st.version == version
-        and st.rollback_of is None
-        and bool(st.previous_version)
-    )
+    return agent is not None and agent.claimable
 
 
 def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
@@ -451,6 +477,11 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
     timeout = timedelta(seconds=spec.strategy.update_timeout_seconds)
     started = [parse_time(p.state.started_at) for p in flying if p.state is not None]
     claimed_at = min((s for s in started if s is not None), default=now)
+    # Time the operator was down (or not the leader) is not the unit's: its timers start no
+    # earlier than this process began to act (``Persisted.clock_floor``).
+    floor = b.clock_floor
+    if floor is not None and floor > claimed_at:
+        claimed_at = floor
     if not drained:
         if now >= claimed_at + timeout:
             return _fail_unit(b, unit, flying, "DrainTimeout: the pods were not observed NotReady")
@@ -462,6 +493,8 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         agent = agents.get(pod.name)
         update = agent.update if agent is not None else None
         accepted = parse_time(update.started_at) if update is not None else None
+        if accepted is not None and floor is not None and floor > accepted:
+            accepted = floor
         return now >= (accepted or claimed_at) + timeout
 
     running: list[PodView] = []
@@ -757,7 +790,8 @@ class Halt:
     hold_released: bool
     #: Units that still need this version and are not in flight.
     pending: tuple[Unit, ...]
-    #: Units this WeightUpdate touched for this version (the canary is the first of them).
+    #: Units this WeightUpdate touched for this version, in flight or with a verdict that
+    #: stands (the canary is the first of them); a unit tried again is not among them.
     touched: tuple[Unit, ...]
 
 
@@ -793,7 +827,14 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         and st.version == version
         and st.rollback_of is None
     }
-    touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
+    # A touched unit that wants the version again (``weightroll retry`` of a failed canary, a
+    # verified pod whose engine restarted) has no verdict that stands: it is not the canary yet,
+    # and the rest of the fleet keeps waiting for one.
+    touched = (
+        tuple(u for u in units if u.key in touched_keys and by_unit[u.key].isdisjoint(_WANTING))
+        if touched_keys
+        else ()
+    )
     canary = spec.strategy.canary
     canary_hold = (
         canary is not None
@@ -856,22 +897,24 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
     return Halt(aborted_at, abort_reason, paused_reason, hold_released, pending, touched)
 
 
-def budget(seen: Seen, flying: frozenset[str]) -> int:
+def budget(seen: Seen, flying: frozenset[str], terminating: frozenset[str] = frozenset()) -> int:
     """Step 4: how many more units may become unavailable this pass.
 
     A unit is unavailable from its drain until its pods are observed Ready after the GateOn:
     while any pod is not Ready, it is in flight or failed, or it is seen in a view older than
     the operator's own last write to it. Starting a unit that is already unavailable is free.
+    A unit with a pod being deleted (``Fleet.terminating``) is out of traffic too, whether or
+    not its replacement is seen yet.
     """
-    unavailable = sum(
-        1
+    down = {
+        u.key
         for u in seen.units
         if not u.ready
         or u.key in seen.frozen
         or u.key in flying
         or not seen.by_unit[u.key].isdisjoint(_FAILED_CLASSES)
-    )
-    return seen.max_unavailable - unavailable
+    }
+    return seen.max_unavailable - len(down) - len(terminating - down)
 
 
 def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> int:
@@ -939,7 +982,7 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
     The canary goes first; the rest waits until every canary unit has a verdict. Only units
     whose pending pods may be claimed (:func:`_can_claim`) start.
     """
-    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
+    fleet = b.fleet
     canary = b.spec.strategy.canary
     limit = None
     if canary is not None and (len(halt.touched) < canary or flying):
@@ -950,7 +993,7 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
             u.key not in seen.frozen
             and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
             and all(
-                _can_claim(p, fleet.agents.get(p.name), owner, version)
+                _can_claim(fleet.agents.get(p.name))
                 for p in u.pods
                 if seen.classes[p.name] is PodClass.PENDING
             )
@@ -966,9 +1009,16 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
             if slots <= 0:
                 break
             slots -= 1
-        _claim(b, unit)
         if limit is not None:
             limit -= 1
+        # A claim records what the pod serves (the rollback target) and that it runs no
+        # update: only an answer from this pass may say so, never a cached one (a trainer push
+        # changes both without touching the pod). The caller asks afresh and plans again.
+        stale = [p.name for p in unit.pods if p.name in fleet.cached]
+        if stale:
+            b.refresh.update(stale)
+            continue
+        _claim(b, unit)
 
 
 def restore(b: _Builder, seen: Seen) -> None:
@@ -995,7 +1045,7 @@ def _notes(
     b: _Builder, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
 ) -> dict[str, str]:
     """Why a pod is not being worked on, or is worked on again, by pod name."""
-    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
+    fleet, version = b.fleet, b.spec.version
     notes: dict[str, str] = {}
     for name, cls in classes.items():
         if cls not in _NOTED:
@@ -1003,7 +1053,7 @@ def _notes(
         agent, st = fleet.agents.get(name), pods[name].state
         if cls is PodClass.UNKNOWN:
             notes[name] = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
-        elif cls is PodClass.PENDING and not _can_claim(pods[name], agent, owner, version):
+        elif cls is PodClass.PENDING and not _can_claim(agent):
             notes[name] = "Joining: waiting for its agent to answer at a known version"
         if (
             cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
@@ -1093,6 +1143,7 @@ def settle(
         completed=new_persisted.completion_time is not None,
         rolling_back=rollback,
         rollback_remaining=rollback_remaining,
+        refresh=frozenset(b.refresh),
     )
 
 
@@ -1113,10 +1164,11 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         The plan; its actions must be applied in order per pod.
     """
     b = _Builder(spec, fleet, now)
+    b.clock_floor = parse_time(persisted.clock_floor)
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(b, seen)
     halt = deadlines(b, seen, persisted, flying)
-    slots = budget(seen, flying)
+    slots = budget(seen, flying, fleet.terminating)
     rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
     remaining = 0
     if rollback:

@@ -64,6 +64,8 @@ WEBHOOK_ONLY: list[tuple[dict[str, Any], str]] = [
     (_with(source={"uri": "s3://bucket/v2"}), "spec.source.uri"),
     (_with(agent={"tokenSecretRef": {"name": "t", "key": ""}}), "spec.agent.tokenSecretRef.key"),
     (_with(version="V2_1"), "spec.version"),
+    # what the agent's wire protocol refuses was admitted, then refused by every pass
+    (_with(source={"uri": "/w\u0000/x"}), "spec.source"),
 ]
 
 

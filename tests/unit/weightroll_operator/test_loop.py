@@ -60,3 +60,27 @@ async def test_stopping_ends_the_loop() -> None:
 def test_shipped_defaults_see_a_commit_within_a_second() -> None:
     config = OperatorConfig()
     assert config.poll_interval <= 1.0 < config.interval
+
+
+def test_a_pass_whose_writes_or_agent_calls_failed_backs_off() -> None:
+    """The daemon backs off (exponentially, with jitter) after a pass with failed calls; a
+    conflict is re-planned at once, and a failed Event or a skipped action is not a failure."""
+    from weightroll_operator.api.v1alpha1 import Phase
+    from weightroll_operator.apply import SKIPPED, ActionResult
+    from weightroll_operator.domain.actions import Emit, GateOff
+    from weightroll_operator.domain.fleet import pod_view
+    from weightroll_operator.errors import KubeConflict, KubeError
+    from weightroll_operator.reconcile import PassResult
+
+    from tests.harness.kube_fleet import make_pod
+
+    gate = GateOff(pod_view(make_pod("p0", "10.0.0.1", 8470), group_by=None))
+    emit = Emit(reason="UnitDraining", message="m")
+
+    def failed(*results: ActionResult) -> bool:
+        return PassResult(Phase.PROGRESSING, False, (), results, 0.5).calls_failed
+
+    assert failed(ActionResult(gate, KubeError(429, "too many requests")))
+    assert not failed(ActionResult(gate, KubeConflict(409, "conflict")))
+    assert not failed(ActionResult(gate, SKIPPED), ActionResult(emit, KubeError(500, "boom")))
+    assert not failed()

@@ -1,0 +1,42 @@
+"""Holes found by the session-7 review, reproduced against kmock with agents that answer like
+the real one: a claim made on a cached agent answer (issue 11, D), and a deletion held by a
+token Secret deleted with its WeightUpdate (E). Each failed before its fix."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.contract.rollout.harness import Harness
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_a_claim_records_what_the_pod_serves_now_not_a_cached_answer(h: Harness) -> None:
+    """``/v1/state`` answers of pods in traffic are cached (30 s by default). A trainer push
+    that committed ``step-7`` on pod-1 since its cached answer changes nothing on the pod, so
+    only a fresh answer can tell the claim what pod-1 serves (its rollback target)."""
+    await h.add_pods(2)
+    rec = replace(h.new_reconciler(), state_ttl=30.0)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
+    await h.tick("wu", rec)  # pod-0 claimed; pod-1's v1 answer cached
+    assert (await h.state_of("pod-1")) is None
+    pushed = h.agents["pod-1"]
+    pushed.version = pushed.committed_version = "step-7"
+    pushed.source = "/weights/step-7"
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"), rec=rec)
+    st = await h.state_of("pod-1")
+    assert st is not None
+    assert (st.previous_version, st.previous_source and st.previous_source.uri) == (
+        "step-7",
+        "/weights/step-7",
+    ), "the claim recorded a cached answer as the pod's previous weights"
+
+
+async def test_deleting_a_weightupdate_whose_token_secret_is_gone_finishes(h: Harness) -> None:
+    """Nothing left to release: the finalizer goes even though the Secret is gone (deleted in
+    the same ``kubectl delete -f``, or with its namespace)."""
+    await h.add_pods(1)
+    await h.create_wu("wu", "v2", agent={"tokenSecretRef": {"name": "missing"}})
+    assert await h.rec.finalize(await h.wu("wu"), await h.pods()) == 0

@@ -1,0 +1,146 @@
+"""Claims, the canary and unit timers after faults (issue 11, D, H and C), found by the
+session-7 review: each case planned the wrong thing before its fix."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from weightroll_operator.domain.actions import AbortUpdate, Claim, Settle
+from weightroll_operator.domain.conditions import Reason
+from weightroll_operator.domain.model import UnitState
+from weightroll_operator.domain.plan import Fleet, Persisted, plan, queries
+
+from engine_agent.protocol import UpdatePhase
+from tests.unit.weightroll_operator.builders import ME, NOW, agent, pod, run, spec, state
+
+FRESH = {f"p{i}": agent("v1") for i in range(6)}
+#: ``weightroll retry`` after the failed canary below
+RETRIED = Persisted(target_version="v2", retried_at="2026-01-01T11:59:30Z")
+AT_V2 = Persisted(target_version="v2")
+
+
+def claimed(p: object) -> list[str]:
+    return [a.pod.name for a in p.actions if isinstance(a, Claim)]  # type: ignore[attr-defined]
+
+
+def _failed_canary() -> list[object]:
+    failed = state(UnitState.FAILED, reason="DigestMismatch", attempt=1)
+    return [pod("p0", gate=False, ready=False, st=failed, owner=ME), pod("p1"), pod("p2")]
+
+
+@pytest.mark.parametrize("pause_after_canary", [False, True])
+def test_a_retried_canary_goes_first_again(pause_after_canary: bool) -> None:
+    """Before: the failed canary still counted as the canary's verdict, so the retry claimed
+    the whole fleet at once, or (pauseAfterCanary) held it as "CanaryComplete"."""
+    s = spec(maxUnavailable=3, canary=1, pauseAfterCanary=pause_after_canary)
+    p = run(s, _failed_canary(), FRESH, RETRIED)  # type: ignore[arg-type]
+    assert claimed(p) == ["p0"]
+    assert p.paused_reason is None
+
+
+def test_a_retried_canary_holds_the_rest_until_its_new_verdict() -> None:
+    s = spec(maxUnavailable=3, canary=1)
+    again = state(UnitState.DRAINING, attempt=2, started="2026-01-01T11:59:40Z")
+    pods = [pod("p0", gate=False, ready=False, st=again), pod("p1"), pod("p2")]
+    p = run(s, pods, {**FRESH, "p0": agent(phase=UpdatePhase.LOADING)}, RETRIED)
+    assert claimed(p) == []
+
+
+def test_a_booting_pod_tried_before_is_not_claimed() -> None:
+    """Before: a pod this WeightUpdate had tried was claimed whatever its agent said, so a
+    booting engine (vLLM not up: no version) failed the unit on its boot time and could halt
+    or roll back the fleet."""
+    failed = state(UnitState.FAILED, reason="UpdateTimeout", attempt=1)
+    pods = [pod("p0", gate=False, ready=False, st=failed, owner=ME)]
+    booting = agent("", ready=False, clean=False)
+    p = run(spec(), pods, {"p0": booting}, RETRIED)
+    assert claimed(p) == []
+    assert p.notes["p0"].startswith("Joining")
+    assert claimed(run(spec(), pods, {"p0": agent("v1", ready=False, clean=False)}, RETRIED)) == [
+        "p0"
+    ]
+
+
+def _claimable_fleet(cached: frozenset[str]) -> Fleet:
+    pods = (pod("p0"), pod("p1"))
+    asked = queries(pods, ME, "v2")
+    return Fleet(
+        name="wu",
+        owner=ME,
+        pods=pods,
+        agents={k: v for k, v in FRESH.items() if k in asked},
+        cached=cached,
+    )
+
+
+def test_only_a_fresh_agent_answer_is_claimed_on() -> None:
+    """Before: a 30 s-old cached answer was claimed on; it could hide a trainer push (a wrong
+    rollback target, a claim in the middle of a push)."""
+    p = plan(
+        spec(maxUnavailable=1),
+        _claimable_fleet(frozenset({"p0"})),
+        Persisted(target_version="v2"),
+        NOW,
+    )
+    assert claimed(p) == []
+    assert p.refresh == frozenset({"p0"})  # asked again at once by the caller
+    p = plan(
+        spec(maxUnavailable=1), _claimable_fleet(frozenset()), Persisted(target_version="v2"), NOW
+    )
+    assert (claimed(p), p.refresh) == (["p0"], frozenset())
+
+
+def test_refreshes_are_bounded_by_the_budget() -> None:
+    p = plan(
+        spec(maxUnavailable=1),
+        _claimable_fleet(frozenset({"p0", "p1"})),
+        Persisted(target_version="v2"),
+        NOW,
+    )
+    assert p.refresh == frozenset({"p0"})
+
+
+@pytest.mark.parametrize(
+    ("terminating", "expected"),
+    [
+        (frozenset(), ["p0"]),
+        (frozenset({"gone"}), []),  # its slot is taken until it is gone
+        (frozenset({"p1"}), []),  # a group with a member being deleted, the rest Ready
+    ],
+)
+def test_a_pod_being_deleted_counts_as_unavailable(
+    terminating: frozenset[str], expected: list[str]
+) -> None:
+    """Before: a pod being deleted left the fleet and freed its slot at once, before its
+    replacement (NotReady) was seen: maxUnavailable + 1 out of traffic."""
+    pods = (pod("p0"), pod("p1"))
+    fleet = Fleet(name="wu", owner=ME, pods=pods, agents=dict(FRESH), terminating=terminating)
+    assert claimed(plan(spec(maxUnavailable=1), fleet, AT_V2, NOW)) == expected
+
+
+def _claimed_long_ago(accepted: bool) -> tuple[Fleet, Persisted]:
+    # claimed 20 minutes before NOW (the update timeout is 600 s); the operator started 10 s ago
+    st = state(UnitState.DRAINING, started="2026-01-01T11:40:00Z", attempt=1)
+    pods = (pod("p0", gate=False, ready=False, st=st),)
+    update = {"phase": UpdatePhase.LOADING} if accepted else {}
+    view = agent(**update)  # type: ignore[arg-type]
+    if accepted:
+        assert view.update is not None
+        view = replace(view, update=replace(view.update, started_at="2026-01-01T11:41:00Z"))
+    fleet = Fleet(name="wu", owner=ME, pods=pods, agents={"p0": view})
+    return fleet, Persisted(target_version="v2", clock_floor="2026-01-01T11:59:50Z")
+
+
+@pytest.mark.parametrize("accepted", [False, True])
+def test_operator_downtime_does_not_count_against_the_update_timeout(accepted: bool) -> None:
+    """Before: a unit claimed before the operator went down timed out at its first pass back
+    (UpdateTimeout, then FailureBudgetExceeded or CanaryFailed)."""
+    fleet, persisted = _claimed_long_ago(accepted)
+    p = plan(spec(), fleet, persisted, NOW)
+    assert not [a for a in p.actions if isinstance(a, AbortUpdate | Settle)]
+    assert p.persisted.aborted_at is None
+    # without the floor, the same pass times the unit out: the test sees the timer
+    late = plan(spec(), fleet, replace(persisted, clock_floor=None), NOW)
+    assert [a for a in late.actions if isinstance(a, Settle)]
+    assert late.persisted.abort_reason == Reason.FAILURE_BUDGET_EXCEEDED
