@@ -362,10 +362,12 @@ class AgentState(WireModel):
     """Body of ``GET /v1/state``: what the ranks serve *now*, not what the agent last recorded.
 
     ``version`` is the live version every rank reports (``weightroll_state``), ``""`` when the
-    ranks cannot be asked or disagree. ``committed_version`` and ``committed_update_id`` are the
-    agent's record of its last commit; ``committed_update_id`` is reported only while the ranks
-    still serve that commit (clean, at ``committed_version``), so a vLLM restarted under the agent
-    (boot weights again) reports ``None`` and a caller never takes an old verdict for a live one.
+    ranks cannot be asked or disagree; ``ranks`` is empty exactly when they cannot be asked
+    (vLLM booting or down), so a caller can tell the two apart. ``committed_version`` and
+    ``committed_update_id`` are the agent's record of its last commit; ``committed_update_id``
+    is reported only while the ranks still serve that commit (clean, at ``committed_version``),
+    so a vLLM restarted under the agent (boot weights again) reports ``None`` and a caller never
+    takes an old verdict for a live one.
     """
 
     version: str

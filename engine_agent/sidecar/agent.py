@@ -388,7 +388,9 @@ class Agent:
             ready=ready,
             paused=paused,
             active_update_id=self.store.active_id,
-            ranks=list(self._last_ranks),
+            # none when vLLM cannot be asked (booting, down): the last ones would be stale,
+            # and an empty list is how a caller tells a booting engine from disagreeing ranks
+            ranks=list(self._last_ranks) if reachable else [],
             # where the weights the ranks serve came from (unknown after a restart under us
             # unless they are the boot weights)
             source=memory.source

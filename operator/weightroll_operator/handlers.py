@@ -133,9 +133,11 @@ def register(
                 return backoff_delay(failures, rt.config.interval, 300.0)
             if result.calls_failed:
                 # A write or agent call failed inside the pass (429, 500, an agent refusing):
-                # back off exponentially from the poll interval, not retry at it forever.
+                # back off exponentially from the poll interval, not retry at it forever; capped
+                # at the idle interval, so the loop still passes as often as liveness expects.
                 failures += 1
-                return max(result.delay, backoff_delay(failures, rt.config.poll_interval, 300.0))
+                cap = rt.config.interval
+                return max(result.delay, backoff_delay(failures, rt.config.poll_interval, cap))
             failures = 0
             return result.delay
 

@@ -168,11 +168,11 @@ class PassResult:
 
     @property
     def calls_failed(self) -> bool:
-        """A pod write or an agent call failed (not a conflict, re-planned at once, nor an
-        Event): the caller backs off before the next pass."""
+        """A pod write or an agent call failed (not a conflict, re-planned at once, a pod that
+        is gone, nor an Event): the caller backs off before the next pass."""
         return any(
             r.error is not SKIPPED
-            and not isinstance(r.error, KubeConflict)
+            and not isinstance(r.error, KubeConflict | KubeNotFound)
             and not isinstance(r.action, Emit)
             for r in self.errors
         )
@@ -890,6 +890,7 @@ class Reconciler:
             active_update_id=state.active_update_id,
             clean=state.engine_state is EngineState.CLEAN,
             committed_update_id=state.committed_update_id,
+            engine_seen=bool(state.ranks),
         )
         slot = (pod.namespace, pod.name)
         if slot not in self._states and len(self._states) >= self.cache_limit:

@@ -49,6 +49,8 @@ from engine_agent.protocol import (
     AgentState,
     EngineState,
     ErrorBody,
+    RankId,
+    RankStatus,
     SourceSpec,
     UpdatePhase,
     UpdateRequest,
@@ -224,12 +226,19 @@ class FakeAgent:
             and self.engine is EngineState.CLEAN
         )
         source = self.source if self.engine is EngineState.CLEAN else None
+        rank = RankStatus(
+            rank=RankId(dp=0, pp=0, tp=0),
+            state=self.engine,
+            version=self.version,
+            serving_safe=self.engine is EngineState.CLEAN,
+        )
         state = AgentState(
             version=self.version,
             engine_state=self.engine,
             ready=self.ready,
             paused=self.paused,
             active_update_id=self.active,
+            ranks=[rank],  # vLLM answers (while booting: none, as from the real agent)
             source=None if source is None else SourceSpec(uri=source),
             message=f"held: {self.hold}" if self.hold else "",
             committed_version=self.committed_version,

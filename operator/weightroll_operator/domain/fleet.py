@@ -183,21 +183,24 @@ def terminating_units(
     spec: WeightUpdateSpec,
     namespace: str,
     owner: OwnerKey | None = None,
-) -> frozenset[str]:
-    """The unit keys of the pods :func:`select_one` would select but for their deletion.
+) -> dict[str, str]:
+    """The pods :func:`select_one` would select but for their deletion: unit key -> the
+    latest ``deletionTimestamp`` of its pods (when the grace period ends).
 
     A pod being deleted is out of traffic until it is gone, and its replacement may not exist
     yet: the budget counts its unit as unavailable (issue 11, C), though it is not in the fleet.
     """
-    keys: set[str] = set()
+    keys: dict[str, str] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
-        if not meta.get("deletionTimestamp") or meta.get("namespace") != namespace:
+        deleted = meta.get("deletionTimestamp")
+        if not deleted or meta.get("namespace") != namespace:
             continue
         owned = owner is not None and (meta.get("annotations") or {}).get(ANNOTATION_OWNER) == owner
         if owned or matches(spec.selector, meta.get("labels") or {}):
-            keys.add(_view(pod, spec.group_by).unit)
-    return frozenset(keys)
+            key = _view(pod, spec.group_by).unit
+            keys[key] = max(keys.get(key, ""), str(deleted))
+    return keys
 
 
 def sort_views(views: Iterable[PodView]) -> tuple[PodView, ...]:

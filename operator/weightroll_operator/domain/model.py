@@ -232,6 +232,9 @@ class AgentView:
     #: The update id that committed what the ranks serve now (``None``: boot weights, or they
     #: no longer serve the agent's last commit).
     committed_update_id: str | None = None
+    #: vLLM answered (``/v1/state`` carries rank reports): no known ``version`` then means the
+    #: ranks disagree (a failed commit), not a booting engine.
+    engine_seen: bool = False
 
     @property
     def claimable(self) -> bool:

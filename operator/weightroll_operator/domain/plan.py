@@ -167,9 +167,11 @@ class Fleet:
     units: tuple[Unit, ...] | None = None
     #: Pods whose agent answer is an earlier pass's (cached): they are not claimed on it.
     cached: frozenset[str] = frozenset()
-    #: Selected pods being deleted, by unit key: out of traffic until they are gone, so each
-    #: such unit counts as unavailable (its replacement may not be seen yet).
-    terminating: frozenset[str] = frozenset()
+    #: Selected pods being deleted: unit key -> the end of their grace period
+    #: (``deletionTimestamp``). Until then they are out of traffic and not gone, so each such
+    #: unit counts as unavailable (its replacement may not be seen yet); a pod still there after
+    #: it (a lost node) no longer holds the rollout.
+    terminating: Mapping[str, str] = field(default_factory=dict)
 
     def attempt_id(self, version: str, attempt: int, *, rollback: bool = False) -> UpdateId:
         return attempt_id(
@@ -438,14 +440,28 @@ def serves_attempt(agent: AgentView, st: WeightState) -> bool:
     )
 
 
-def _can_claim(agent: AgentView | None) -> bool:
-    """Claim only a pod whose agent answers at a known version (``AgentView.claimable``).
+def _can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str) -> bool:
+    """Claim only a pod whose agent answers at a known version (``AgentView.claimable``), or
+    one this WeightUpdate already tried at this version (a retry: its previous weights are
+    known) whose ranks answer but disagree on the version (a failed commit left them mixed).
 
-    Also when this WeightUpdate tried the pod before (a retry): an agent with no known version
-    is booting (vLLM not up), and a claim would count its boot time against the update timer,
-    fail the unit and, with ``onFailure: Rollback``, roll the fleet back.
+    Never a booting one (vLLM not answering), whoever tried it before: the claim would count
+    its boot time against the update timer, fail the unit and, with ``onFailure: Rollback``,
+    roll the fleet back.
     """
-    return agent is not None and agent.claimable
+    if agent is None or not agent.reachable or agent.active_update_id:
+        return False
+    if agent.claimable:
+        return True
+    st = pod.state
+    return (
+        agent.engine_seen
+        and st is not None
+        and st.by == owner
+        and st.version == version
+        and st.rollback_of is None
+        and bool(st.previous_version)
+    )
 
 
 def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
@@ -790,9 +806,10 @@ class Halt:
     hold_released: bool
     #: Units that still need this version and are not in flight.
     pending: tuple[Unit, ...]
-    #: Units this WeightUpdate touched for this version, in flight or with a verdict that
-    #: stands (the canary is the first of them); a unit tried again is not among them.
+    #: Units this WeightUpdate touched for this version (the canary is the first of them).
     touched: tuple[Unit, ...]
+    #: How many of them are in flight or have a verdict that stands (not tried again).
+    decided: int = 0
 
 
 def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[str]) -> Halt:
@@ -827,19 +844,16 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         and st.version == version
         and st.rollback_of is None
     }
+    touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
     # A touched unit that wants the version again (``weightroll retry`` of a failed canary, a
-    # verified pod whose engine restarted) has no verdict that stands: it is not the canary yet,
-    # and the rest of the fleet keeps waiting for one.
-    touched = (
-        tuple(u for u in units if u.key in touched_keys and by_unit[u.key].isdisjoint(_WANTING))
-        if touched_keys
-        else ()
-    )
+    # verified pod whose engine restarted) has no verdict that stands: it does not count toward
+    # the canary's verdicts, so after a retry of a failed canary the rest waits for a new one.
+    decided = sum(1 for u in touched if by_unit[u.key].isdisjoint(_WANTING))
     canary = spec.strategy.canary
     canary_hold = (
         canary is not None
         and spec.strategy.pause_after_canary
-        and len(touched) >= canary
+        and decided >= canary
         and not flying
         and bool(pending)
     )
@@ -894,17 +908,22 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
             f"Halted: no progress for {spec.strategy.progress_deadline_seconds}s",
             warning=True,
         )
-    return Halt(aborted_at, abort_reason, paused_reason, hold_released, pending, touched)
+    return Halt(aborted_at, abort_reason, paused_reason, hold_released, pending, touched, decided)
 
 
-def budget(seen: Seen, flying: frozenset[str], terminating: frozenset[str] = frozenset()) -> int:
+def budget(
+    seen: Seen,
+    flying: frozenset[str],
+    terminating: Mapping[str, str] | None = None,
+    now: datetime | None = None,
+) -> int:
     """Step 4: how many more units may become unavailable this pass.
 
     A unit is unavailable from its drain until its pods are observed Ready after the GateOn:
     while any pod is not Ready, it is in flight or failed, or it is seen in a view older than
     the operator's own last write to it. Starting a unit that is already unavailable is free.
     A unit with a pod being deleted (``Fleet.terminating``) is out of traffic too, whether or
-    not its replacement is seen yet.
+    not its replacement is seen yet, until its grace period ends.
     """
     down = {
         u.key
@@ -914,7 +933,12 @@ def budget(seen: Seen, flying: frozenset[str], terminating: frozenset[str] = fro
         or u.key in flying
         or not seen.by_unit[u.key].isdisjoint(_FAILED_CLASSES)
     }
-    return seen.max_unavailable - len(down) - len(terminating - down)
+    leaving = {
+        key
+        for key, until in (terminating or {}).items()
+        if key not in down and (now is None or (parse_time(until) or now) >= now)
+    }
+    return seen.max_unavailable - len(down) - len(leaving)
 
 
 def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> int:
@@ -982,18 +1006,18 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
     The canary goes first; the rest waits until every canary unit has a verdict. Only units
     whose pending pods may be claimed (:func:`_can_claim`) start.
     """
-    fleet = b.fleet
+    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
     canary = b.spec.strategy.canary
     limit = None
-    if canary is not None and (len(halt.touched) < canary or flying):
-        limit = max(0, canary - len(halt.touched))
+    if canary is not None and (halt.decided < canary or flying):
+        limit = max(0, canary - halt.decided)
 
     def startable(u: Unit) -> bool:
         return (
             u.key not in seen.frozen
             and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
             and all(
-                _can_claim(fleet.agents.get(p.name))
+                _can_claim(p, fleet.agents.get(p.name), owner, version)
                 for p in u.pods
                 if seen.classes[p.name] is PodClass.PENDING
             )
@@ -1045,7 +1069,7 @@ def _notes(
     b: _Builder, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
 ) -> dict[str, str]:
     """Why a pod is not being worked on, or is worked on again, by pod name."""
-    fleet, version = b.fleet, b.spec.version
+    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
     notes: dict[str, str] = {}
     for name, cls in classes.items():
         if cls not in _NOTED:
@@ -1053,7 +1077,7 @@ def _notes(
         agent, st = fleet.agents.get(name), pods[name].state
         if cls is PodClass.UNKNOWN:
             notes[name] = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
-        elif cls is PodClass.PENDING and not _can_claim(agent):
+        elif cls is PodClass.PENDING and not _can_claim(pods[name], agent, owner, version):
             notes[name] = "Joining: waiting for its agent to answer at a known version"
         if (
             cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
@@ -1168,7 +1192,7 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(b, seen)
     halt = deadlines(b, seen, persisted, flying)
-    slots = budget(seen, flying, fleet.terminating)
+    slots = budget(seen, flying, fleet.terminating, now)
     rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
     remaining = 0
     if rollback:

@@ -237,3 +237,24 @@ async def test_agent_killed_mid_update_and_restarted(
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
                 await process.wait()
+
+
+async def test_state_reports_no_ranks_while_vllm_is_down(
+    fake: FakeVllm, token_file: Path, tmp_path: Path
+) -> None:
+    """No rank reports while vLLM cannot be asked (the last ones would be stale): that is how
+    the operator tells a booting engine (never claimed) from ranks left on different versions
+    by a failed commit (reloaded by a retry)."""
+    harness = await start_harness(fake, token_file, tmp_path / "state")
+    try:
+        await harness.wait_ready()
+        state = await (await harness.get("/v1/state")).json()
+        assert state["ranks"], state
+        await fake.stop()
+        await harness.wait_ready(False)
+        state = await (await harness.get("/v1/state")).json()
+        assert (state["version"], state["ranks"]) == ("", []), state
+        await fake.start(fake.port)
+        await harness.wait_ready()
+    finally:
+        await stop_harness(harness)

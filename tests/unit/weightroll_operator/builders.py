@@ -103,6 +103,7 @@ def agent(
     if version is None:
         version = update_version if committed else "v1"
     kw.setdefault("committed_update_id", update_id if committed else None)
+    kw.setdefault("engine_seen", bool(version))  # no version and no rank reports: booting
     if phase is not None:
         update = UpdateView(
             id=update_id,

@@ -69,7 +69,7 @@ def test_a_pass_whose_writes_or_agent_calls_failed_backs_off() -> None:
     from weightroll_operator.apply import SKIPPED, ActionResult
     from weightroll_operator.domain.actions import Emit, GateOff
     from weightroll_operator.domain.fleet import pod_view
-    from weightroll_operator.errors import KubeConflict, KubeError
+    from weightroll_operator.errors import KubeConflict, KubeError, KubeNotFound
     from weightroll_operator.reconcile import PassResult
 
     from tests.harness.kube_fleet import make_pod
@@ -82,5 +82,6 @@ def test_a_pass_whose_writes_or_agent_calls_failed_backs_off() -> None:
 
     assert failed(ActionResult(gate, KubeError(429, "too many requests")))
     assert not failed(ActionResult(gate, KubeConflict(409, "conflict")))
+    assert not failed(ActionResult(gate, KubeNotFound(404, "the pod is gone")))
     assert not failed(ActionResult(gate, SKIPPED), ActionResult(emit, KubeError(500, "boom")))
     assert not failed()

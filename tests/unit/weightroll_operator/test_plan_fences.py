@@ -47,6 +47,22 @@ def test_a_retried_canary_holds_the_rest_until_its_new_verdict() -> None:
     assert claimed(p) == []
 
 
+def test_a_canary_whose_engine_restarted_stays_the_canary() -> None:
+    """The canary is the first unit touched, whatever it wants now: a later failure that
+    ``maxFailedReplicas`` allows is not taken for a failed canary (no halt, no rollback)."""
+    verified = state(UnitState.VERIFIED, started="2026-01-01T11:50:00Z")
+    failed = state(UnitState.FAILED, reason="DigestMismatch", started="2026-01-01T11:55:00Z")
+    pods = [
+        pod("p0", gate=False, ready=False, st=verified),  # vLLM restarted under it
+        pod("p1", gate=False, ready=False, st=failed, owner=ME),
+        pod("p2"),
+    ]
+    s = spec(maxUnavailable=3, canary=1, maxFailedReplicas=1, onFailure="Rollback")
+    p = run(s, pods, {**FRESH, "p0": agent("v1", ready=False)})
+    assert p.persisted.aborted_at is None
+    assert "p0" in claimed(p)
+
+
 def test_a_booting_pod_tried_before_is_not_claimed() -> None:
     """Before: a pod this WeightUpdate had tried was claimed whatever its agent said, so a
     booting engine (vLLM not up: no version) failed the unit on its boot time and could halt
@@ -60,6 +76,10 @@ def test_a_booting_pod_tried_before_is_not_claimed() -> None:
     assert claimed(run(spec(), pods, {"p0": agent("v1", ready=False, clean=False)}, RETRIED)) == [
         "p0"
     ]
+    # vLLM answers, but a failed commit left the ranks on different versions (no one version):
+    # the retry still reloads it (its previous weights are recorded)
+    mixed = agent("", ready=False, clean=False, engine_seen=True)
+    assert claimed(run(spec(), pods, {"p0": mixed}, RETRIED)) == ["p0"]
 
 
 def _claimable_fleet(cached: frozenset[str]) -> Fleet:
@@ -101,16 +121,21 @@ def test_refreshes_are_bounded_by_the_budget() -> None:
     assert p.refresh == frozenset({"p0"})
 
 
+LATER, EARLIER = "2026-01-01T12:00:30Z", "2026-01-01T11:50:00Z"
+
+
 @pytest.mark.parametrize(
     ("terminating", "expected"),
     [
-        (frozenset(), ["p0"]),
-        (frozenset({"gone"}), []),  # its slot is taken until it is gone
-        (frozenset({"p1"}), []),  # a group with a member being deleted, the rest Ready
+        ({}, ["p0"]),
+        ({"gone": LATER}, []),  # its slot is taken until it is gone
+        ({"p1": LATER}, []),  # a group with a member being deleted, the rest Ready
+        # still there after its grace period (a lost node): it no longer holds the rollout
+        ({"gone": EARLIER}, ["p0"]),
     ],
 )
 def test_a_pod_being_deleted_counts_as_unavailable(
-    terminating: frozenset[str], expected: list[str]
+    terminating: dict[str, str], expected: list[str]
 ) -> None:
     """Before: a pod being deleted left the fleet and freed its slot at once, before its
     replacement (NotReady) was seen: maxUnavailable + 1 out of traffic."""
