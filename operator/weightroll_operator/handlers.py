@@ -117,10 +117,14 @@ def register(
     async def reconcile_loop(
         body: kopf.Body, namespace: str | None, stopped: kopf.DaemonStopped, **kw: Any
     ) -> None:
-        failures = 0
+        failures = calls_failed = 0
+        # Backoffs stay well under the liveness limit (``liveness_stall_intervals`` intervals
+        # without a pass restarts the operator): a long sleep of a healthy loop is not a stall.
+        stall = rt.config.liveness_stall_intervals * rt.config.interval
+        cap = min(300.0, stall / 3) if stall > 0 else 300.0
 
         async def one_pass() -> float:
-            nonlocal failures
+            nonlocal failures, calls_failed
             try:
                 result = await run(body, namespace, kw)
             except kopf.PermanentError as e:
@@ -130,15 +134,18 @@ def register(
                 failures += 1
                 logger.debug("Pass of %s/%s failed (%d): %s", namespace, body.metadata.name,
                              failures, e)  # fmt: skip
-                return backoff_delay(failures, rt.config.interval, 300.0)
+                return backoff_delay(failures, rt.config.interval, cap)
+            failures = 0
             if result.calls_failed:
                 # A write or agent call failed inside the pass (429, 500, an agent refusing):
                 # back off exponentially from the poll interval, not retry at it forever; capped
                 # at the idle interval, so the loop still passes as often as liveness expects.
-                failures += 1
-                cap = rt.config.interval
-                return max(result.delay, backoff_delay(failures, rt.config.poll_interval, cap))
-            failures = 0
+                calls_failed += 1
+                return max(
+                    result.delay,
+                    backoff_delay(calls_failed, rt.config.poll_interval, rt.config.interval),
+                )
+            calls_failed = 0
             return result.delay
 
         ns, name = namespace or "", str(body.metadata.name)

@@ -808,8 +808,9 @@ class Halt:
     pending: tuple[Unit, ...]
     #: Units this WeightUpdate touched for this version (the canary is the first of them).
     touched: tuple[Unit, ...]
-    #: How many of them are in flight or have a verdict that stands (not tried again).
-    decided: int = 0
+    #: The canary units have a verdict that stands (settled, not wanting the version again):
+    #: units never touched may start beyond the canary (always True without a canary).
+    canary_done: bool = True
 
 
 def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[str]) -> Halt:
@@ -845,23 +846,34 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         and st.rollback_of is None
     }
     touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
-    # A touched unit that wants the version again (``weightroll retry`` of a failed canary, a
-    # verified pod whose engine restarted) has no verdict that stands: it does not count toward
-    # the canary's verdicts, so after a retry of a failed canary the rest waits for a new one.
-    decided = sum(1 for u in touched if by_unit[u.key].isdisjoint(_WANTING))
     canary = spec.strategy.canary
+    # The canary is the first unit(s) touched, whatever they want now. Its verdict stands once
+    # each of them is settled and does not want the version again: a retried failed canary, or
+    # a verified one whose engine restarted, must earn it anew before the rest may start.
+    canary_units = (
+        frozenset(u.key for u in sorted(touched, key=_first_start)[:canary])
+        if canary
+        else frozenset()
+    )
+    canary_done = canary is None or (
+        len(canary_units) >= canary
+        and all(
+            k not in flying and by_unit[k].isdisjoint(_WANTING)
+            for k in canary_units
+            if k in by_unit
+        )
+    )
     canary_hold = (
         canary is not None
         and spec.strategy.pause_after_canary
-        and decided >= canary
+        and canary_done
         and not flying
-        and bool(pending)
+        and any(u.key not in touched_keys for u in pending)
     )
     paused_reason = (
         Reason.PAUSED_BY_SPEC if spec.paused else Reason.CANARY_COMPLETE if canary_hold else None
     )
     # A failed canary halts whatever maxFailedReplicas tolerates: the canary is the test.
-    canary_units = {u.key for u in sorted(touched, key=_first_start)[:canary]} if canary else set()
     canary_failed = sorted(u.key for u in units if u.key in canary_units and failed(u))
     if aborted_at is None and canary_failed:
         aborted_at, abort_reason = timestamp(now), Reason.CANARY_FAILED
@@ -908,7 +920,9 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
             f"Halted: no progress for {spec.strategy.progress_deadline_seconds}s",
             warning=True,
         )
-    return Halt(aborted_at, abort_reason, paused_reason, hold_released, pending, touched, decided)
+    return Halt(
+        aborted_at, abort_reason, paused_reason, hold_released, pending, touched, canary_done
+    )
 
 
 def budget(
@@ -1003,14 +1017,17 @@ def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> in
 def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slots: int) -> None:
     """Step 5b: start new units, already-unready ones first (free), then while slots remain.
 
-    The canary goes first; the rest waits until every canary unit has a verdict. Only units
-    whose pending pods may be claimed (:func:`_can_claim`) start.
+    The canary goes first; units never touched wait until every canary unit has a verdict
+    that stands (``Halt.canary_done``), while touched units that want the version again (a
+    retried canary among them) may start within the budget. Only units whose pending pods may
+    be claimed (:func:`_can_claim`) start.
     """
     fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
     canary = b.spec.strategy.canary
-    limit = None
-    if canary is not None and (halt.decided < canary or flying):
-        limit = max(0, canary - halt.decided)
+    touched = {u.key for u in halt.touched}
+    limit = None  # how many units never touched may start
+    if canary is not None and not halt.canary_done:
+        limit = max(0, canary - len(touched))
 
     def startable(u: Unit) -> bool:
         return (
@@ -1026,15 +1043,23 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
     # Unready units first, each group by key; the test is evaluated lazily, so a pass that
     # may start a few units does not examine every pending one (the loop stops early).
     order = sorted(halt.pending, key=lambda u: (u.ready, u.key))
-    for unit in (u for u in order if startable(u)):
-        if limit is not None and limit <= 0:
-            break
+    # touched units still to visit: once none is left, a spent limit ends the loop
+    again = sum(1 for u in order if u.key in touched) if limit is not None else 0
+    for unit in order:
+        fresh = unit.key not in touched
+        again -= not fresh
+        if fresh and limit is not None and limit <= 0:
+            if again <= 0:
+                break
+            continue
+        if not startable(unit):
+            continue
+        if fresh and limit is not None:
+            limit -= 1
         if unit.ready:
             if slots <= 0:
                 break
             slots -= 1
-        if limit is not None:
-            limit -= 1
         # A claim records what the pod serves (the rollback target) and that it runs no
         # update: only an answer from this pass may say so, never a cached one (a trainer push
         # changes both without touching the pod). The caller asks afresh and plans again.

@@ -169,3 +169,30 @@ def test_operator_downtime_does_not_count_against_the_update_timeout(accepted: b
     late = plan(spec(), fleet, replace(persisted, clock_floor=None), NOW)
     assert [a for a in late.actions if isinstance(a, Settle)]
     assert late.persisted.abort_reason == Reason.FAILURE_BUDGET_EXCEEDED
+
+
+@pytest.mark.parametrize("pause_after_canary", [False, True])
+def test_nothing_passes_a_canary_that_must_earn_its_verdict_again(pause_after_canary: bool) -> None:
+    """The canary verified, then its vLLM restarted and is booting (not claimable): the rest
+    neither starts in its place nor is held as "CanaryComplete" (found reviewing 600adc4)."""
+    canary = pod("p0", gate=False, ready=False, st=state(UnitState.VERIFIED))
+    pods = [canary, pod("p1"), pod("p2")]
+    s = spec(maxUnavailable=3, canary=1, pauseAfterCanary=pause_after_canary)
+    p = run(s, pods, {**FRESH, "p0": agent("", ready=False, clean=False)})
+    assert (claimed(p), p.paused_reason) == ([], None)
+    # the same after a retry of a failed canary that is booting
+    p = run(s, _failed_canary(), {**FRESH, "p0": agent("", ready=False)}, RETRIED)  # type: ignore[arg-type]
+    assert claimed(p) == []
+
+
+def test_after_the_canary_units_start_while_others_are_in_flight() -> None:
+    """Once the canary's verdict stands, a unit in flight no longer stops new starts (the
+    rollout went in whole waves)."""
+    pods = [
+        pod("p0", st=state(UnitState.VERIFIED, started="2026-01-01T11:50:00Z")),
+        pod("p1", gate=False, ready=False, st=state(UnitState.DRAINING)),
+        pod("p2"),
+        pod("p3"),
+    ]
+    p = run(spec(maxUnavailable=3, canary=1), pods, {**FRESH, "p0": agent("v2")})
+    assert claimed(p) == ["p2", "p3"]
