@@ -118,10 +118,11 @@ def register(
         body: kopf.Body, namespace: str | None, stopped: kopf.DaemonStopped, **kw: Any
     ) -> None:
         failures = calls_failed = 0
-        # Backoffs stay well under the liveness limit (``liveness_stall_intervals`` intervals
-        # without a pass restarts the operator): a long sleep of a healthy loop is not a stall.
+        # Backoffs stay under the liveness limit (``liveness_stall_intervals`` intervals without
+        # a pass restarts the operator): with the jitter (x1.5) at most half of it, never below
+        # the idle interval.
         stall = rt.config.liveness_stall_intervals * rt.config.interval
-        cap = min(300.0, stall / 3) if stall > 0 else 300.0
+        cap = max(rt.config.interval, min(300.0, stall / 3)) if stall > 0 else 300.0
 
         async def one_pass() -> float:
             nonlocal failures, calls_failed

@@ -405,11 +405,6 @@ class _Builder:
         return (self.now - min(known)).total_seconds() if known else None
 
 
-def _first_start(unit: Unit) -> str:
-    starts = [p.state.started_at or "" for p in unit.pods if p.state is not None]
-    return min(starts, default="") + unit.key
-
-
 def _unit_label(unit: Unit) -> str:
     return unit.pods[0].name if len(unit.pods) == 1 else f"group {unit.key}"
 
@@ -847,24 +842,20 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
     }
     touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
     canary = spec.strategy.canary
-    # The canary is the first unit(s) touched, whatever they want now. Its verdict stands once
-    # each of them is settled and does not want the version again: a retried failed canary, or
-    # a verified one whose engine restarted, must earn it anew before the rest may start.
-    canary_units = (
-        frozenset(u.key for u in sorted(touched, key=_first_start)[:canary])
-        if canary
-        else frozenset()
-    )
-    canary_done = canary is None or (
-        len(canary_units) >= canary
-        and all(
-            k not in flying and by_unit[k].isdisjoint(_WANTING)
-            for k in canary_units
-            if k in by_unit
-        )
+    # The canary phase lasts while every unit touched for this version is a canary unit (no
+    # start times involved: a re-claim rewrites them). The canary's verdict stands once each
+    # of them is settled and does not want the version again: a retried failed canary, or a
+    # verified one whose engine restarted before the rest started, earns it anew first. Once
+    # units beyond it have started, the phase is over for good: a canary unit that fails later
+    # is one failure among others, counted against maxFailedReplicas.
+    canary_phase = canary is not None and len(touched) <= canary
+    canary_done = not canary_phase or (
+        canary is not None
+        and len(touched) >= canary
+        and all(u.key not in flying and by_unit[u.key].isdisjoint(_WANTING) for u in touched)
     )
     canary_hold = (
-        canary is not None
+        canary_phase
         and spec.strategy.pause_after_canary
         and canary_done
         and not flying
@@ -874,7 +865,7 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         Reason.PAUSED_BY_SPEC if spec.paused else Reason.CANARY_COMPLETE if canary_hold else None
     )
     # A failed canary halts whatever maxFailedReplicas tolerates: the canary is the test.
-    canary_failed = sorted(u.key for u in units if u.key in canary_units and failed(u))
+    canary_failed = sorted(u.key for u in touched if failed(u)) if canary_phase else []
     if aborted_at is None and canary_failed:
         aborted_at, abort_reason = timestamp(now), Reason.CANARY_FAILED
         b.emit(

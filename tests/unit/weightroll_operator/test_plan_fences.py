@@ -196,3 +196,34 @@ def test_after_the_canary_units_start_while_others_are_in_flight() -> None:
     ]
     p = run(spec(maxUnavailable=3, canary=1), pods, {**FRESH, "p0": agent("v2")})
     assert claimed(p) == ["p2", "p3"]
+
+
+def test_a_re_claimed_canary_does_not_pass_the_canary_role_on() -> None:
+    """The pass after re-claiming a canary whose engine restarted: its start time is now the
+    newest, and a later, tolerated failure was taken for the canary's (CanaryFailed, and with
+    onFailure: Rollback the fleet rolled back). Found reviewing 4d0fdc5."""
+    again = state(UnitState.DRAINING, attempt=2, started="2026-01-01T12:00:00Z")
+    failed = state(UnitState.FAILED, reason="DigestMismatch", started="2026-01-01T11:55:00Z")
+    pods = [
+        pod("p0", gate=False, ready=False, st=again),
+        pod("p1", gate=False, ready=False, st=failed, owner=ME),
+        pod("p2"),
+    ]
+    s = spec(maxUnavailable=3, canary=1, maxFailedReplicas=1, onFailure="Rollback")
+    p = run(s, pods, {**FRESH, "p0": agent(phase=UpdatePhase.LOADING)})
+    assert (p.persisted.aborted_at, p.rolling_back) == (None, False)
+
+
+def test_a_canary_restarting_mid_rollout_does_not_stop_the_rollout() -> None:
+    """Once units beyond the canary started, the canary phase is over: a canary whose vLLM
+    restarts (booting) is one pod to update again, not a gate on the rest."""
+    done = state(UnitState.VERIFIED, started="2026-01-01T11:50:00Z")
+    pods = [
+        pod("p0", gate=False, ready=False, st=done),  # the canary, booting again
+        *(pod(f"p{i}", st=state(UnitState.VERIFIED)) for i in (1, 2, 3)),
+        pod("p4"),
+        pod("p5"),
+    ]
+    agents = {**FRESH, "p0": agent("", ready=False), **{f"p{i}": agent("v2") for i in (1, 2, 3)}}
+    p = run(spec(maxUnavailable=3, canary=1), pods, agents)
+    assert claimed(p) == ["p4", "p5"]
