@@ -849,15 +849,18 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
     # units beyond it have started, the phase is over for good: a canary unit that fails later
     # is one failure among others, counted against maxFailedReplicas.
     canary_phase = canary is not None and len(touched) <= canary
-    canary_done = not canary_phase or (
-        canary is not None
-        and len(touched) >= canary
-        and all(u.key not in flying and by_unit[u.key].isdisjoint(_WANTING) for u in touched)
+    settled = all(u.key not in flying and by_unit[u.key].isdisjoint(_WANTING) for u in touched)
+    # With pauseAfterCanary only `weightroll promote` (the flag set false) ends the phase, so
+    # units never touched start only within the canary's count, however many were touched.
+    pause = canary is not None and spec.strategy.pause_after_canary
+    canary_done = not pause and (
+        not canary_phase or (canary is not None and len(touched) >= canary and settled)
     )
     canary_hold = (
-        canary_phase
-        and spec.strategy.pause_after_canary
-        and canary_done
+        pause
+        and canary is not None
+        and len(touched) >= canary
+        and settled
         and not flying
         and any(u.key not in touched_keys for u in pending)
     )

@@ -227,3 +227,15 @@ def test_a_canary_restarting_mid_rollout_does_not_stop_the_rollout() -> None:
     agents = {**FRESH, "p0": agent("", ready=False), **{f"p{i}": agent("v2") for i in (1, 2, 3)}}
     p = run(spec(maxUnavailable=3, canary=1), pods, agents)
     assert claimed(p) == ["p4", "p5"]
+
+
+def test_pause_after_canary_holds_however_many_units_were_touched() -> None:
+    """More units verified under this owner than ``canary`` (a WeightUpdate re-created under
+    the same name, or ``canary`` lowered during the hold): with pauseAfterCanary only a promote
+    lets the rest start (found reviewing 90036c6, which started them all)."""
+    pods = [pod(f"p{i}", st=state(UnitState.VERIFIED)) for i in range(3)]
+    pods += [pod("p3"), pod("p4")]
+    agents = {**FRESH, **{f"p{i}": agent("v2") for i in range(3)}}
+    p = run(spec(maxUnavailable=3, canary=1, pauseAfterCanary=True), pods, agents)
+    assert (claimed(p), p.paused_reason) == ([], Reason.CANARY_COMPLETE)
+    assert claimed(run(spec(maxUnavailable=3, canary=1), pods, agents)) == ["p3", "p4"]
