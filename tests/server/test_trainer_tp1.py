@@ -186,9 +186,15 @@ async def test_vllm_restarted_mid_push(sc: Scenario) -> None:
         assert loop.time() < end, "the push never started"
         await asyncio.sleep(0.2)
     # Until it commits, vLLM's own marker says no agent accepted the push: an agent restarted
-    # without its state directory must not adopt the bytes (vLLM's "default" would let it).
-    marker = (await (await sc.http.get(f"{sc.server.url}/weight_info")).json())["weight_version"]
-    assert marker.startswith("weightroll-unaccepted:push-"), marker
+    # without its state directory must not adopt the bytes (vLLM's "default" would let it). The
+    # agent holds readiness first and sets the marker next, before any byte is sent: wait for it.
+    while True:
+        info = await (await sc.http.get(f"{sc.server.url}/weight_info")).json()
+        marker = info["weight_version"]
+        if marker.startswith("weightroll-unaccepted:push-"):
+            break
+        assert loop.time() < end and not trainer.done(), marker
+        await asyncio.sleep(0.1)
     await sc.server.stop()
     hold.unlink()
     result = await trainer
