@@ -249,7 +249,7 @@ def _kernel_state(name: str, fn: Any) -> bool:
             continue
         if isinstance(value, torch.Tensor):
             return True
-        if name in _KERNEL_CALLABLES and not isinstance(value, _PRIMITIVES | nn.Module):
+        if name in _KERNEL_CALLABLES and not isinstance(value, (*_PRIMITIVES, nn.Module)):
             return True
     return False
 

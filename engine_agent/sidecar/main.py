@@ -117,6 +117,12 @@ def _parser() -> argparse.ArgumentParser:
         help="path or file:// URI of the weights vLLM starts with [INITIAL_SOURCE]",
     )
     add(
+        "--initial-manifest",
+        default=_env("INITIAL_MANIFEST"),
+        help="manifest of --initial-source, as a WeightUpdate names it: the operator counts a "
+        "booted pod at the target only when both match spec.source [INITIAL_MANIFEST]",
+    )
+    add(
         "--source-root",
         default=_env("SOURCE_ROOT"),
         help="resolve weight sources and manifests under this directory [SOURCE_ROOT]",
@@ -144,7 +150,13 @@ def _parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> AgentConfig:
     """Turn parsed arguments into an :class:`AgentConfig` (validates URL and source)."""
     require_loopback(args.vllm_url)
-    source = None if not args.initial_source else SourceSpec(uri=args.initial_source)
+    if args.initial_manifest and not args.initial_source:
+        raise ValueError("--initial-manifest needs --initial-source (the weights it describes)")
+    source = (
+        None
+        if not args.initial_source
+        else SourceSpec(uri=args.initial_source, manifest=args.initial_manifest or None)
+    )
     return AgentConfig(
         vllm_url=args.vllm_url,
         begin_timeout=args.begin_timeout,

@@ -84,6 +84,7 @@ from weightroll_operator.domain.plan import (
     parse_time,
     plan,
     queries,
+    target_source,
 )
 from weightroll_operator.domain.release import DELETED_SUFFIX, release
 from weightroll_operator.domain.status import build_status, invalid_status, status_patch
@@ -420,7 +421,7 @@ class Reconciler:
         persisted = Persisted.from_status(old_status, spec.version)
         persisted = replace(persisted, clock_floor=timestamp(self.started or now))
         with paused_gc():
-            asked = queries(views, owner, spec.version, persisted.retried_at)
+            asked = queries(views, owner, spec.version, target_source(spec), persisted.retried_at)
         cached: set[str] = set()
         agents = await self._observe(views, asked, token, cached)
         with paused_gc():

@@ -134,49 +134,109 @@ def _http_json(
 
 
 class ReadySampler:
-    """Samples the pods' real ``Ready`` conditions (as kubelet wrote them) in a thread.
+    """Follows the pods' real ``Ready`` conditions (as kubelet wrote them) through a watch.
 
     The independent check of the availability budget: never more than ``maxUnavailable`` pods
     out of traffic at once, judged from the API server, not from the operator's bookkeeping.
+    A list, then a watch from the list's resourceVersion: every pod change the API server made
+    in between is seen in order, so a drain shorter than a poll cannot slip past (a poll every
+    0.2 s, each a ``kubectl get`` of 1 s or more on a loaded 2-core machine, could). A watch
+    that cannot resume without a gap (``410 Gone``) fails the test instead of looking clean.
     """
 
-    def __init__(self, fleet: Fleet, pods: tuple[str, ...], period: float = 0.2) -> None:
-        self.fleet, self.pods, self.period = fleet, pods, period
+    def __init__(self, fleet: Fleet, pods: tuple[str, ...]) -> None:
+        self.fleet, self.pods = fleet, pods
+        self.ready: dict[str, str | None] = {p: None for p in pods}
         self.most_out = 0
-        #: The sample with the most pods out: pod -> Ready.
+        #: The state with the most pods out: pod -> Ready.
         self.worst: dict[str, str | None] = {}
-        self.samples = 0
+        #: Pods seen out of traffic at least once while watched.
+        self.went_out: set[str] = set()
+        #: Why the watch could not see every change (the check is then void).
+        self.broken: str | None = None
+        self.resource_version = ""
+        self._proc: subprocess.Popen[str] | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ready-sampler", daemon=True)
+        self._lock = threading.Lock()  # guards the state seen, and _proc against _stop
+        self._thread = threading.Thread(target=self._run, name="ready-watch", daemon=True)
+
+    def _path(self, watch: bool) -> str:
+        path = f"/api/v1/namespaces/{NAMESPACE}/pods"
+        if watch:
+            path += f"?watch=1&resourceVersion={self.resource_version}"
+        return path
+
+    def _observe(self, *pods: dict[str, Any]) -> None:
+        """Apply one watch event, or the whole initial list at once (never judged half-read)."""
+        with self._lock:
+            for pod in pods:
+                name = pod["metadata"]["name"]
+                self.resource_version = pod["metadata"].get("resourceVersion") or (
+                    self.resource_version
+                )
+                if name not in self.ready:
+                    continue
+                status = None
+                for cond in (pod.get("status") or {}).get("conditions") or []:
+                    if cond.get("type") == "Ready":
+                        status = cond.get("status")
+                self.ready[name] = status
+                if status != "True":
+                    self.went_out.add(name)
+            out = sum(1 for v in self.ready.values() if v != "True")
+            if out > self.most_out:
+                self.most_out, self.worst = out, dict(self.ready)
+
+    def _list(self) -> None:
+        listed = json.loads(self.fleet.kubectl("get", "--raw", self._path(watch=False)))
+        self._observe(*listed["items"])
+        self.resource_version = listed["metadata"]["resourceVersion"]
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                items = json.loads(
-                    self.fleet.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json")
-                )["items"]
-            except (ValueError, KeyError, subprocess.SubprocessError):
-                continue
-            ready: dict[str, str | None] = {p: None for p in self.pods}
-            for item in items:
-                name = item["metadata"]["name"]
-                if name in ready:
-                    for cond in (item.get("status") or {}).get("conditions") or []:
-                        if cond.get("type") == "Ready":
-                            ready[name] = cond.get("status")
-            out = sum(1 for v in ready.values() if v != "True")
-            self.samples += 1
-            if out > self.most_out:
-                self.most_out, self.worst = out, ready
-            self._stop.wait(self.period)
+        # the server ends a watch after its own timeout: resume from the last version seen
+        while not self._stop.is_set() and self.broken is None:
+            with self._lock:  # __exit__ stops the watch it can see; none starts after that
+                if self._stop.is_set():
+                    return
+                self._proc = subprocess.Popen(
+                    [
+                        "kubectl",
+                        f"--kubeconfig={self.fleet.info.kubeconfig}",
+                        "get",
+                        "--raw",
+                        self._path(watch=True),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    self.broken = f"the pod watch lost events: {event.get('object')}"
+                    break
+                if event.get("type") == "DELETED":  # a deleted pod serves nothing
+                    self._observe({**event["object"], "status": {}})
+                elif event.get("type") != "BOOKMARK":
+                    self._observe(event["object"])
+            self._proc.wait()
+            if not self._stop.is_set() and self.broken is None:
+                self._stop.wait(0.2)
 
     def __enter__(self) -> ReadySampler:
+        self._list()
         self._thread.start()
         return self
 
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        with self._lock:
+            self._stop.set()
+            if self._proc is not None:
+                self._proc.terminate()
         self._thread.join(timeout=30)
+        if exc_type is None and self.broken is not None:
+            raise AssertionError(self.broken)
 
 
 def processes_naming(directory: Path) -> list[str]:

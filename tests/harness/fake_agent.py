@@ -87,6 +87,8 @@ class FakeAgent:
     token: str | None = None
     version: str = "v1"
     source: str = "/weights/v1"
+    #: The manifest of ``source`` (the real agent reports the whole source it committed).
+    manifest: str | None = None
     #: Seconds each of the three update phases takes.
     step: float = 0.02
     scripts: dict[str, Script] = field(default_factory=dict)
@@ -137,6 +139,7 @@ class FakeAgent:
     def restart_engine(self) -> None:
         """vLLM restarted under the agent: boot weights again; the agent's guard holds it."""
         self.version, self.source = str(self.boot_version), str(self.boot_source)
+        self.manifest = None
         self.engine = EngineState.CLEAN
         self.hold = (
             f"engine_restarted: ranks serve version {self.version} but the agent committed "
@@ -239,7 +242,7 @@ class FakeAgent:
             paused=self.paused,
             active_update_id=self.active,
             ranks=[rank],  # vLLM answers (while booting: none, as from the real agent)
-            source=None if source is None else SourceSpec(uri=source),
+            source=None if source is None else SourceSpec(uri=source, manifest=self.manifest),
             message=f"held: {self.hold}" if self.hold else "",
             committed_version=self.committed_version,
             committed_update_id=self.committed_id if serves_commit else None,
@@ -336,7 +339,7 @@ class FakeAgent:
             self._finish(uid, UpdatePhase.FAILED, ["DigestMismatch: rank tp1 digest differs"])
             return
         self.version = req.version
-        self.source = req.source.uri
+        self.source, self.manifest = req.source.uri, req.source.manifest
         self._finish(uid, UpdatePhase.COMMITTED, [])
 
     @property
@@ -353,6 +356,7 @@ class FakeAgent:
         """What the agent would say right now (used by the pod-status write log)."""
         return {
             "version": self.version,
+            "source": self.source,
             "ready": self.ready,
             "engine": self.engine.value,
             "committed_id": self.committed_id,

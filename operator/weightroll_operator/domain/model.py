@@ -9,6 +9,7 @@ it (the rollback target, recorded before the drain).
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -125,6 +126,19 @@ class SourceRef:
     uri: str
     manifest: str | None = None
 
+    def same_files(self, other: SourceRef | None) -> bool:
+        """``other`` names the same files: ``file://`` and redundant slashes are spelling only,
+        any other difference (or an unknown source) is other weights."""
+        return (
+            other is not None
+            and _local(self.uri) == _local(other.uri)
+            and _local(self.manifest) == _local(other.manifest)
+        )
+
+
+def _local(uri: str | None) -> str | None:
+    return None if uri is None else posixpath.normpath(uri.removeprefix("file://"))
+
 
 @dataclass(frozen=True, slots=True)
 class WeightState:
@@ -136,6 +150,9 @@ class WeightState:
     #: The version this state is about: the target of the update (or of the rollback).
     version: str
     update_id: UpdateId
+    #: Where ``version`` is loaded from (``spec.source``, or the rollback's recorded source): a
+    #: verdict vouches for these files only, not for every source labelled ``version``.
+    source: SourceRef | None = None
     #: What the pod served before this WeightUpdate first drained it (the rollback target).
     previous_version: str | None = None
     previous_source: SourceRef | None = None
@@ -164,10 +181,9 @@ class WeightState:
             "by": self.by,
             "version": self.version,
             "updateId": self.update_id,
+            "source": _source_json(self.source),
             "previousVersion": self.previous_version,
-            "previousSource": None
-            if self.previous_source is None
-            else {"uri": self.previous_source.uri, "manifest": self.previous_source.manifest},
+            "previousSource": _source_json(self.previous_source),
             "startedAt": self.started_at,
             "reason": self.reason or None,
             "trafficLabelValue": self.traffic_label_value,
@@ -181,16 +197,14 @@ class WeightState:
         """Parse the annotation; ``None`` for anything unreadable (treated as never touched)."""
         try:
             data = json.loads(text)
-            src = data.get("previousSource")
             return cls(
                 state=UnitState(data["state"]),
                 by=OwnerKey(data["by"]),
                 version=str(data["version"]),
                 update_id=UpdateId(data["updateId"]),
+                source=_source_of(data.get("source")),
                 previous_version=data.get("previousVersion"),
-                previous_source=None
-                if not src
-                else SourceRef(uri=src["uri"], manifest=src.get("manifest")),
+                previous_source=_source_of(data.get("previousSource")),
                 started_at=data.get("startedAt"),
                 reason=data.get("reason") or "",
                 traffic_label_value=data.get("trafficLabelValue"),
@@ -199,6 +213,14 @@ class WeightState:
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
+
+
+def _source_json(source: SourceRef | None) -> dict[str, str | None] | None:
+    return None if source is None else {"uri": source.uri, "manifest": source.manifest}
+
+
+def _source_of(data: Any) -> SourceRef | None:
+    return None if not data else SourceRef(uri=data["uri"], manifest=data.get("manifest"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,7 @@ from weightroll_operator.domain.model import (
     AgentView,
     OwnerKey,
     PodView,
+    SourceRef,
     UnitState,
     UpdateId,
     WeightState,
@@ -92,6 +93,7 @@ __all__ = [
     "parse_time",
     "plan",
     "queries",
+    "target_source",
     "serves_attempt",
 ]
 
@@ -219,8 +221,17 @@ _STARTABLE = frozenset({PodClass.PENDING, PodClass.UPDATED, PodClass.UNKNOWN})
 _WANTING = frozenset({PodClass.PENDING, PodClass.UNKNOWN})
 
 
+def target_source(spec: WeightUpdateSpec) -> SourceRef:
+    """The files ``spec.version`` is loaded from: what a verdict at the version must vouch for."""
+    return SourceRef(uri=spec.source.uri, manifest=spec.source.manifest)
+
+
 def queries(
-    pods: tuple[PodView, ...], owner: OwnerKey, version: str, retried_at: str | None = None
+    pods: tuple[PodView, ...],
+    owner: OwnerKey,
+    version: str,
+    source: SourceRef,
+    retried_at: str | None = None,
 ) -> dict[str, Query]:
     """Which agents to ask what, so a pass contacts only the pods whose state is not settled."""
     result: dict[str, Query] = {}
@@ -230,7 +241,7 @@ def queries(
             continue
         if st is not None and st.by == owner and pod.owner == owner and st.state.in_flight:
             result[pod.name] = Query(state=False, update_id=st.update_id)
-        elif st is not None and st.state is UnitState.VERIFIED and st.version == version:
+        elif _verified_at(st, version, source):
             # A verified pod whose containers are not ready (vLLM or the agent restarted under
             # it) may serve boot weights again: ask its agent, so it is re-updated, not counted.
             if pod.gate is not True or not pod.ready:
@@ -240,6 +251,35 @@ def queries(
         else:
             result[pod.name] = _ASK_STATE
     return result
+
+
+def _verified_at(
+    st: WeightState | None, version: str, source: SourceRef, *, legacy: bool = False
+) -> bool:
+    """A verdict at ``version`` loaded from ``source``. One from other files labelled the same
+    (``spec.source`` changed together with the version and back) is no verdict for this spec:
+    the pod is asked and updated again. A record older than the source field names none: its
+    agent is asked every pass; with ``legacy`` it stands while the agent cannot be asked, as it
+    did when it was written (else one missed answer after an upgrade would make a Succeeded
+    fleet's pod wanted again, and past the progress deadline halt or roll back the fleet)."""
+    return (
+        st is not None
+        and st.state is UnitState.VERIFIED
+        and st.version == version
+        and ((legacy and st.source is None) or source.same_files(st.source))
+    )
+
+
+def _serves(agent: AgentView | None, version: str, source: SourceRef) -> bool:
+    """The agent answers, ready, serving ``version`` from ``source`` (an unknown source, as
+    after a trainer push or a restart onto unrecorded boot weights, is not ``source``)."""
+    return (
+        agent is not None
+        and agent.reachable
+        and agent.version == version
+        and agent.ready
+        and source.same_files(agent.source)
+    )
 
 
 def _retried(st: WeightState, retried_at: str | None) -> bool:
@@ -264,10 +304,12 @@ def classify(
     agent: AgentView | None,
     owner: OwnerKey,
     version: str,
+    source: SourceRef,
     completed: bool,
     retried_at: str | None = None,
 ) -> PodClass:
-    """Classify one pod (see :class:`PodClass`)."""
+    """Classify one pod (see :class:`PodClass`); ``source`` is where ``version`` is loaded from:
+    a pod serving the version label from other files is not updated."""
     st = pod.state
     if pod.owner is not None and pod.owner != owner:
         return PodClass.BLOCKED
@@ -277,7 +319,7 @@ def classify(
         if _retried(st, retried_at) and st.state in (UnitState.FAILED, UnitState.ROLLED_BACK):
             # retried: a settled failure (or rollback) is pending again, tried by a new attempt
             reachable = agent is not None and agent.reachable
-            if reachable and agent is not None and agent.version == version and agent.ready:
+            if _serves(agent, version, source):
                 return PodClass.UPDATED
             return PodClass.PENDING if reachable else PodClass.UNKNOWN
         if st.state is UnitState.FAILED and st.rollback_of == version:
@@ -287,12 +329,11 @@ def classify(
         if st.state is UnitState.ROLLED_BACK and st.rollback_of == version:
             return PodClass.ROLLED_BACK
     reachable = agent is not None and agent.reachable
-    verified = st is not None and st.state is UnitState.VERIFIED and st.version == version
-    # An agent at the version that is not ready (held, paused, or poisoned after a failed push)
-    # no longer vouches for the verdict: the pod is updated again, not counted.
-    if verified and (not reachable or agent is None or (agent.version == version and agent.ready)):
+    # An agent at the version that is not ready (held, paused, or poisoned after a failed push),
+    # or serving it from other files, no longer vouches for the verdict: updated again.
+    if not reachable and _verified_at(st, version, source, legacy=True):
         return PodClass.UPDATED
-    if reachable and agent is not None and agent.version == version and agent.ready:
+    if _serves(agent, version, source):
         return PodClass.UPDATED
     if st is not None and st.by != owner and completed:
         return PodClass.FOREIGN
@@ -519,11 +560,17 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             running.append(pod)
         elif committed[pod.name]:
             continue
-        elif update is None and not rollback and st.version != spec.version:
-            # spec.version changed before this pod's update started: retarget it (keeping the
-            # recorded previous weights) instead of sending the old version with the new source.
+        elif (
+            update is None
+            and not rollback
+            and (st.version != spec.version or not target_source(spec).same_files(st.source))
+        ):
+            # spec.version (or with it the source) changed before this pod's update started:
+            # retarget it (keeping the recorded previous weights) instead of sending the old
+            # version with the new source, or recording the old source for the new files.
             retarget = st.evolve(
                 version=spec.version,
+                source=target_source(spec),
                 update_id=b.fleet.attempt_id(spec.version, st.attempt + 1),
                 attempt=st.attempt + 1,
                 started_at=timestamp(now),
@@ -641,6 +688,7 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
             st = pod.state.evolve(
                 state=UnitState.ROLLING_BACK,
                 version=pod.state.previous_version,
+                source=pod.state.previous_source,
                 update_id=b.fleet.attempt_id(pod.state.previous_version, attempt, rollback=True),
                 attempt=attempt,
                 started_at=timestamp(now),
@@ -667,6 +715,7 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
                 state=UnitState.DRAINING,
                 by=owner,
                 version=b.spec.version,
+                source=target_source(b.spec),
                 update_id=b.fleet.attempt_id(b.spec.version, attempt),
                 previous_version=previous,
                 previous_source=source,
@@ -744,12 +793,12 @@ class Seen:
 
 def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -> Seen:
     """Step 1: classify every pod (:func:`classify`) and group them into units."""
-    owner, version = fleet.owner, spec.version
+    owner, version, source = fleet.owner, spec.version, target_source(spec)
     units = fleet.units if fleet.units is not None else group_units(fleet.pods)
     completed = persisted.completion_time is not None
     classes = {
         p.name: classify(
-            p, fleet.agents.get(p.name), owner, version, completed, persisted.retried_at
+            p, fleet.agents.get(p.name), owner, version, source, completed, persisted.retried_at
         )
         for p in fleet.pods
     }
@@ -816,6 +865,7 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
     never counts against ``progressDeadlineSeconds``.
     """
     spec, now, owner, version = b.spec, b.now, b.fleet.owner, b.spec.version
+    target = target_source(spec)
     units, by_unit = seen.units, seen.by_unit
     aborted_at, abort_reason = persisted.aborted_at, persisted.abort_reason
 
@@ -839,6 +889,9 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         and st.by == owner
         and st.version == version
         and st.rollback_of is None
+        # touched for other files under this label is not touched for this spec (the canary
+        # goes first again); a record older than the source field counts as it did
+        and (st.source is None or target.same_files(st.source))
     }
     touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
     canary = spec.strategy.canary
@@ -1088,7 +1141,7 @@ def _notes(
     b: _Builder, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
 ) -> dict[str, str]:
     """Why a pod is not being worked on, or is worked on again, by pod name."""
-    fleet, owner, version = b.fleet, b.fleet.owner, b.spec.version
+    fleet, owner, version, source = b.fleet, b.fleet.owner, b.spec.version, target_source(b.spec)
     notes: dict[str, str] = {}
     for name, cls in classes.items():
         if cls not in _NOTED:
@@ -1105,13 +1158,15 @@ def _notes(
             and st.version == version
             and agent is not None
             and agent.reachable
-            and (agent.version != version or not agent.ready)
+            and not _serves(agent, version, source)
         ):
-            why = (
-                f"its agent now serves {agent.version or 'an unknown version'}"
-                if agent.version != version
-                else "its agent is not ready (held, paused or poisoned)"
-            )
+            if agent.version != version:
+                why = f"its agent now serves {agent.version or 'an unknown version'}"
+            elif not agent.ready:
+                why = "its agent is not ready (held, paused or poisoned)"
+            else:
+                served = agent.source.uri if agent.source else "unrecorded files"
+                why = f"it serves {version} from {served}, not from spec.source {source.uri}"
             notes[name] = (
                 f"NotServing: verified at {version} by {st.update_id}, but {why}; updated "
                 "again by a new attempt"

@@ -149,6 +149,7 @@ def release(
                         state=done,
                         by=gone,
                         version=served,
+                        source=agent.source,  # what it serves, not what the record aimed at
                         reason=f"Released on deletion, serving {served}",
                     ),
                     labels=labels,

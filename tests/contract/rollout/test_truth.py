@@ -59,6 +59,47 @@ async def test_flipping_the_version_back_reloads_for_real(h: Harness) -> None:
     h.assert_never_ready_unverified({"v1", "v2"})
 
 
+async def test_the_version_back_with_other_files_reloads_every_pod(h: Harness) -> None:
+    """v2 from S1, then v3 from S2 (source and version change together: admitted), then v2
+    from S2 before v3 started anywhere. Before: the agents' "v2" counted, so the fleet went
+    Succeeded still serving S1 for the spec's S2. Now a verdict vouches for its files only."""
+    await h.add_pods(2)
+    await h.create_wu("wu", "v2", source={"uri": "/weights/v2-s1"}, strategy={"maxUnavailable": 2})
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+    await h.patch_wu("wu", {"version": "v3", "source": {"uri": "/weights/v3-s2"}})
+    await h.patch_wu("wu", {"version": "v2", "source": {"uri": "/weights/v2-s2"}})
+
+    async def done() -> bool:
+        status = await h.status("wu")
+        fixed = all(h.agents[p].source == "/weights/v2-s2" for p in ("pod-0", "pod-1"))
+        return fixed and status.get("phase") == "Succeeded"
+
+    await h.run_until(["wu"], done)
+    for pod in ("pod-0", "pod-1"):
+        agent = h.agents[pod]
+        assert (agent.version, agent.source) == ("v2", "/weights/v2-s2"), agent.snapshot()
+        assert agent.runs == ["wu-v2-a1", "wu-v2-a2"], agent.runs
+    h.assert_never_ready_unverified({"v2"})
+
+
+async def test_a_second_weightupdate_at_the_same_version_from_other_files_reloads(
+    h: Harness,
+) -> None:
+    await h.add_pods(2)
+    await h.create_wu(
+        "first", "v2", source={"uri": "/weights/v2-s1"}, strategy={"maxUnavailable": 2}
+    )
+    await h.run_until(["first"], h.phase_is("first", "Succeeded"))
+    await h.rec.finalize(await h.wu("first"), await h.pods())
+    await h.delete_wu("first")
+    await h.create_wu(
+        "fixed", "v2", source={"uri": "/weights/v2-s2"}, strategy={"maxUnavailable": 2}
+    )
+    await h.run_until(["fixed"], h.phase_is("fixed", "Succeeded"))
+    for pod in ("pod-0", "pod-1"):
+        assert h.agents[pod].source == "/weights/v2-s2", h.agents[pod].snapshot()
+
+
 async def test_recreated_weightupdate_with_the_same_name_reloads(h: Harness) -> None:
     await h.add_pods(2)
     await h.create_wu("wu", "v2", strategy={"maxUnavailable": 2})

@@ -55,6 +55,27 @@ def test_tensors_and_kernels_are_classified_with_their_sources() -> None:
     assert items["embed.scale_copy"].kind == DERIVED and items["embed.scale_copy"].refresher is None
 
 
+class _OneDnnHandle:
+    """Stands for vLLM's oneDNN matmul handle: opaque, holding the packed weight inside."""
+
+
+def test_kernels_closing_over_opaque_handles_or_sizes_are_kernel_state() -> None:
+    """vLLM's CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm``) picks by CPU: on AVX-512
+    BF16 machines ``cpu_linear`` closes over a oneDNN handle, or over a packed tensor and the
+    output size ``N``. Before: any non-tensor cell raised ``TypeError`` (``tuple | type``), so
+    every update failed on those CPUs at ``weightroll_begin``."""
+    model = _Model()
+    handle = _OneDnnHandle()
+    model.head.cpu_linear = lambda x, weight, bias: (handle, x, bias)
+    assert _inventory(model).items["head.cpu_linear"].kind == DERIVED
+    n, packed = 8, torch.randn(8, 4)
+    model.head.cpu_linear = lambda x, weight, bias: (packed, n, x, bias)
+    assert _inventory(model).items["head.cpu_linear"].kind == DERIVED
+    size, module = 8, nn.Module()  # sizes and modules alone are no kernel state
+    model.head.cpu_linear = lambda x, weight, bias: (size, module, x, bias)
+    assert "head.cpu_linear" not in _inventory(model).items
+
+
 def test_a_derived_item_without_refresher_is_reported_for_its_sources_only() -> None:
     inventory = _inventory(_Model())
     assert [i.name for i in inventory.unsupported({"embed"})] == ["embed.scale_copy"]

@@ -145,3 +145,17 @@ def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert config.finish_timeout == 7.0
     assert config.state_dir == tmp_path
     assert config.initial_source is not None and config.initial_source.path == "/models/a"
+    assert config.initial_source.manifest is None
+
+
+def test_the_boot_source_carries_its_manifest() -> None:
+    """The operator counts a booted pod at the target version only when the agent's source
+    equals ``spec.source``, manifest included."""
+    from engine_agent.sidecar.main import _parser, build_config
+
+    args = ["--initial-source", "file:///models/a", "--initial-manifest", "/models/a/m.json"]
+    config = build_config(_parser().parse_args(args))
+    assert config.initial_source is not None
+    assert config.initial_source.manifest == "/models/a/m.json"
+    with pytest.raises(ValueError, match="--initial-manifest needs --initial-source"):
+        build_config(_parser().parse_args(["--initial-manifest", "/models/a/m.json"]))

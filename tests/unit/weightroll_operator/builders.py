@@ -16,7 +16,14 @@ from weightroll_operator.domain.model import (
     UpdateView,
     WeightState,
 )
-from weightroll_operator.domain.plan import Fleet, Persisted, Plan, plan, queries
+from weightroll_operator.domain.plan import (
+    Fleet,
+    Persisted,
+    Plan,
+    plan,
+    queries,
+    target_source,
+)
 
 from engine_agent.protocol import UpdatePhase
 
@@ -24,6 +31,7 @@ NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 ME = OwnerKey("ns/wu")
 OTHER = OwnerKey("ns/other")
 V1_SRC = SourceRef(uri="/weights/v1")
+V2_SRC = SourceRef(uri="/weights/v2")
 
 
 def spec(**strategy: Any) -> WeightUpdateSpec:
@@ -49,6 +57,7 @@ def state(
 ) -> WeightState:
     kw.setdefault("previous_version", "v1")
     kw.setdefault("previous_source", V1_SRC)
+    kw.setdefault("source", SourceRef(uri=f"/weights/{version}"))
     return WeightState(
         state=st,
         by=by,
@@ -116,7 +125,7 @@ def agent(
         reachable=kw.pop("reachable", True),
         version=version,
         ready=ready,
-        source=kw.pop("source", V1_SRC),
+        source=kw.pop("source", SourceRef(uri=f"/weights/{version}") if version else None),
         update=update,
         clean=kw.pop("clean", True),
         **kw,
@@ -131,7 +140,7 @@ def run(
 ) -> Plan:
     # Like reconcile: the planner only sees the agents that queries() says to ask.
     persisted = persisted or Persisted(target_version="v2")
-    asked = queries(tuple(pods), ME, s.version, persisted.retried_at)
+    asked = queries(tuple(pods), ME, s.version, target_source(s), persisted.retried_at)
     seen = {k: v for k, v in (agents or {}).items() if k in asked}
     fleet = Fleet(name="wu", owner=ME, pods=tuple(pods), agents=seen)
     return plan(s, fleet, persisted, NOW)

@@ -21,6 +21,7 @@ from tests.unit.weightroll_operator.builders import (
     NOW,
     OTHER,
     V1_SRC,
+    V2_SRC,
     agent,
     pod,
     run,
@@ -388,7 +389,7 @@ def test_queries_only_unsettled_pods() -> None:
         pod("fresh"),
         pod("blocked", owner=OTHER),
     )
-    q = queries(pods, ME, "v2")
+    q = queries(pods, ME, "v2", V2_SRC)
     assert set(q) == {"flying", "fresh"}
     assert q["flying"].update_id == "wu-v2" and not q["flying"].state
     assert q["fresh"].state
@@ -500,8 +501,8 @@ def test_verified_pod_whose_containers_restarted_is_asked_again_and_re_updated()
     """
     settled = pod("p0", st=state(UnitState.VERIFIED))
     restarted = pod("p0", st=state(UnitState.VERIFIED), ready=False)
-    assert queries((settled,), ME, "v2") == {}
-    assert "p0" in queries((restarted,), ME, "v2")
+    assert queries((settled,), ME, "v2", V2_SRC) == {}
+    assert "p0" in queries((restarted,), ME, "v2", V2_SRC)
     p = run(spec(), [restarted], {"p0": agent("boot", ready=False)}, DONE)
     assert claimed(p) == ["p0"]
 

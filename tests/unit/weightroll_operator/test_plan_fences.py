@@ -12,7 +12,16 @@ from weightroll_operator.domain.model import UnitState
 from weightroll_operator.domain.plan import Fleet, Persisted, plan, queries
 
 from engine_agent.protocol import UpdatePhase
-from tests.unit.weightroll_operator.builders import ME, NOW, agent, pod, run, spec, state
+from tests.unit.weightroll_operator.builders import (
+    ME,
+    NOW,
+    V2_SRC,
+    agent,
+    pod,
+    run,
+    spec,
+    state,
+)
 
 FRESH = {f"p{i}": agent("v1") for i in range(6)}
 #: ``weightroll retry`` after the failed canary below
@@ -84,7 +93,7 @@ def test_a_booting_pod_tried_before_is_not_claimed() -> None:
 
 def _claimable_fleet(cached: frozenset[str]) -> Fleet:
     pods = (pod("p0"), pod("p1"))
-    asked = queries(pods, ME, "v2")
+    asked = queries(pods, ME, "v2", V2_SRC)
     return Fleet(
         name="wu",
         owner=ME,
