@@ -282,6 +282,12 @@ def _serves(agent: AgentView | None, version: str, source: SourceRef) -> bool:
     )
 
 
+def _spelled(source: SourceRef | None) -> str:
+    if source is None:
+        return "unrecorded files"
+    return source.uri if source.manifest is None else f"{source.uri} (manifest {source.manifest})"
+
+
 def _retried(st: WeightState, retried_at: str | None) -> bool:
     """``weightroll retry`` came after this settled attempt started: try the pod again."""
     retried = parse_time(retried_at)
@@ -563,6 +569,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         elif (
             update is None
             and not rollback
+            and agent.active_update_id != st.update_id
             and (st.version != spec.version or not target_source(spec).same_files(st.source))
         ):
             # spec.version (or with it the source) changed before this pod's update started:
@@ -890,8 +897,10 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         and st.version == version
         and st.rollback_of is None
         # touched for other files under this label is not touched for this spec (the canary
-        # goes first again); a record older than the source field counts as it did
-        and (st.source is None or target.same_files(st.source))
+        # goes first again), unless still in flight: it holds a canary slot until it settles
+        # (else a unit in flight for S1 let one more start, and the canary count then ended
+        # the phase early); a record older than the source field counts as it did
+        and (st.source is None or st.state.in_flight or target.same_files(st.source))
     }
     touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
     canary = spec.strategy.canary
@@ -1165,8 +1174,8 @@ def _notes(
             elif not agent.ready:
                 why = "its agent is not ready (held, paused or poisoned)"
             else:
-                served = agent.source.uri if agent.source else "unrecorded files"
-                why = f"it serves {version} from {served}, not from spec.source {source.uri}"
+                served, wanted = _spelled(agent.source), _spelled(source)
+                why = f"it serves {version} from {served}, not from spec.source {wanted}"
             notes[name] = (
                 f"NotServing: verified at {version} by {st.update_id}, but {why}; updated "
                 "again by a new attempt"
@@ -1184,7 +1193,7 @@ def settle(
     rollback_remaining: int,
 ) -> Plan:
     """Step 7: reflect this pass's own transitions in the classes and persist what must be."""
-    now, version, fleet = b.now, b.spec.version, b.fleet
+    now, version, fleet, target = b.now, b.spec.version, b.fleet, target_source(b.spec)
     classes = dict(seen.classes)
     restored = {a.pod.name for a in b.actions if isinstance(a, GateOn)}
     for action in b.actions:
@@ -1192,7 +1201,11 @@ def settle(
             classes[action.pod.name] = PodClass.IN_FLIGHT
         elif isinstance(action, Settle):
             done = {
-                UnitState.VERIFIED: PodClass.UPDATED,
+                # a verdict for other files or an earlier version (the spec changed after the
+                # agent accepted the update) is no verdict for this spec: wanted again
+                UnitState.VERIFIED: PodClass.UPDATED
+                if _verified_at(action.state, version, target)
+                else PodClass.PENDING,
                 UnitState.ROLLED_BACK: PodClass.ROLLED_BACK,
                 UnitState.FAILED: PodClass.ROLLBACK_FAILED
                 if action.state.rollback_of

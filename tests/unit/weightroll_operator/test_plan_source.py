@@ -132,3 +132,33 @@ def test_a_record_older_than_the_source_field_stands_while_its_agent_cannot_be_a
     # ... and is judged by its agent whenever it answers (asked every pass)
     p = run(spec(), [pod("p0", st=legacy)], {"p0": agent("v2", source=S1)})
     assert list(claims(p)) == ["p0"]
+
+
+def test_a_unit_in_flight_for_other_files_holds_its_canary_slot() -> None:
+    """Second review: a unit still draining for v2 from S1 was not counted as touched, so a
+    second unit started beside the canary, and two touched units then ended the phase."""
+    draining_s1 = state(UnitState.DRAINING, source=S1, attempt=1)
+    pods = [pod("p0", gate=False, st=draining_s1), *(pod(f"p{i}") for i in range(1, 4))]
+    agents = {"p0": agent("v1"), **{f"p{i}": agent("v1") for i in range(1, 4)}}
+    p = run(spec(maxUnavailable=3, canary=1), pods, agents)
+    assert [name for name in claims(p) if name != "p0"] == [], claims(p)
+
+
+def test_a_commit_of_other_files_is_not_counted_for_this_spec() -> None:
+    """Second review: the agent had accepted the v2/S1 update before the spec went to v2/S2;
+    its commit settled Verified and counted as updated, so the WeightUpdate completed."""
+    loading_s1 = state(UnitState.DRAINING, source=S1, attempt=1)
+    pods = [pod("p0", gate=False, ready=False, st=loading_s1)]
+    committed = agent(phase=UpdatePhase.COMMITTED, source=S1)
+    p = run(spec(), pods, {"p0": committed})
+    assert p.classes["p0"] is PodClass.PENDING, p.classes
+    assert not p.completed and p.persisted.completion_time is None
+
+
+def test_no_retarget_while_the_agent_runs_the_recorded_attempt() -> None:
+    """Second review: an update the agent runs but did not report was retargeted, so a second
+    update would have been sent beside it."""
+    draining_s1 = state(UnitState.DRAINING, source=S1, attempt=1)
+    busy = agent("v1", active_update_id=draining_s1.update_id)
+    p = run(spec(), [pod("p0", gate=False, ready=False, st=draining_s1)], {"p0": busy})
+    assert claims(p) == {}
