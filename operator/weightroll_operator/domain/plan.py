@@ -897,10 +897,11 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
         and st.version == version
         and st.rollback_of is None
         # touched for other files under this label is not touched for this spec (the canary
-        # goes first again), unless still in flight: it holds a canary slot until it settles
-        # (else a unit in flight for S1 let one more start, and the canary count then ended
-        # the phase early); a record older than the source field counts as it did
-        and (st.source is None or st.state.in_flight or target.same_files(st.source))
+        # goes first again), unless still in flight after this pass: it holds a canary slot
+        # until it settles (else one more unit started beside it, and the count then ended the
+        # phase early), and its verdict, pass or fail, is never this spec's canary verdict; a
+        # record older than the source field counts as it did
+        and (st.source is None or p.unit in flying or target.same_files(st.source))
     }
     touched = tuple(u for u in units if u.key in touched_keys) if touched_keys else ()
     canary = spec.strategy.canary

@@ -162,3 +162,21 @@ def test_no_retarget_while_the_agent_runs_the_recorded_attempt() -> None:
     busy = agent("v1", active_update_id=draining_s1.update_id)
     p = run(spec(), [pod("p0", gate=False, ready=False, st=draining_s1)], {"p0": busy})
     assert claims(p) == {}
+
+
+@pytest.mark.parametrize("outcome", [UpdatePhase.COMMITTED, UpdatePhase.FAILED])
+def test_a_unit_settling_for_other_files_is_not_this_specs_canary_verdict(
+    outcome: UpdatePhase,
+) -> None:
+    """Third review: in the pass a unit in flight for v2/S1 settled, it still counted as the
+    touched canary: a commit ended the canary (the rest started on no verdict for S2), a
+    failure halted with CanaryFailed whatever maxFailedReplicas allowed."""
+    draining_s1 = state(UnitState.DRAINING, source=S1, attempt=1)
+    pods = [pod("p0", gate=False, ready=False, st=draining_s1)]
+    pods += [pod(f"p{i}") for i in range(1, 5)]
+    agents = {f"p{i}": agent("v1") for i in range(1, 5)}
+    agents["p0"] = agent(phase=outcome, source=S1, reasons=["DigestMismatch: x"])
+    s = spec(maxUnavailable=4, canary=1, maxFailedReplicas=1)
+    p = run(s, pods, agents)
+    assert p.persisted.aborted_at is None, p.persisted
+    assert len([name for name in claims(p) if name != "p0"]) <= 1, claims(p)
