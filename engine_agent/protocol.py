@@ -190,6 +190,10 @@ class RankStatus(WireModel):
     serving_safe: bool
     #: Why the engine is poisoned, if it is.
     poison_reason: str | None = None
+    #: The update (or trainer push) whose commit produced the weights this rank serves;
+    #: ``None`` for the boot weights, so a restart onto boot weights labelled like the last
+    #: commit is seen.
+    committed_update_id: str | None = None
 
 
 class RankReport(WireModel):

@@ -159,6 +159,7 @@ class RankEngine:
             update_id=self.state.update_id,
             serving_safe=self.state.serving_safe,
             poison_reason=self.state.poison_reason,
+            committed_update_id=self.state.committed_by,
         ).to_wire()
 
     # -- implementation ------------------------------------------------------------------

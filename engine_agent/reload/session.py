@@ -51,6 +51,10 @@ class WeightState:
     #: The session was opened on a poisoned engine: failing it keeps the engine poisoned.
     began_poisoned: bool = False
     poison_reason: str | None = None
+    #: The session whose commit produced the weights this rank serves (``None``: the boot
+    #: weights). Lives in the rank process, so a vLLM restarted onto boot weights labelled like
+    #: the last commit is still told apart from that commit (the label alone cannot).
+    committed_by: str | None = None
 
     @property
     def serving_safe(self) -> bool:
@@ -119,7 +123,9 @@ def commit(ws: WeightState) -> WeightState:
     """
     if not ws.in_session or ws.target_version is None:
         raise WrongState(f"no update session is open (engine is {ws.state.value})")
-    return WeightState(state=EngineState.CLEAN, version=ws.target_version)
+    return WeightState(
+        state=EngineState.CLEAN, version=ws.target_version, committed_by=ws.update_id
+    )
 
 
 def fail(ws: WeightState, reason: str) -> WeightState:
@@ -133,7 +139,7 @@ def fail(ws: WeightState, reason: str) -> WeightState:
     if ws.state is EngineState.DIRTY or ws.began_poisoned:
         reason = reason if ws.state is EngineState.DIRTY else (ws.poison_reason or reason)
         return replace(ws, state=EngineState.POISONED, poison_reason=reason)
-    return WeightState(state=EngineState.CLEAN, version=ws.version)
+    return WeightState(state=EngineState.CLEAN, version=ws.version, committed_by=ws.committed_by)
 
 
 def abort(ws: WeightState) -> WeightState:
@@ -150,4 +156,5 @@ def poison(ws: WeightState, reason: str) -> WeightState:
         version=ws.version,
         update_id=ws.update_id,
         poison_reason=reason,
+        committed_by=ws.committed_by,
     )

@@ -77,7 +77,7 @@ from engine_agent.sidecar.ranks import (
     collect_reports,
     collect_states,
 )
-from engine_agent.sidecar.state import Store, UpdateRecord
+from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 
 __all__ = ["Agent", "AgentConfig", "UpdateConflict", "UpdateNotFound", "Readiness"]
 
@@ -185,6 +185,18 @@ def _abort_args(record: UpdateRecord, cause: Problem, finish_sent: bool = False)
         return "{}"
     reason = f"update {record.id} did not commit on every rank: {cause.message}"
     return json.dumps({"poison": True, "reason": reason[:500]})
+
+
+def _commit_on_ranks(memory: AgentMemory, ranks: Sequence[RankStatus]) -> bool:
+    """Every rank still serves what the agent's last commit produced (vacuous when the agent
+    recorded no commit: boot weights, or adopted after a restart without its state)."""
+    committed = memory.committed_update_id
+    return committed is None or all(r.committed_update_id == committed for r in ranks)
+
+
+def _committed_by(ranks: Sequence[RankStatus]) -> str:
+    ids = sorted({r.committed_update_id or "none (boot weights)" for r in ranks})
+    return ", ".join(ids)
 
 
 class _Failed(Exception):
@@ -374,12 +386,14 @@ class Agent:
         live = {r.version for r in self._last_ranks}
         reachable = observation is None or observation.reachable or self._updating()
         version = next(iter(live)) if len(live) == 1 and reachable else ""
-        serves_commit = (
-            not self._updating()
-            and version != ""
+        # The label alone is not the commit: a vLLM restarted onto boot weights labelled like
+        # the last commit reports that label too, but no longer the commit's id on its ranks.
+        at_commit = (
+            version != ""
             and version == memory.expected_version
-            and self._last_state is EngineState.CLEAN
+            and _commit_on_ranks(memory, self._last_ranks)
         )
+        serves_commit = not self._updating() and at_commit and self._last_state is EngineState.CLEAN
         message = "; ".join(reasons) if not ready else self._message
         return AgentState(
             version=version,
@@ -394,7 +408,7 @@ class Agent:
             # where the weights the ranks serve came from (unknown after a restart under us
             # unless they are the boot weights)
             source=memory.source
-            if version == memory.expected_version
+            if at_commit
             else self.config.initial_source
             if version and version == self.config.initial_version
             else None,
@@ -457,6 +471,16 @@ class Agent:
                     "engine_restarted",
                     f"ranks serve version {', '.join(sorted(states.versions))} but the agent "
                     f"committed {expected}; vLLM was restarted or changed underneath the agent",
+                )
+            )
+        elif states.statuses and not _commit_on_ranks(self.store.memory, states.statuses):
+            problems.append(
+                Problem(
+                    "engine_restarted",
+                    f"ranks serve version {expected} but not what "
+                    f"{self.store.memory.committed_update_id} committed (they report "
+                    f"{_committed_by(states.statuses)}); vLLM was restarted onto boot weights "
+                    "with the same label underneath the agent",
                 )
             )
         return problems

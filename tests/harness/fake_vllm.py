@@ -54,6 +54,9 @@ class FakeRank:
     update_id: str | None = None
     target: str | None = None
     poison_reason: str | None = None
+    #: the session whose commit produced what the rank serves (``None``: boot weights), as
+    #: ``engine_agent.reload.session.WeightState.committed_by``; a restart clears it.
+    committed_by: str | None = None
     #: method -> error code: the rank answers ``ok: false`` with that code.
     fail: dict[str, str] = field(default_factory=dict)
     #: methods in which this rank never answers.
@@ -80,7 +83,7 @@ class FakeRank:
 
     def reset(self, version: str) -> None:
         self.state, self.version, self.update_id, self.target = "clean", version, None, None
-        self.poison_reason = None
+        self.poison_reason = self.committed_by = None
         self.loaded_bytes = 0
         self.manifest_digest = ""
         self.source_digest = ""
@@ -120,6 +123,7 @@ class FakeRank:
                 "updateId": self.update_id,
                 "servingSafe": self.state == "clean",
                 "poisonReason": self.poison_reason,
+                "committedUpdateId": self.committed_by,
             }
         if method == "weightroll_begin":
             if self.state in ("open", "dirty"):
@@ -179,7 +183,7 @@ class FakeRank:
             if self.state != "dirty":
                 return self._error(call, "wrong_state", f"engine is {self.state}")
             assert self.target is not None
-            self.state, self.version = "clean", self.target
+            self.state, self.version, self.committed_by = "clean", self.target, self.update_id
             report = self._report(call)
             report.update(
                 {
@@ -192,6 +196,7 @@ class FakeRank:
                     "manifestDigest": self.manifest_digest,
                 }
             )
+            self.update_id = None  # as session.commit: the session is over, its id kept above
             return report
         if method == "weightroll_abort":
             if body.get("poison"):

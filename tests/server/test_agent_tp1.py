@@ -318,14 +318,19 @@ async def test_agent_killed_mid_update_and_restarted(sc: Scenario) -> None:
 
 
 async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario) -> None:
-    """Restart vLLM on checkpoint B: the agent holds it; B cold equals the warm A->B update."""
+    """Restart vLLM on checkpoint B under the label of the agent's last commit (v1): the label
+    matches, the commit is gone, so the agent holds it (only the ranks' record of the committing
+    session tells the two apart); B cold equals the warm A->B update."""
+    before = await sc.state()
+    assert before["committedUpdateId"] == "tp1-after-kill", before
+    assert {rank["committedUpdateId"] for rank in before["ranks"]} == {"tp1-after-kill"}, before
     await sc.server.stop()
     body = await sc.wait_ready(False)
     assert body["reasons"]
     cold = VllmServer(
         model=sc.models.b,
         log=sc.server.log,
-        boot_version="cold-b",
+        boot_version="v1",
         port=sc.server.port,
         failpoints_file=sc.failpoints,
     )
@@ -340,11 +345,14 @@ async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario)
         await asyncio.sleep(0.2)
     _, body = await sc.readyz()
     assert any("engine_restarted" in reason for reason in body["reasons"]), body
+    assert any("same label" in reason for reason in body["reasons"]), body
     # /v1/state reports what the restarted ranks serve (their cold boot), not the agent's last
-    # commit, and claims no commit for it (issue 11, finding 2)
+    # commit, and claims no commit for it (issue 11, finding 2), nor the commit's files
     state = await sc.state()
-    assert state["version"] == "cold-b" and state["committedUpdateId"] is None, state
-    assert state["committedVersion"] not in (None, "", "cold-b") and not state["ready"], state
+    assert state["version"] == "v1" and state["committedUpdateId"] is None, state
+    assert state["committedVersion"] == "v1" and not state["ready"], state
+    assert state["source"] is None, state
+    assert {rank["committedUpdateId"] for rank in state["ranks"]} == {None}, state
     # Differential oracle: stop the agent, resume the cold engine by hand, compare.
     await sc.agent.stop()
     await sc.http.post(f"{cold.url}/resume")

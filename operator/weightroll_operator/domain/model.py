@@ -8,6 +8,7 @@ it (the rollback target, recorded before the drain).
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import re
@@ -129,13 +130,16 @@ class SourceRef:
     def same_files(self, other: SourceRef | None) -> bool:
         """``other`` names the same files: ``file://`` and redundant slashes are spelling only,
         any other difference (or an unknown source) is other weights."""
-        return (
-            other is not None
-            and _local(self.uri) == _local(other.uri)
-            and _local(self.manifest) == _local(other.manifest)
+        if other is None:
+            return False
+        if self.uri == other.uri and self.manifest == other.manifest:
+            return True  # the common case, asked for every pod every pass: no normalizing
+        return _local(self.uri) == _local(other.uri) and _local(self.manifest) == _local(
+            other.manifest
         )
 
 
+@functools.lru_cache(maxsize=1024)  # a fleet names few sources; this runs per pod and pass
 def _local(uri: str | None) -> str | None:
     return None if uri is None else posixpath.normpath(uri.removeprefix("file://"))
 

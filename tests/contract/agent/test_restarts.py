@@ -71,6 +71,43 @@ async def test_vllm_restart_after_commit_is_detected_and_repaused(
     assert (state["version"], state["committedUpdateId"]) == ("v1", "u-2")
 
 
+async def test_vllm_restart_onto_boot_weights_with_the_committed_label_is_detected(
+    harness: AgentHarness, checkpoints: dict[str, Path]
+) -> None:
+    """vLLM restarted onto boot weights labelled like the last commit (a pod booted at v1 and
+    reloaded with v1 from other files, say): the label matches, the commit is gone. Its ranks
+    no longer report the commit's id, so the agent holds the replica and claims no commit."""
+    await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
+    await harness.wait_phase("u-1")
+    await harness.wait_ready()
+    state = await (await harness.get("/v1/state")).json()
+    assert (state["version"], state["committedUpdateId"]) == ("v1", "u-1")
+    loaded = state["source"]["uri"]
+    assert loaded.endswith(str(checkpoints["v1"])), state
+
+    harness.fake.boot_version = "v1"
+    await harness.fake.restart()
+
+    body = await harness.wait_ready(False)
+    assert any("engine_restarted" in reason for reason in body["reasons"]), body
+    assert any("same label" in reason for reason in body["reasons"]), body
+    await _until(lambda: harness.fake.paused)
+    state = await (await harness.get("/v1/state")).json()
+    assert (state["version"], state["committedVersion"], state["committedUpdateId"]) == (
+        "v1",
+        "v1",
+        None,
+    )
+    assert state["ready"] is False
+    # the files the commit loaded are not what the restarted ranks serve
+    assert state["source"] is None or state["source"]["uri"] != loaded, state
+    await harness.submit(update_body("u-2", "v1", checkpoints["v1"]))
+    assert (await harness.wait_phase("u-2"))["phase"] == "Committed"
+    await harness.wait_ready()
+    state = await (await harness.get("/v1/state")).json()
+    assert (state["version"], state["committedUpdateId"], state["ready"]) == ("v1", "u-2", True)
+
+
 async def test_vllm_restart_mid_update_fails_the_update_and_holds(
     harness: AgentHarness, checkpoints: dict[str, Path]
 ) -> None:

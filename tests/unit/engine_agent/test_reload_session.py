@@ -112,3 +112,22 @@ def test_mode_field_rules() -> None:
         UpdateSpec(update_id="u", version="v", mode=UpdateMode.PARTIAL)
     with pytest.raises(ValueError, match="scope is only allowed"):
         UpdateSpec(update_id="u", version="v", scope=["x"])
+
+
+def test_a_rank_remembers_which_session_committed_what_it_serves() -> None:
+    """The label alone cannot tell boot weights from a commit under the same label (a vLLM
+    restarted onto them): the rank keeps the committing session's id until the next commit."""
+    assert CLEAN.committed_by is None  # boot weights
+    committed = session.commit(session.mark_written(session.begin(CLEAN, spec())))
+    assert (committed.version, committed.committed_by, committed.update_id) == ("v2", "u1", None)
+    other = spec(update_id="u2", version="v3")
+    untouched = session.fail(session.begin(committed, other), "refused")
+    assert (untouched.state, untouched.version, untouched.committed_by) == (
+        EngineState.CLEAN,
+        "v2",
+        "u1",
+    )
+    poisoned = session.abort(session.mark_written(session.begin(committed, other)))
+    assert (poisoned.state, poisoned.committed_by) == (EngineState.POISONED, "u1")
+    again = session.commit(session.mark_written(session.begin(poisoned, other)))
+    assert (again.state, again.version, again.committed_by) == (EngineState.CLEAN, "v3", "u2")
