@@ -477,10 +477,10 @@ class Agent:
             problems.append(
                 Problem(
                     "engine_restarted",
-                    f"ranks serve version {expected} but not what "
-                    f"{self.store.memory.committed_update_id} committed (they report "
+                    f"ranks serve version {expected} but not what the agent's last commit "
+                    f"{self.store.memory.committed_update_id} loaded (theirs: "
                     f"{_committed_by(states.statuses)}); vLLM was restarted onto boot weights "
-                    "with the same label underneath the agent",
+                    "with the same label, or changed by a commit the agent did not record",
                 )
             )
         return problems

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -118,6 +119,12 @@ def dev_down(directory: Path) -> str:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
+
+
+#: Access-log lines of the agent's polling of vLLM (several a second): noise in a post-mortem.
+_POLLING = re.compile(
+    r'"(GET|POST) /(is_paused|collective_rpc|get_world_size|health|metrics|weight_info)\b[^"]*" 200'
+)
 
 
 def _http_json(
@@ -400,6 +407,15 @@ class Fleet:
     def logs(self) -> str:
         return self.info.operator_log_tail(40)
 
+    def pod_logs(self, pod: str, lines: int = 25) -> str:
+        """The tails of ``pod``'s container logs (vLLM and agent), headed, for a failure."""
+        out = []
+        for log in sorted((Path(self.info.dir) / "pods" / pod / "logs").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()
+            tail = [line for line in text if not _POLLING.search(line)][-lines:]
+            out.append(f"--- {pod} {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+        return "\n".join(out) or f"--- {pod}: no container logs"
+
 
 def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
     token = cluster.operator_token
@@ -420,12 +436,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     began = time.monotonic()
     info, _ = dev_up(directory, "--pods", str(len(PODS)), "--reference", FIRST_UPDATE)
     fl = Fleet(info=info)
-    fl.timings["dev_up_s"] = time.monotonic() - began
     try:
+        # The reference pod boots (≈1-2 min of both cores) while `dev up` already returned:
+        # the tests start once it serves, not beside its boot (a 12-token completion of a pod
+        # then took over a minute on a loaded 2-core machine, and the rollout's timing with it).
+        fl.wait_serving(COLD)
+        fl.timings["dev_up_s"] = time.monotonic() - began
         yield fl
         logger.info("e2e timings: %s", json.dumps({k: round(v, 1) for k, v in fl.timings.items()}))
     finally:
         dev_down(directory)
         assert leftovers(directory) == [], "dev down left processes behind"
         if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
-            shutil.rmtree(directory / "pods", ignore_errors=True)
+            # the model copies are large; the container logs stay for a post-mortem
+            for pod_dir in (directory / "pods").glob("*"):
+                for bulky in ("rootfs", "volumes"):
+                    shutil.rmtree(pod_dir / bulky, ignore_errors=True)

@@ -40,7 +40,14 @@ def _serve(fleet: Fleet, pods: tuple[str, ...] = PODS) -> dict[str, tuple[str, l
     for pod in pods:
         texts, logprobs = [], []
         for prompt in PROMPTS:
-            text, lp = fleet.complete(pod, prompt)
+            try:
+                text, lp = fleet.complete(pod, prompt)
+            except OSError as e:  # a timeout or a refused connection: say what the pod did
+                state = fleet.agent_state(pod)
+                raise AssertionError(
+                    f"{pod} did not complete {prompt!r}: {e!r}\nagent: {state}\n"
+                    f"{fleet.pod_logs(pod)}"
+                ) from e
             texts.append(text)
             logprobs.extend(lp)
         out[pod] = ("|".join(texts), logprobs)

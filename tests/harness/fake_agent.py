@@ -95,6 +95,9 @@ class FakeAgent:
     #: The agent's record of its last commit (``None``: boot weights, ``version``).
     committed_version: str | None = None
     committed_id: str | None = None
+    #: vLLM restarted since that commit: the ranks serve boot weights, which report no
+    #: commit id even when their label is the committed one (as the real ranks do).
+    commit_gone: bool = False
     #: Why the replica is held (not ready, paused); only a committed update clears it.
     hold: str | None = None
     #: vLLM has not come up yet: nothing is known about the ranks.
@@ -141,9 +144,14 @@ class FakeAgent:
         self.version, self.source = str(self.boot_version), str(self.boot_source)
         self.manifest = None
         self.engine = EngineState.CLEAN
+        self.commit_gone = self.committed_id is not None
         self.hold = (
             f"engine_restarted: ranks serve version {self.version} but the agent committed "
             f"{self.committed_version}; vLLM was restarted or changed underneath the agent"
+            if self.version != self.committed_version
+            else f"engine_restarted: ranks serve version {self.version} but not what the "
+            f"agent's last commit {self.committed_id} loaded; vLLM was restarted onto boot "
+            "weights with the same label"
         )
         self.paused = True
 
@@ -227,6 +235,7 @@ class FakeAgent:
             self.active is None
             and self.version == self.committed_version
             and self.engine is EngineState.CLEAN
+            and not self.commit_gone
         )
         source = self.source if self.engine is EngineState.CLEAN else None
         rank = RankStatus(
@@ -234,6 +243,7 @@ class FakeAgent:
             state=self.engine,
             version=self.version,
             serving_safe=self.engine is EngineState.CLEAN,
+            committed_update_id=None if self.commit_gone else self.committed_id,
         )
         state = AgentState(
             version=self.version,
@@ -319,6 +329,7 @@ class FakeAgent:
             self.engine = EngineState.CLEAN
             self.hold = None
             self.committed_version, self.committed_id = self.updates[uid].version, uid
+            self.commit_gone = False
         else:
             # fail closed: stay paused, held, not ready
             self.engine = EngineState.POISONED

@@ -319,8 +319,9 @@ async def test_agent_killed_mid_update_and_restarted(sc: Scenario) -> None:
 
 async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario) -> None:
     """Restart vLLM on checkpoint B under the label of the agent's last commit (v1): the label
-    matches, the commit is gone, so the agent holds it (only the ranks' record of the committing
-    session tells the two apart); B cold equals the warm A->B update."""
+    matches and here even the files do, but the agent cannot know that (boot weights under a
+    label may be any files): only the ranks' record of the committing session tells a restart
+    from the commit, and the agent holds the replica. B cold equals the warm A->B update."""
     before = await sc.state()
     assert before["committedUpdateId"] == "tp1-after-kill", before
     assert {rank["committedUpdateId"] for rank in before["ranks"]} == {"tp1-after-kill"}, before

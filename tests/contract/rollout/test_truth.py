@@ -189,6 +189,35 @@ async def test_verified_pod_whose_engine_restarted_is_updated_again(h: Harness) 
     h.assert_never_ready_unverified({"v2"})
 
 
+async def test_a_restart_onto_boot_weights_with_the_verified_label_is_updated_again(
+    h: Harness,
+) -> None:
+    """The boot weights carry the label (and the path) the pod was verified at: only the
+    agent can tell, from its ranks, that the commit is gone; the pod is updated again."""
+    await h.add_pods(2)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+
+    agent = h.agents["pod-0"]
+    agent.boot_version, agent.boot_source = "v2", agent.source
+    agent.restart_engine()
+    await h.emu.kubelet_update("pod-0", ready=False, restarted=True)
+    assert (agent.version, agent.commit_gone, agent.ready) == ("v2", True, False)
+    await h.tick("wu")
+    status = await h.status("wu")
+    assert status["phase"] != "Succeeded" and status["replicas"]["verified"] == 1, status
+
+    async def reloaded() -> bool:
+        if h.agents["pod-0"].ready:
+            await h.emu.kubelet_update("pod-0", ready=True)
+        return (await h.status("wu")).get("replicas", {}).get("verified") == 2
+
+    await h.run_until(["wu"], reloaded)
+    assert h.agents["pod-0"].runs == ["wu-v2-a1", "wu-v2-a2"]
+    assert _serving(h, ["pod-0", "pod-1"], "v2")
+    h.assert_never_ready_unverified({"v2"})
+
+
 # ---- finding 3: joining pods -----------------------------------------------------------------
 
 
