@@ -43,7 +43,12 @@ from weightroll_dev.devcluster.bringup import REFERENCE_POD, ClusterInfo, leftov
 from weightroll_dev.devcluster.operator_process import write_token_kubeconfig
 from weightroll_dev.devcluster.workload import WORKLOAD
 
-from tests.harness.apiserver import KubeCluster, kube_cluster, service_account_token
+from tests.harness.apiserver import (
+    KubeCluster,
+    kube_cluster,
+    service_account_token,
+    wait_for_phase,
+)
 
 __all__ = [
     "COLD",
@@ -330,18 +335,13 @@ class Fleet:
         self.info.apply(self.info.weightupdate(name, version, on_failure=on_failure, **strategy))
 
     def wait_phase(self, name: str, *phases: str, timeout: float = 180) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        status: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            status = self.weightupdate(name).get("status") or {}
-            if status.get("phase") in phases:
-                return status
-            if not self.info.operator_alive():
-                break
-            time.sleep(1)
-        raise AssertionError(
-            f"WeightUpdate {name} not in {phases} after {timeout}s: "
-            f"{json.dumps(status, indent=1)}\n{self.logs()}"
+        """WeightUpdate ``name``'s status once it is about the current spec, in ``phases``."""
+        return wait_for_phase(
+            lambda: self.weightupdate(name),
+            phases,
+            timeout=timeout,
+            alive=self.info.operator_alive,
+            describe=self.logs,
         )
 
     def wait_serving(self, pod: str, timeout: float = 420) -> None:

@@ -40,7 +40,7 @@ from weightroll_dev.devcluster.workload import (
     workload_values,
 )
 
-from tests.harness.apiserver import KubeCluster, kubectl, service_account_token
+from tests.harness.apiserver import KubeCluster, kubectl, service_account_token, wait_for_phase
 
 __all__ = ["FIRST_UPDATE", "NAMESPACE", "WORKLOAD_VALUES", "Fleet", "open_fleet"]
 
@@ -151,18 +151,13 @@ class Fleet:
         )
 
     def wait_phase(self, name: str, *phases: str, timeout: float = 180) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        status: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            status = self.weightupdate(name).get("status") or {}
-            if status.get("phase") in phases:
-                return status
-            if self.operator.poll() is not None:
-                break
-            time.sleep(1)
-        raise AssertionError(
-            f"WeightUpdate {name} not in {phases} after {timeout}s: "
-            f"{json.dumps(status, indent=1)}\n{self.logs()}"
+        """WeightUpdate ``name``'s status once it is about the current spec, in ``phases``."""
+        return wait_for_phase(
+            lambda: self.weightupdate(name),
+            phases,
+            timeout=timeout,
+            alive=lambda: self.operator.poll() is None,
+            describe=self.logs,
         )
 
     def start_cold_pod(self, version: str) -> None:

@@ -22,11 +22,14 @@ scheduler or kubelet (pods stay Pending unless a test plays kubelet; Deployments
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from weightroll_dev.devcluster.apiserver import (
@@ -53,6 +56,7 @@ __all__ = [
     "kube_cluster",
     "kubectl",
     "service_account_token",
+    "wait_for_phase",
     "start_apiserver",
     "stop_apiserver",
 ]
@@ -76,6 +80,42 @@ def kubectl(
     if check and proc.returncode != 0:
         raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc
+
+
+def wait_for_phase(
+    read: Callable[[], dict[str, Any]],
+    phases: tuple[str, ...],
+    *,
+    timeout: float,
+    alive: Callable[[], bool],
+    describe: Callable[[], str],
+) -> dict[str, Any]:
+    """Poll the object ``read`` returns until its status is about its current spec and its
+    phase is one of ``phases``; return that status.
+
+    A status whose ``observedGeneration`` is not the object's ``metadata.generation`` is the
+    verdict on an earlier spec: right after a spec change it still shows the old phase, and a
+    test that read it would judge the new spec by the old rollout.
+
+    Raises:
+        AssertionError: after ``timeout`` s, or once ``alive()`` is false, with the last status
+            and ``describe()``.
+    """
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        body = read()
+        status = body.get("status") or {}
+        current = status.get("observedGeneration") == (body.get("metadata") or {}).get("generation")
+        if current and status.get("phase") in phases:
+            return status
+        if not alive():
+            break
+        time.sleep(1)
+    raise AssertionError(
+        f"not in {phases} for the current generation after {timeout}s: "
+        f"{json.dumps(status, indent=1)}\n{describe()}"
+    )
 
 
 def service_account_token(cluster: KubeCluster, namespace: str, name: str) -> str:
