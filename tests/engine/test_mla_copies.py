@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.harness.engines import Engine, cold_outputs, environ, start_engine
+from tests.harness.mla import absorbed_weights
 from tests.harness.probe_extension import MLA_COPIES_ENV
 
 
@@ -41,14 +42,15 @@ def test_gap3_mla_derived_tensors_of_their_own_are_refreshed(mla_copies: dict[st
     for the layer's parameters, so it wrote the new ``W_UV`` into a placeholder and the kernels
     kept reading A's. It passed only where the derived tensors alias ``kv_b_proj``."""
     engine: Engine = mla_copies["engine"]
-    w_uv = "model.layers.0.self_attn.mla_attn.mla_attn.W_UV"
     before = engine.llm.collective_rpc("probe_storage", args=("{}",))[0]
+    _, w_uk, w_uv = absorbed_weights(before)
     assert _only(engine.update("mla-copies-b", "b", mla_copies["b"]))["ok"]
     after = engine.outputs()
     assert after == mla_copies["cold_b"], (
         f"max logprob diff {after.max_logprob_diff(mla_copies['cold_b'])}"
     )
     # refreshed in the storage the kernels captured
-    assert engine.llm.collective_rpc("probe_storage", args=("{}",))[0][w_uv] == before[w_uv]
+    after_storage = engine.llm.collective_rpc("probe_storage", args=("{}",))[0]
+    assert (after_storage[w_uk], after_storage[w_uv]) == (before[w_uk], before[w_uv])
     assert _only(engine.update("mla-copies-a", "a", mla_copies["a"]))["ok"]
     assert engine.outputs() == mla_copies["boot"]
