@@ -149,16 +149,22 @@ class ReadySampler:
     """Follows the pods' real ``Ready`` conditions (as kubelet wrote them) through a watch.
 
     The independent check of the availability budget: never more than ``maxUnavailable`` pods
-    out of traffic at once, judged from the API server, not from the operator's bookkeeping.
+    out of traffic at once, judged from the API server, not from the operator's bookkeeping;
+    and how many times each pod's readiness gate went from True to False (``drains``).
     A list, then a watch from the list's resourceVersion: every pod change the API server made
     in between is seen in order, so a drain shorter than a poll cannot slip past (a poll every
     0.2 s, each a ``kubectl get`` of 1 s or more on a loaded 2-core machine, could). A watch
     that cannot resume without a gap (``410 Gone``) fails the test instead of looking clean.
     """
 
-    def __init__(self, fleet: Fleet, pods: tuple[str, ...]) -> None:
-        self.fleet, self.pods = fleet, pods
+    def __init__(
+        self, kubeconfig: str | Path, namespace: str, pods: tuple[str, ...], gate: str = GATE
+    ) -> None:
+        self.kubeconfig, self.namespace, self.pods, self.gate = kubeconfig, namespace, pods, gate
         self.ready: dict[str, str | None] = {p: None for p in pods}
+        #: The readiness gate as last seen, and how often it went from True to False (drains).
+        self.gates: dict[str, str | None] = {p: None for p in pods}
+        self.drains: dict[str, int] = dict.fromkeys(pods, 0)
         self.most_out = 0
         #: The state with the most pods out: pod -> Ready.
         self.worst: dict[str, str | None] = {}
@@ -173,7 +179,7 @@ class ReadySampler:
         self._thread = threading.Thread(target=self._run, name="ready-watch", daemon=True)
 
     def _path(self, watch: bool) -> str:
-        path = f"/api/v1/namespaces/{NAMESPACE}/pods"
+        path = f"/api/v1/namespaces/{self.namespace}/pods"
         if watch:
             path += f"?watch=1&resourceVersion={self.resource_version}"
         return path
@@ -188,11 +194,15 @@ class ReadySampler:
                 )
                 if name not in self.ready:
                     continue
-                status = None
-                for cond in (pod.get("status") or {}).get("conditions") or []:
-                    if cond.get("type") == "Ready":
-                        status = cond.get("status")
+                conds = {
+                    c.get("type"): c.get("status")
+                    for c in (pod.get("status") or {}).get("conditions") or []
+                }
+                status, gate = conds.get("Ready"), conds.get(self.gate)
                 self.ready[name] = status
+                if self.gates[name] == "True" and gate == "False":
+                    self.drains[name] += 1
+                self.gates[name] = gate
                 if status != "True":
                     self.went_out.add(name)
             out = sum(1 for v in self.ready.values() if v != "True")
@@ -200,7 +210,15 @@ class ReadySampler:
                 self.most_out, self.worst = out, dict(self.ready)
 
     def _list(self) -> None:
-        listed = json.loads(self.fleet.kubectl("get", "--raw", self._path(watch=False)))
+        listed = json.loads(
+            subprocess.run(
+                ["kubectl", f"--kubeconfig={self.kubeconfig}", "get", "--raw", self._path(False)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            ).stdout
+        )
         self._observe(*listed["items"])
         self.resource_version = listed["metadata"]["resourceVersion"]
 
@@ -213,7 +231,7 @@ class ReadySampler:
                 self._proc = subprocess.Popen(
                     [
                         "kubectl",
-                        f"--kubeconfig={self.fleet.info.kubeconfig}",
+                        f"--kubeconfig={self.kubeconfig}",
                         "get",
                         "--raw",
                         self._path(watch=True),
@@ -321,7 +339,7 @@ class Fleet:
 
     def sample_ready(self, pods: tuple[str, ...] = PODS) -> ReadySampler:
         """``with fleet.sample_ready() as s:`` ... ``s.most_out``: see :class:`ReadySampler`."""
-        return ReadySampler(self, pods)
+        return ReadySampler(self.info.kubeconfig, NAMESPACE, pods)
 
     def weightupdate(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = json.loads(

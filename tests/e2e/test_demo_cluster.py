@@ -21,7 +21,14 @@ from weightroll_dev.demomodels import answer
 
 from tests.e2e.conftest import processes_naming, skip_without_dev_cluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(600)]
+#: Dev up (up to 480 s for three vLLM pods to serve), the rollout (up to 300 s), the questions
+#: and the shut-down, with room: a slow machine finishes, a wedged demo fails.
+DEMO_TIMEOUT = 960
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.server,
+    pytest.mark.timeout(DEMO_TIMEOUT + 180),
+]
 
 PODS = tuple(f"vllm-example-{i}" for i in range(3))
 
@@ -30,14 +37,24 @@ def _demo(tmp_path: Path, *args: str) -> str:
     skip_without_dev_cluster()
     work = tmp_path / "demo"
     began = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "weightroll"), "demo", "--workdir", str(work), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=540,
-        check=False,
     )  # fmt: skip
-    out = proc.stdout + proc.stderr
+    try:
+        out, _ = proc.communicate(timeout=DEMO_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, as Ctrl-C: the demo stops its cluster and pods (a SIGKILL would leave three
+        # vLLMs running beside the tests that follow)
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"the demo did not finish in {DEMO_TIMEOUT}s:\n{out[-6000:]}")
     print(f"demo {' '.join(args)}: {time.monotonic() - began:.0f}s\n{out}")
     assert proc.returncode == 0, out[-6000:]
     assert "everything started by the demo is stopped" in out

@@ -4,18 +4,16 @@ Cheap pods (``tests.harness.fake_agent_process``, updates of about 3 s) under th
 simulator, as in ``test_light_fleet.py``. Two ``weightroll operator --leader-elect`` processes
 run as the chart's ServiceAccount (the chart's Role grants the Lease); the leader is killed with
 SIGKILL while a unit is in flight. The standby takes the Lease once it expired and finishes the
-rollout. A sampler reads the pods all along: never more than ``maxUnavailable`` pods out of
-traffic at once, every pod drained exactly once (no double drain), every pod verified at the new
-version at the end (no unit lost).
+rollout. A sampler watches the pods all along (``ReadySampler``): never more than
+``maxUnavailable`` pods out of traffic at once, every pod drained exactly once (no double
+drain), every pod verified at the new version at the end (no unit lost).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 from weightroll_dev.devcluster.apiserver import free_ports
 from weightroll_dev.devcluster.operator_process import launch_operator, log_tail, stop_process
 
-from tests.e2e.conftest import GATE, NAMESPACE, _operator_kubeconfig
+from tests.e2e.conftest import NAMESPACE, ReadySampler, _operator_kubeconfig
 from tests.e2e.test_light_fleet import Light, _phase, _pod, _weightupdate, chart, light
 
 __all__ = ["chart", "light"]
@@ -60,39 +58,6 @@ def _wait_log(proc: subprocess.Popen[bytes], log: Path, needle: str, timeout: fl
         time.sleep(0.2)
 
 
-class Sampler(threading.Thread):
-    """Reads the pods every few hundred ms: Ready, the gate and the weight-state."""
-
-    def __init__(self, light: Light) -> None:
-        super().__init__(daemon=True)
-        self.light = light
-        self.stop = threading.Event()
-        self.samples: list[dict[str, tuple[str | None, str | None, str | None]]] = []
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            out = self.light.kubectl("get", "pods", "-o", "json", check=False)
-            if out:
-                sample = {}
-                for pod in json.loads(out)["items"]:
-                    conds = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
-                    raw = (pod["metadata"].get("annotations") or {}).get(
-                        "weightroll.io/weight-state"
-                    )
-                    state = json.loads(raw)["state"] if raw else None
-                    sample[pod["metadata"]["name"]] = (conds.get("Ready"), conds.get(GATE), state)
-                self.samples.append(sample)
-            time.sleep(0.2)
-
-    def max_not_ready(self) -> int:
-        return max(sum(1 for r, _, _ in s.values() if r != "True") for s in self.samples)
-
-    def drain_episodes(self, pod: str) -> int:
-        """How many times the pod's gate went from True to False."""
-        gates = [s[pod][1] for s in self.samples if pod in s]
-        return sum(1 for a, b in itertools.pairwise(gates) if a == "True" and b == "False")
-
-
 def _in_flight(light: Light) -> bool:
     out = light.kubectl("get", "wu", "wu", "-o", "json", check=False)
     replicas = (json.loads(out).get("status") or {}).get("replicas") or {} if out else {}
@@ -108,40 +73,37 @@ def test_leader_killed_mid_rollout_the_standby_finishes_it(light: Light) -> None
         light.wait(name, ContainersReady="True")
     first, first_log = _replica(light, "op-a")
     second: subprocess.Popen[bytes] | None = None
-    sampler = Sampler(light)
     try:
         _wait_log(first, first_log, "Acquired the leader Lease", 60)
         for name in PODS:  # admitted on their boot weights by the leader
             light.wait(name, Ready="True", timeout=60)
         second, second_log = _replica(light, "op-b")
         _wait_log(second, second_log, "Waiting for the leader Lease", 60)
-        sampler.start()
-        light.apply(_weightupdate(light.ns, "wu", "v2"))
-        deadline = time.monotonic() + 120
-        while not _in_flight(light):
-            assert time.monotonic() < deadline, log_tail(first_log)
-            time.sleep(0.2)
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
-        _wait_log(second, second_log, "Acquired the leader Lease", 4 * LEASE_SECONDS + 30)
-        deadline = time.monotonic() + 180
-        while _phase(light, "wu") != "Succeeded":
-            assert second.poll() is None, log_tail(second_log)
-            assert time.monotonic() < deadline, log_tail(second_log)
-            time.sleep(0.5)
-        for name in PODS:
-            light.wait(name, Ready="True", timeout=60)
-        time.sleep(1)  # a few more samples of the settled fleet
+        # a watch, not a poll: a 3 s drain cannot fall between two slow reads
+        with ReadySampler(light.cluster.kubeconfig, light.ns, PODS) as sampled:
+            light.apply(_weightupdate(light.ns, "wu", "v2"))
+            deadline = time.monotonic() + 120
+            while not _in_flight(light):
+                assert time.monotonic() < deadline, log_tail(first_log)
+                time.sleep(0.2)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            _wait_log(second, second_log, "Acquired the leader Lease", 4 * LEASE_SECONDS + 30)
+            deadline = time.monotonic() + 180
+            while _phase(light, "wu") != "Succeeded":
+                assert second.poll() is None, log_tail(second_log)
+                assert time.monotonic() < deadline, log_tail(second_log)
+                time.sleep(0.5)
+            for name in PODS:
+                light.wait(name, Ready="True", timeout=60)
+            time.sleep(1)  # the settled fleet a little longer: a late second drain is seen
     finally:
-        sampler.stop.set()
-        if sampler.is_alive():
-            sampler.join(10)
         for proc in (first, second):
             if proc is not None:
                 stop_process(proc)
         light.kubectl("delete", "wu", "wu", "--wait=false", check=False)
     status = json.loads(light.kubectl("get", "wu", "wu", "-o", "json"))["status"]
     assert status["replicas"]["verified"] == len(PODS), status
-    assert sampler.max_not_ready() <= 1, "more than maxUnavailable pods out of traffic"
-    assert {p: sampler.drain_episodes(p) for p in PODS} == dict.fromkeys(PODS, 1)
+    assert sampled.most_out <= 1, ("more than maxUnavailable out of traffic", sampled.worst)
+    assert sampled.drains == dict.fromkeys(PODS, 1), sampled.drains
     assert "Lost the leader Lease" not in second_log.read_text()

@@ -170,8 +170,16 @@ def test_rollout_tells_each_pod_its_story(fleet: Fleet, prom: Prometheus) -> Non
         ),
         timeout=ALERT_SLACK,
     )
-    for alert in ("WeightUpdateFailed", "WeightReplicaLeftDrained", "WeightrollOperatorDown"):
+    for alert in ("WeightUpdateFailed", "WeightrollOperatorDown"):
         assert prom.alerts(alert) == [], alert
+    # A unit in flight is drained, so under load a pod can pass the test-only 5 s threshold while
+    # it updates: then the alert may still be listed until the rules are evaluated on the scrape
+    # that saw the rollout finish. It must be gone then (scrape + evaluation, 1 s each).
+    prom.wait(
+        "WeightReplicaLeftDrained resolved after the rollout",
+        lambda: not prom.alerts("WeightReplicaLeftDrained"),
+        timeout=ALERT_SLACK,
+    )
     DONE.add("v2")
 
 
