@@ -109,12 +109,19 @@ class UpdateSpec(WireModel):
     #: Required for partial and sparse updates (deltas): the version they were computed
     #: against. A delta on another base would label mixed weights with the new version.
     base_version: Version | None = None
+    #: Partial and sparse updates: the update (or trainer push) whose commit produced the
+    #: weights the delta builds on; ``null``: the weights the engine booted with. A rank
+    #: refuses the delta unless it serves exactly that commit (the version label alone cannot
+    #: tell a vLLM restarted onto boot weights from the commit it replaced).
+    base_update_id: UpdateId | None = None
     #: Required for partial updates: checkpoint tensor names (or name prefixes ending in ".")
     #: whose modules the update replaces.
     scope: list[str] | None = None
 
     @model_validator(mode="after")
     def _mode_fields(self) -> Self:
+        if self.mode is UpdateMode.FULL and self.base_update_id is not None:
+            raise ValueError("baseUpdateId is only allowed when mode is 'partial' or 'sparse'")
         if self.mode is UpdateMode.PARTIAL and not self.scope:
             raise ValueError("scope must list at least one tensor name when mode is 'partial'")
         if self.mode is not UpdateMode.FULL and self.base_version is None:
@@ -316,12 +323,15 @@ class UpdateRequest(WireModel):
         )
         return self
 
-    def engine_spec(self) -> UpdateSpec:
+    def engine_spec(self, base_update_id: str | None = None) -> UpdateSpec:
+        """The ranks' session for this request; ``base_update_id``: the commit a delta builds
+        on (the agent's last commit; ignored for full updates)."""
         return UpdateSpec(
             update_id=self.id,
             version=self.version,
             mode=self.mode,
             base_version=self.base_version,
+            base_update_id=None if self.mode is UpdateMode.FULL else base_update_id,
             scope=self.scope,
         )
 

@@ -17,7 +17,9 @@ Invariants (gap 1 of the mission):
     * A poisoned engine accepts only a *full* update: a partial or sparse update would take the
       mixed state as its base.
     * A partial or sparse update (a delta) is accepted only from ``CLEAN`` at exactly its
-      ``base_version``.
+      ``base_version``, serving exactly the commit it names (``base_update_id``, ``None`` for
+      the boot weights): a vLLM restarted onto boot weights labelled like that commit is not
+      its base.
     * ``serving_safe`` is true in ``CLEAN`` only.
 """
 
@@ -76,8 +78,8 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
     Raises:
         UpdateConflict: another session is open (a repeated begin of the same, still
             untouched session is accepted and returns ``ws`` unchanged).
-        WrongState: the engine is poisoned and the update is not full, or a sparse update's
-            base version is not the version the engine serves.
+        WrongState: the engine is poisoned and the update is not full, or a delta's base
+            (``base_version``, ``base_update_id``) is not what the engine serves.
     """
     if ws.in_session:
         if ws.update_id == spec.update_id and ws.state is EngineState.OPEN:
@@ -98,6 +100,13 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
             f"{spec.mode.value} update is based on {spec.base_version!r} but the engine serves "
             f"{ws.version!r}; send a full update or a delta against {ws.version!r}",
             field="base_version",
+        )
+    if spec.mode is not UpdateMode.FULL and spec.base_update_id != ws.committed_by:
+        raise WrongState(
+            f"{spec.mode.value} update builds on the weights committed by "
+            f"{_commit_name(spec.base_update_id)}, but the engine serves those of "
+            f"{_commit_name(ws.committed_by)} (labelled {ws.version!r}); send a full update",
+            field="base_update_id",
         )
     return replace(
         ws,
@@ -140,6 +149,10 @@ def fail(ws: WeightState, reason: str) -> WeightState:
         reason = reason if ws.state is EngineState.DIRTY else (ws.poison_reason or reason)
         return replace(ws, state=EngineState.POISONED, poison_reason=reason)
     return WeightState(state=EngineState.CLEAN, version=ws.version, committed_by=ws.committed_by)
+
+
+def _commit_name(update_id: str | None) -> str:
+    return "its boot load" if update_id is None else repr(update_id)
 
 
 def abort(ws: WeightState) -> WeightState:

@@ -76,6 +76,7 @@ from engine_agent.sidecar.ranks import (
     check_session,
     collect_reports,
     collect_states,
+    committed_problems,
 )
 from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 
@@ -188,10 +189,10 @@ def _abort_args(record: UpdateRecord, cause: Problem, finish_sent: bool = False)
 
 
 def _commit_on_ranks(memory: AgentMemory, ranks: Sequence[RankStatus]) -> bool:
-    """Every rank still serves what the agent's last commit produced (vacuous when the agent
-    recorded no commit: boot weights, or adopted after a restart without its state)."""
+    """Every rank still serves what the agent's last commit produced (``None`` on both sides:
+    the boot weights). A rank naming another commit than the agent's, or none, is not."""
     committed = memory.committed_update_id
-    return committed is None or all(r.committed_update_id == committed for r in ranks)
+    return all(r.committed_update_id == committed for r in ranks)
 
 
 def _committed_by(ranks: Sequence[RankStatus]) -> str:
@@ -592,6 +593,7 @@ class Agent:
             and len(states.versions) == 1
         ):
             await self._adopt(next(iter(states.versions)))
+        self._adopt_commit(states)
         faults = self._faults(observation)
         if faults and memory.hold is None:
             self._set_hold(faults[0])
@@ -616,6 +618,31 @@ class Agent:
                 f"the ranks serve {version}, which no agent accepted (vLLM's weight version is "
                 f"{marker!r}); a full update is required",
             )
+        )
+
+    def _adopt_commit(self, states: StateRound) -> None:
+        """Restarted without its state, the agent learns from the ranks which commit they
+        serve (they keep it in-process), so a later restart of vLLM onto boot weights with the
+        same label is still told apart. Where that commit's files came from is lost with the
+        state: the source becomes unknown, and a WeightUpdate reloads such a pod."""
+        memory = self.store.memory
+        ids = {status.committed_update_id for status in states.statuses}
+        if (
+            memory.committed_update_id is not None
+            or memory.hold is not None
+            or not states.ok
+            or states.state is not EngineState.CLEAN
+            or states.versions != {memory.expected_version}
+            or len(ids) != 1
+            or None in ids
+        ):
+            return  # nothing to learn; disagreeing ranks are held by _faults
+        memory.committed_update_id = ids.pop()
+        memory.source = None
+        logger.info(
+            "Adopted commit %s (version %s) reported by every rank; its source is unknown",
+            memory.committed_update_id,
+            memory.expected_version,
         )
 
     # ------------------------------------------------------------------ the update
@@ -728,7 +755,10 @@ class Agent:
             self._enter(record, UpdatePhase.LOADING)
             # Not accepted until every check passed: a restarted agent must not adopt it.
             await self.client.set_weight_version(UNACCEPTED_PREFIX + request.id)
-            spec = request.engine_spec().model_dump_json(by_alias=True)
+            # A delta names the commit it builds on; each rank refuses it unless it serves
+            # exactly that one (a restart since the agent last looked is caught there).
+            base = self.store.memory.committed_update_id
+            spec = request.engine_spec(base).model_dump_json(by_alias=True)
             begin = check_session(
                 await self._call_ranks(record, BEGIN, spec, self.config.begin_timeout, world),
                 request.id,
@@ -768,14 +798,7 @@ class Agent:
             after = collect_states(
                 await self.client.collective_rpc(STATE, "{}", self.config.control_timeout), world
             )
-            problems = list(after.problems)
-            if after.state is not EngineState.CLEAN or after.versions != {request.version}:
-                problems.append(
-                    Problem(
-                        "not_committed",
-                        f"after finish the ranks report {after.state} at {sorted(after.versions)}",
-                    )
-                )
+            problems = committed_problems(after, request.id, request.version)
             if not problems and not await self._reset_prefix_cache():
                 problems.append(
                     Problem("cache_reset_failed", "vLLM refused to reset the prefix cache")

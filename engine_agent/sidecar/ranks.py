@@ -384,6 +384,37 @@ def _check_coverage(reports: Sequence[RankReport]) -> list[Problem]:
     return problems
 
 
+def committed_problems(after: StateRound, update_id: str, version: str) -> list[Problem]:
+    """What is wrong with the ranks' states read right after every rank's finish of
+    ``update_id`` reported a commit: each rank must be clean at ``version`` and name
+    ``update_id`` as the session that committed what it serves. A rank that reports another
+    commit (vLLM restarted between finish and this read, or a worker extension that keeps no
+    commit id) is not serving this update's weights."""
+    problems = list(after.problems)
+    if after.state is not EngineState.CLEAN or after.versions != {version}:
+        problems.append(
+            Problem(
+                "not_committed",
+                f"after finish the ranks report {after.state} at {sorted(after.versions)}",
+            )
+        )
+    others = sorted(
+        f"{status.rank.key}={status.committed_update_id!r}"
+        for status in after.statuses
+        if status.committed_update_id != update_id
+    )
+    if others:
+        problems.append(
+            Problem(
+                "not_committed",
+                f"after finish not every rank reports {update_id!r} as the commit it serves "
+                f"({_names(others)}): vLLM was restarted since, or runs a worker extension "
+                "of another weightroll release",
+            )
+        )
+    return problems
+
+
 def collect_states(results: Sequence[Any], world_size: int) -> StateRound:
     """Parse the results of ``weightroll_state`` (rules 1-2) and check they agree.
 

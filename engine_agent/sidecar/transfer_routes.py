@@ -65,6 +65,7 @@ from engine_agent.sidecar.ranks import (
     check_session,
     collect_reports,
     collect_states,
+    committed_problems,
 )
 
 __all__ = ["ROUTES", "TransferCoordinator", "add_transfer_routes"]
@@ -314,14 +315,7 @@ class TransferCoordinator:
             await client.collective_rpc("weightroll_state", "{}", config.control_timeout),
             push.world,
         )
-        problems = list(after.problems)
-        if after.state is not EngineState.CLEAN or after.versions != {version}:
-            problems.append(
-                Problem(
-                    "not_committed",
-                    f"after finish the ranks report {after.state} at {sorted(after.versions)}",
-                )
-            )
+        problems = committed_problems(after, push.id, version)
         if not problems and not await self._reset_prefix_cache():
             problems.append(Problem("cache_reset_failed", "vLLM refused to reset the prefix cache"))
         if problems:

@@ -64,7 +64,13 @@ class Engine:
     def update(
         self, update_id: str, version: str, *paths: Path | str, **spec: Any
     ) -> list[dict[str, Any]]:
-        """begin + one load per path + finish; returns the finish reports (or the first failure)."""
+        """begin + one load per path + finish; returns the finish reports (or the first failure).
+
+        A partial or sparse update names the commit it builds on as the agent does: the one
+        rank 0 reports serving, unless ``baseUpdateId`` is given.
+        """
+        if spec.get("mode", "full") != "full" and "baseUpdateId" not in spec:
+            spec["baseUpdateId"] = self.state()[0].get("committedUpdateId")
         begin = self.rpc("weightroll_begin", {"updateId": update_id, "version": version, **spec})
         if not all(r["ok"] for r in begin):
             return begin

@@ -24,7 +24,8 @@ tests in ``tests/contract/agent`` and the real-vLLM tests in ``tests/server`` pi
   aborted one keeps it held (poisoned once it wrote);
 * :meth:`FakeAgent.restart_engine` is vLLM restarted under the agent: the ranks serve the boot
   weights again, clean, and the agent holds the replica (``engine_restarted``, paused, not
-  ready) until a full update commits;
+  ready) until a full update commits — unless nothing was committed since boot, when the
+  restarted ranks serve exactly what the agent expects (no hold, as the real agent);
 * :meth:`FakeAgent.booting` is a pod whose vLLM has not come up: the version is unknown
   (``""``), the engine reported poisoned, and ``POST /v1/updates`` answers 409;
 * aborting a committed update answers 409 (``roll back instead``), an unknown id 404; an id
@@ -145,6 +146,10 @@ class FakeAgent:
         self.manifest = None
         self.engine = EngineState.CLEAN
         self.commit_gone = self.committed_id is not None
+        if self.committed_id is None and self.version == self.committed_version:
+            # nothing committed since boot: no new hold; the guard re-pauses an older one
+            self.paused = self.hold is not None
+            return
         self.hold = (
             f"engine_restarted: ranks serve version {self.version} but the agent committed "
             f"{self.committed_version}; vLLM was restarted or changed underneath the agent"

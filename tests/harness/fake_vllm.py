@@ -4,8 +4,8 @@ This is **not** vLLM. It serves the few dev-mode routes the sidecar uses (``/hea
 ``/get_world_size``, ``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``,
 ``/collective_rpc``, ``/metrics``, ``/weight_info``, ``/update_weight_version``) plus a toy
 ``/v1/completions``, and plays N ranks of the
-weightroll worker extension with the state machine of ``engine_agent/reload/session.py``
-(clean → open → dirty → clean(v'), dirty --abort--> poisoned).
+weightroll worker extension with the real state machine of ``engine_agent/reload/session.py``
+(clean → open → dirty → clean(v'), dirty --abort--> poisoned; a delta's base checks).
 
 Scriptable per rank (:class:`FakeRank`): fail a method with an error code, hang in a method,
 omit or duplicate its result, report another update id, coverage hash or an identity problem.
@@ -16,8 +16,9 @@ Loading is realistic enough for the contract: the path must exist, and when a ma
 each rank compares the checkpoint on disk with it (``engine_agent.manifest``), failing with
 ``manifest_mismatch`` as the real extension does. Like the real extension, a rank's ``digest``
 is ``rank_digest`` over the content hashes of the tensors it read (the manifest's algorithm,
-else BLAKE3), so with a manifest it equals ``Manifest.rank_digest()``; a sparse ``begin``
-needs ``clean`` at exactly ``baseVersion``; ``abort {poison: true}`` poisons a clean rank too.
+else BLAKE3), so with a manifest it equals ``Manifest.rank_digest()``; a partial or sparse
+``begin`` needs ``clean`` at exactly ``baseVersion`` and ``baseUpdateId``; ``abort {poison:
+true}`` poisons a clean rank too.
 vLLM's own weight version (``/weight_info``) starts as ``"default"`` and resets on restart.
 
 Completions answer ``"weights=<version>"`` with the version the ranks held when the request
@@ -35,28 +36,39 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
+from engine_agent.errors import (
+    AgentError,
+    CoverageIncomplete,
+    InvalidRequest,
+    ManifestMismatch,
+    SourceUnavailable,
+    WrongState,
+)
 from engine_agent.manifest import ManifestError, build_manifest, load_manifest
+from engine_agent.protocol import UpdateMode, UpdateSpec
+from engine_agent.reload import session
+from engine_agent.reload.session import WeightState
 
 __all__ = ["FakeRank", "FakeVllm"]
 
 
 @dataclass
 class FakeRank:
-    """One fake rank of the worker extension."""
+    """One fake rank of the worker extension.
+
+    Its weight state is the real one: :mod:`engine_agent.reload.session`'s ``WeightState``,
+    moved by the same transitions the extension uses (begin with its base checks, the first
+    write, commit, fail, abort, poison), so the fake answers every state question as a real
+    rank does. What it fakes is the model: loading only checks files and manifests.
+    """
 
     dp: int = 0
     pp: int = 0
     tp: int = 0
     ep: int = 0
-    state: str = "clean"
-    version: str = "v0"
-    update_id: str | None = None
-    target: str | None = None
-    poison_reason: str | None = None
-    #: the session whose commit produced what the rank serves (``None``: boot weights), as
-    #: ``engine_agent.reload.session.WeightState.committed_by``; a restart clears it.
-    committed_by: str | None = None
+    ws: WeightState = field(default_factory=lambda: session.initial("v0"))
     #: method -> error code: the rank answers ``ok: false`` with that code.
     fail: dict[str, str] = field(default_factory=dict)
     #: methods in which this rank never answers.
@@ -73,7 +85,11 @@ class FakeRank:
     wrong_update_id: str | None = None
     #: finish reports this digest instead of the one of the bytes read.
     digest: str | None = None
+    #: ``False``: ``weightroll_state`` has no ``committedUpdateId``, as a worker extension of an
+    #: earlier weightroll release (before ranks kept their commit's id) answers.
+    reports_commit: bool = True
     source_digest: str = ""
+    manifest_digest: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)
     loaded_bytes: int = 0
 
@@ -81,9 +97,26 @@ class FakeRank:
     def rank(self) -> dict[str, int]:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "ep": self.ep}
 
+    @property
+    def state(self) -> str:
+        return self.ws.state.value
+
+    @property
+    def version(self) -> str:
+        return self.ws.version
+
+    @property
+    def update_id(self) -> str | None:
+        return self.ws.update_id
+
+    @property
+    def committed_by(self) -> str | None:
+        """The session whose commit produced what the rank serves (``None``: boot weights)."""
+        return self.ws.committed_by
+
     def reset(self, version: str) -> None:
-        self.state, self.version, self.update_id, self.target = "clean", version, None, None
-        self.poison_reason = self.committed_by = None
+        """A (re)started engine: clean at its boot weights, no commit of its own."""
+        self.ws = session.initial(version)
         self.loaded_bytes = 0
         self.manifest_digest = ""
         self.source_digest = ""
@@ -102,111 +135,125 @@ class FakeRank:
             "bytesLoaded": self.loaded_bytes if call == "load" else 0,
         }
 
-    def _error(self, call: str, code: str, message: str) -> dict[str, Any]:
-        return self._report(call, ok=False, error={"code": code, "message": message})
+    def _failed(self, call: str, error: AgentError) -> dict[str, Any]:
+        """As ``RankEngine._failed``: a failed load or finish ends the session (a rank that
+        wrote is poisoned, one that did not stays at its version)."""
+        if call in ("load", "finish") and self.ws.in_session:
+            self.ws = session.fail(self.ws, f"{call} failed: {error.message}")
+        return self._report(call, ok=False, error={"code": error.code, "message": error.message})
 
     def handle(self, method: str, arg: str) -> Any:
         """Run one extension method; returns the rank's result dict."""
         self.calls.append((method, arg))
         call = method.removeprefix("weightroll_")
         if method in self.fail:
-            code = self.fail[method]
-            if self.state == "dirty":
-                self.state, self.poison_reason = "poisoned", f"{call} failed"
-            return self._error(call, code, f"scripted failure of {method} on tp{self.tp}")
-        body = json.loads(arg)
+            scripted = AgentError(f"scripted failure of {method} on tp{self.tp}")
+            scripted.code = self.fail[method]
+            return self._failed(call, scripted)
         if method == "weightroll_state":
             return {
                 "rank": self.rank,
                 "state": self.state,
                 "version": self.version,
                 "updateId": self.update_id,
-                "servingSafe": self.state == "clean",
-                "poisonReason": self.poison_reason,
-                "committedUpdateId": self.committed_by,
+                "servingSafe": self.ws.serving_safe,
+                "poisonReason": self.ws.poison_reason,
+                **({"committedUpdateId": self.committed_by} if self.reports_commit else {}),
             }
-        if method == "weightroll_begin":
-            if self.state in ("open", "dirty"):
-                return self._error(call, "update_conflict", f"update {self.update_id} is active")
-            if self.state == "poisoned" and body.get("mode", "full") != "full":
-                return self._error(call, "wrong_state", "engine is poisoned")
-            if body.get("mode") == "sparse" and body.get("baseVersion") != self.version:
-                return self._error(
-                    call, "wrong_state", f"sparse update is based on {body.get('baseVersion')!r}"
-                )
-            self.update_id, self.target = body["updateId"], body["version"]
-            self.state = "open"
-            self.manifest_digest = ""
-            self.loaded_bytes = 0
-            return self._report(call)
-        if method == "weightroll_load":
-            if self.state not in ("open", "dirty"):
-                return self._error(call, "wrong_state", "no session")
-            path = body["path"]
-            if not os.path.exists(path):
-                return self._error(call, "source_unavailable", f"{path} does not exist")
-            if body.get("manifest"):
-                try:
-                    pinned = load_manifest(body["manifest"])
-                    actual = build_manifest(path)
-                except ManifestError as e:
-                    return self._error(call, e.code, str(e))
-                if pinned.algorithm != actual.algorithm:
-                    actual = build_manifest(path, algorithm=pinned.algorithm)
-                if pinned.digest != actual.digest:
-                    return self._error(
-                        call, "manifest_mismatch", "checkpoint bytes differ from the manifest"
-                    )
-                self.manifest_digest = pinned.digest
-            else:
-                try:
-                    actual = build_manifest(path)
-                except ManifestError as e:
-                    return self._error(call, "source_unavailable", str(e))
-            self.source_digest = actual.rank_digest()
-            files = (
-                [path]
-                if os.path.isfile(path)
-                else [
-                    os.path.join(path, name)
-                    for name in os.listdir(path)
-                    if name.endswith(".safetensors")
-                ]
-            )
-            self.loaded_bytes = sum(os.path.getsize(name) for name in files)
-            self.state = "dirty"
-            return self._report(call)
-        if method == "weightroll_finish":
-            if self.state == "open":
-                self.state, self.update_id = "clean", None
-                return self._error(call, "coverage_incomplete", "nothing was loaded")
-            if self.state != "dirty":
-                return self._error(call, "wrong_state", f"engine is {self.state}")
-            assert self.target is not None
-            self.state, self.version, self.committed_by = "clean", self.target, self.update_id
-            report = self._report(call)
-            report.update(
-                {
-                    "required": 21,
-                    "received": 21,
-                    "coverageHash": self.coverage_hash or "cov-" + self.target,
-                    "digest": self.digest or self.source_digest,
-                    "identityOk": not self.identity_problems,
-                    "identityProblems": self.identity_problems,
-                    "manifestDigest": self.manifest_digest,
-                }
-            )
-            self.update_id = None  # as session.commit: the session is over, its id kept above
-            return report
-        if method == "weightroll_abort":
-            if body.get("poison"):
-                self.state, self.poison_reason = "poisoned", body.get("reason") or "fenced"
-            elif self.state == "dirty":
-                self.state, self.poison_reason = "poisoned", "aborted while dirty"
-            elif self.state == "open":
-                self.state, self.update_id = "clean", None
-            return self._report(call)
+        try:
+            if method == "weightroll_begin":
+                return self._begin(arg)
+            if method == "weightroll_load":
+                return self._load(json.loads(arg))
+            if method == "weightroll_finish":
+                return self._finish()
+            if method == "weightroll_abort":
+                return self._abort(json.loads(arg))
+        except AgentError as e:
+            return self._failed(call, e)
         raise web.HTTPBadRequest(text=f"unknown method {method}")
+
+    def _begin(self, arg: str) -> dict[str, Any]:
+        try:
+            spec = UpdateSpec.model_validate_json(arg)
+        except ValidationError as e:
+            raise InvalidRequest(f"spec: {e.errors()[0]['msg']}") from e
+        if self.ws.in_session and self.ws.update_id == spec.update_id:
+            return self._report("begin")  # idempotent re-begin of the same session
+        self.ws = session.begin(self.ws, spec)
+        self.manifest_digest = ""
+        self.loaded_bytes = 0
+        return self._report("begin")
+
+    def _load(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not self.ws.in_session:
+            raise WrongState(f"no update session is open (engine is {self.state})")
+        path = body["path"]
+        if not os.path.exists(path):
+            raise SourceUnavailable(f"{path} does not exist")
+        if body.get("manifest"):
+            try:
+                pinned = load_manifest(body["manifest"])
+                actual = build_manifest(path)
+            except ManifestError as e:
+                error = AgentError(str(e))
+                error.code = e.code
+                raise error from e
+            if pinned.algorithm != actual.algorithm:
+                actual = build_manifest(path, algorithm=pinned.algorithm)
+            if pinned.digest != actual.digest:
+                raise ManifestMismatch("checkpoint bytes differ from the manifest")
+            self.manifest_digest = pinned.digest
+        else:
+            try:
+                actual = build_manifest(path)
+            except ManifestError as e:
+                raise SourceUnavailable(str(e)) from e
+        self.source_digest = actual.rank_digest()
+        files = (
+            [path]
+            if os.path.isfile(path)
+            else [
+                os.path.join(path, name)
+                for name in os.listdir(path)
+                if name.endswith(".safetensors")
+            ]
+        )
+        self.loaded_bytes = sum(os.path.getsize(name) for name in files)
+        if self.ws.state.value == "open":
+            self.ws = session.mark_written(self.ws)
+        return self._report("load")
+
+    def _finish(self) -> dict[str, Any]:
+        if not self.ws.in_session:
+            raise WrongState(f"no update session is open (engine is {self.state})")
+        if self.ws.state.value == "open":  # nothing written: as the extension's ledger says
+            if self.ws.mode is UpdateMode.SPARSE:
+                raise WrongState("no weights were loaded in this session; nothing to commit")
+            raise CoverageIncomplete("nothing was loaded")
+        update_id, target = self.ws.update_id, self.ws.target_version
+        self.ws = session.commit(self.ws)
+        report = self._report("finish")
+        report.update(
+            {
+                "updateId": self.wrong_update_id or update_id,
+                "required": 21,
+                "received": 21,
+                "coverageHash": self.coverage_hash or f"cov-{target}",
+                "digest": self.digest or self.source_digest,
+                "identityOk": not self.identity_problems,
+                "identityProblems": self.identity_problems,
+                "manifestDigest": self.manifest_digest,
+            }
+        )
+        return report
+
+    def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("poison"):
+            self.ws = session.poison(self.ws, body.get("reason") or "poisoned by the coordinator")
+        elif self.ws.in_session:
+            self.ws = session.abort(self.ws)
+        return self._report("abort")
 
 
 class FakeVllm:
@@ -226,7 +273,7 @@ class FakeVllm:
         gen_seconds: float = 0.05,
     ) -> None:
         self.boot_version = boot_version
-        self.ranks = ranks or [FakeRank(version=boot_version)]
+        self.ranks = ranks or [FakeRank()]
         for rank in self.ranks:
             rank.reset(boot_version)
         self.gen_seconds = gen_seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientError, ClientSession
 
+from engine_agent.reload import session
 from tests.contract.agent.conftest import (
     TOKEN,
     AgentHarness,
@@ -142,26 +144,101 @@ async def test_vllm_down_at_agent_start_is_not_ready_until_it_answers(
         await stop_harness(harness)
 
 
-async def test_agent_restart_without_state_rederives_from_ranks(
+async def _agent_restarted_without_state(
     fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
-) -> None:
+) -> AgentHarness:
+    """u-1 committed v1 by one agent; returns a second agent, started with no state."""
     first = await start_harness(fake, token_file, tmp_path / "state-a")
     await first.submit(update_body("u-1", "v1", checkpoints["v1"]))
     await first.wait_phase("u-1")
     await stop_harness(first)
+    return await start_harness(fake, token_file, tmp_path / "state-b")
+
+
+async def test_agent_restart_without_state_rederives_from_ranks(
+    fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
     # A fresh agent with no memory adopts the version every rank reports.
-    second = await start_harness(fake, token_file, tmp_path / "state-b")
+    second = await _agent_restarted_without_state(fake, token_file, tmp_path, checkpoints)
     try:
         await second.wait_ready()
         state = await (await second.get("/v1/state")).json()
         assert state["version"] == "v1"
         # A poisoned engine is never ready, whatever the agent remembers.
         for rank in fake.ranks:
-            rank.state, rank.poison_reason = "poisoned", "test"
+            rank.ws = session.poison(rank.ws, "test")
         body = await second.wait_ready(False)
         assert any("poisoned" in reason for reason in body["reasons"])
     finally:
         await stop_harness(second)
+
+
+async def test_an_agent_restarted_without_state_learns_the_commit_from_the_ranks(
+    fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    """Restarted without its state, the agent once knew no commit id, so a later restart of
+    vLLM onto boot weights with the committed label passed unseen. The ranks keep the id: the
+    fresh agent adopts it (the source it loaded is unknown now) and holds on that restart."""
+    second = await _agent_restarted_without_state(fake, token_file, tmp_path, checkpoints)
+    try:
+        await second.wait_ready()
+        state = await (await second.get("/v1/state")).json()
+        assert (state["version"], state["committedUpdateId"], state["source"]) == (
+            "v1",
+            "u-1",
+            None,
+        )
+        fake.boot_version = "v1"
+        await fake.restart()
+        body = await second.wait_ready(False)
+        assert any("engine_restarted" in reason for reason in body["reasons"]), body
+        state = await (await second.get("/v1/state")).json()
+        assert state["committedUpdateId"] is None and state["ready"] is False
+    finally:
+        await stop_harness(second)
+
+
+async def test_a_delta_after_an_unseen_restart_is_refused_by_the_ranks(
+    fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    """vLLM restarted onto boot weights labelled like the last commit, and a sparse update
+    arrives before the agent looked again (here it never looks on its own): the agent's hold
+    cannot refuse it, so each rank does, at begin, because it does not serve the commit the
+    delta names as its base. Nothing is written and the patch never labels boot weights v2."""
+    harness = await start_harness(
+        fake, token_file, tmp_path / "state", watch_interval=3600.0, observe_ttl=3600.0
+    )
+    try:
+        await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
+        await harness.wait_phase("u-1")
+        fake.boot_version = "v1"
+        await fake.restart()
+        await harness.submit(
+            update_body("u-2", "v2", checkpoints["v2"], mode="sparse", baseVersion="v1")
+        )
+        record = await harness.wait_phase("u-2")
+        assert record["phase"] == "Failed", record
+        assert "base_update_id" in json.dumps(record) or "'u-1'" in json.dumps(record), record
+        assert {(r.state, r.version, r.committed_by) for r in fake.ranks} == {("clean", "v1", None)}
+        assert not any(name == "weightroll_load" for r in fake.ranks for name, _ in r.calls[-3:])
+    finally:
+        await stop_harness(harness)
+
+
+async def test_a_commit_the_ranks_do_not_attribute_to_the_update_fails_it(
+    fake: FakeVllm, harness: AgentHarness, checkpoints: dict[str, Path]
+) -> None:
+    """A worker extension of another release keeps no commit id: every finish "commits", but
+    the ranks cannot say they serve this update's weights. The update fails (held) instead of
+    committing and being held right after, which made the operator retry forever."""
+    for rank in fake.ranks:
+        rank.reports_commit = False
+    await harness.submit(update_body("u-1", "v1", checkpoints["v1"]))
+    record = await harness.wait_phase("u-1")
+    assert record["phase"] == "Failed", record
+    assert "another weightroll release" in json.dumps(record), record
+    body = await harness.wait_ready(False)
+    assert body["reasons"], body
 
 
 async def test_agent_stopped_mid_update_aborts_and_holds(

@@ -11,6 +11,8 @@ from engine_agent.reload.session import WeightState
 
 CLEAN = session.initial("v1")
 POISONED = WeightState(EngineState.POISONED, "v1", "u0", poison_reason="half-failed")
+#: v1 as committed by update "u0" (not the boot weights, though labelled alike).
+COMMITTED = WeightState(EngineState.CLEAN, "v1", committed_by="u0")
 
 
 def spec(mode: str = "full", **kw: object) -> UpdateSpec:
@@ -33,6 +35,16 @@ def spec(mode: str = "full", **kw: object) -> UpdateSpec:
         (POISONED, "full", {}, None),
         (POISONED, "partial", {}, WrongState),
         (POISONED, "sparse", {}, WrongState),
+        # a delta names the commit it builds on (None: the boot weights), not just its label:
+        # a vLLM restarted onto boot weights labelled like u0's commit is not u0's base
+        (CLEAN, "sparse", {"base_update_id": "u0"}, WrongState),
+        (CLEAN, "partial", {"base_update_id": "u0"}, WrongState),
+        (COMMITTED, "sparse", {}, WrongState),
+        (COMMITTED, "partial", {}, WrongState),
+        (COMMITTED, "sparse", {"base_update_id": "u0"}, None),
+        (COMMITTED, "partial", {"base_update_id": "u0"}, None),
+        (COMMITTED, "sparse", {"base_update_id": "u9"}, WrongState),
+        (COMMITTED, "full", {}, None),
     ],
 )
 def test_begin(start: WeightState, mode: str, kw: dict[str, object], error: type | None) -> None:
@@ -112,6 +124,16 @@ def test_mode_field_rules() -> None:
         UpdateSpec(update_id="u", version="v", mode=UpdateMode.PARTIAL)
     with pytest.raises(ValueError, match="scope is only allowed"):
         UpdateSpec(update_id="u", version="v", scope=["x"])
+    with pytest.raises(ValueError, match="baseUpdateId is only allowed"):
+        UpdateSpec(update_id="u", version="v", base_update_id="u0")
+
+
+def test_a_delta_on_another_commit_names_both() -> None:
+    with pytest.raises(WrongState, match=r"'u9'.*'u0'") as refused:
+        session.begin(COMMITTED, spec("sparse", base_update_id="u9"))
+    assert refused.value.field == "base_update_id"
+    with pytest.raises(WrongState, match=r"boot load.*'u0'"):
+        session.begin(COMMITTED, spec("partial"))
 
 
 def test_a_rank_remembers_which_session_committed_what_it_serves() -> None:
