@@ -85,6 +85,7 @@ from weightroll_operator.domain.plan import (
     plan,
     queries,
     target_source,
+    unsettled,
 )
 from weightroll_operator.domain.release import DELETED_SUFFIX, release
 from weightroll_operator.domain.status import build_status, invalid_status, status_patch
@@ -466,6 +467,15 @@ class Reconciler:
         )
         results = await apply(the_plan.actions, ctx)
         self._remember_writes(results)
+        the_plan = unsettled(
+            the_plan,
+            (
+                r.action.pod.name
+                for r in results
+                if not r.ok and isinstance(r.action, GateOn | Settle)
+            ),
+            persisted,
+        )
         notes = {
             r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
             for r in results

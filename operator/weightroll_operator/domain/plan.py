@@ -37,8 +37,8 @@ Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -95,6 +95,7 @@ __all__ = [
     "queries",
     "target_source",
     "serves_attempt",
+    "unsettled",
 ]
 
 
@@ -1256,6 +1257,33 @@ def settle(
         rolling_back=rollback,
         rollback_remaining=rollback_remaining,
         refresh=frozenset(b.refresh),
+    )
+
+
+def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
+    """The plan once some of its pod writes failed (``failed``: pod names whose ``GateOn`` or
+    ``Settle`` did not happen, e.g. a 409 because kubelet wrote the pod meanwhile).
+
+    :func:`settle` counts this pass's GateOns and Settles as done; when one of them failed,
+    a completion reached only through it is none: the rollout is not ``Succeeded`` with a pod
+    out of traffic, and no completion time is persisted. A failed Settle leaves its pod in
+    flight. The next pass reads the pods again and settles for real.
+    """
+    names = frozenset(name for name in failed if name in the_plan.pods)
+    if not names:
+        return the_plan
+    classes = dict(the_plan.classes)
+    for name in names:
+        pod = the_plan.pods.get(name)
+        if pod is not None and pod.state is not None and pod.state.state.in_flight:
+            classes[name] = PodClass.IN_FLIGHT  # its Settle did not happen
+    newly = the_plan.persisted.completion_time is not None and before.completion_time is None
+    persisted = replace(the_plan.persisted, completion_time=None) if newly else the_plan.persisted
+    return replace(
+        the_plan,
+        classes=classes,
+        persisted=persisted,
+        completed=persisted.completion_time is not None,
     )
 
 

@@ -13,7 +13,7 @@ from weightroll_operator.api.v1alpha1 import (
 from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import AgentView, UnitState
-from weightroll_operator.domain.plan import Persisted, PodClass, queries
+from weightroll_operator.domain.plan import Persisted, PodClass, queries, unsettled
 
 from engine_agent.protocol import UpdatePhase
 from tests.unit.weightroll_operator.builders import (
@@ -399,6 +399,32 @@ def test_completion() -> None:
     pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
     p = run(spec(), pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)})
     assert p.completed and p.persisted.completion_time == timestamp(NOW)
+
+
+@pytest.mark.parametrize(
+    ("failed", "completed", "p0_class"),
+    [
+        ((), True, PodClass.UPDATED),  # every write happened: completed this pass
+        (("p0",), False, PodClass.IN_FLIGHT),  # its GateOn/Settle failed (409): not yet
+        (("p9",), True, PodClass.UPDATED),  # a pod the plan does not know changes nothing
+    ],
+)
+def test_a_completion_needs_the_writes_that_reach_it(
+    failed: tuple[str, ...], completed: bool, p0_class: PodClass
+) -> None:
+    """Found by review: the last unit's GateOn failed (kubelet wrote the pod in between) and
+    the pass still wrote Succeeded, with that pod out of traffic."""
+    pods = [pod("p0", gate=False, ready=False, st=DRAINING)]
+    before = Persisted(target_version="v2")
+    p = run(spec(), pods, {"p0": agent("v2", phase=UpdatePhase.COMMITTED)})
+    assert p.completed
+    after = unsettled(p, failed, before)
+    assert after.completed is completed
+    assert (after.persisted.completion_time is not None) is completed
+    assert after.classes["p0"] is p0_class
+    # a completion persisted by an earlier pass stands
+    earlier = Persisted(target_version="v2", completion_time=timestamp(NOW))
+    assert unsettled(p, failed, earlier).completed
 
 
 def test_restart_between_gate_on_and_settle_finishes_without_draining_again() -> None:
