@@ -165,18 +165,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     seeds = dict(s.split("=", 1) for s in args.seed)
     base = args.out / args.versions[0]
+    args.out.mkdir(parents=True, exist_ok=True)
     for version in args.versions:
         out = args.out / version
         # Existing checkpoints (and manifests) are left alone: pods may be reading them.
-        built = not out.is_dir()
-        if built:
-            build_version(version, out, base=base, seed=int(seeds.get(version, 0)))
-        if args.manifest and (built or not (out / args.manifest).is_file()):
-            from engine_agent.manifest import build_manifest, write_manifest
-
-            write_manifest(build_manifest(out, version=version), out / args.manifest)
+        if not out.is_dir():
+            # Built whole (tensors, then the manifest of exactly them) in a dot-named folder
+            # beside it, then renamed in one step: the dev cluster links new files into every
+            # pod's copy each second and skips dot-named entries, so no pod ever gets a
+            # half-written checkpoint, or a manifest copied from the base before it was
+            # replaced.
+            with tempfile.TemporaryDirectory(dir=args.out, prefix=f".{version}-") as tmp:
+                staged = Path(tmp) / version
+                build_version(version, staged, base=base, seed=int(seeds.get(version, 0)))
+                if args.manifest:
+                    _write_manifest(staged, version, args.manifest)
+                os.replace(staged, out)
+        elif args.manifest and not (out / args.manifest).is_file():
+            _write_manifest(out, version, args.manifest)
         print(f"{version}: {out}", flush=True)
     return 0
+
+
+def _write_manifest(checkpoint: Path, version: str, name: str) -> None:
+    from engine_agent.manifest import build_manifest, write_manifest
+
+    write_manifest(build_manifest(checkpoint, version=version), checkpoint / name)
 
 
 if __name__ == "__main__":

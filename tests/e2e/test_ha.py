@@ -33,7 +33,10 @@ pytestmark = [
 ]
 
 PODS = tuple(f"p-{i}" for i in range(4))
-LEASE_SECONDS = 6
+#: Short, so the standby takes over quickly; not shorter: the holder must renew within 2/3 of
+#: it (main.py), and etcd's fsync or the holder's event loop can stall for seconds on 2 loaded
+#: cores — at 6 s (4 s to renew) a slow renewal made the leader step down mid-test.
+LEASE_SECONDS = 10
 
 
 def _replica(light: Light, name: str) -> tuple[subprocess.Popen[bytes], Path]:

@@ -619,8 +619,14 @@ def _bindable(ip: str, port: int) -> bool:
 
 
 def _link_tree(source: Path, dest: Path) -> None:
-    """Hard-link every file of ``source`` missing in ``dest`` (copy across file systems)."""
-    for dirpath, _dirs, files in os.walk(source):
+    """Hard-link every file of ``source`` missing in ``dest`` (copy across file systems).
+
+    Dot-named entries are skipped: a writer builds there and renames into place when done
+    (``weightroll_dev.demomodels``), so a half-written checkpoint is never linked.
+    """
+    for dirpath, dirs, files in os.walk(source):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files = [f for f in files if not f.startswith(".")]
         rel = Path(dirpath).relative_to(source)
         (dest / rel).mkdir(parents=True, exist_ok=True)
         for f in files:
