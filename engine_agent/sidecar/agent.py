@@ -335,6 +335,14 @@ class Agent:
             return f"{what}, but the replica is held ({memory.hold}); send a full update"
         if memory.expected_version is None:
             return f"{what}, and it has accepted none; send a full update"
+        if memory.source is None:
+            # A trainer push (or a commit adopted after a restart without state) may carry any
+            # label: a delta computed against the checkpoint of that label would be applied to
+            # other bytes.
+            return (
+                f"{what} ({memory.expected_version}), but the files it serves are unknown "
+                "(pushed by a trainer, or adopted after an agent restart); send a full update"
+            )
         if request.base_version != memory.expected_version:
             return (
                 f"{what} ({memory.expected_version}), but its baseVersion is {request.base_version}"

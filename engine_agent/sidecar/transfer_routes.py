@@ -170,6 +170,8 @@ class TransferCoordinator:
             )
         if self.push is not None:
             raise PushFailed(409, [Problem("conflict", f"push {self.push.id} is in progress")])
+        if self.agent.busy is not None:
+            raise PushFailed(409, [Problem("conflict", f"{self.agent.busy}; retry later")])
 
     def _require_push(self, what: str) -> Push:
         if self.push is None:
@@ -212,11 +214,23 @@ class TransferCoordinator:
 
     async def start(self) -> dict[str, Any]:
         self._refuse_if_busy()
+        if not self.agent.recovered:
+            raise PushFailed(
+                409,
+                [Problem("conflict", "the agent has not yet recovered the engine state; retry")],
+            )
         config = self.agent.config
+        # Claimed before the first await: a file update (or another start) accepted while this
+        # one waits would run beside the push, and its commit would resume generation while
+        # the push writes.
+        self.agent.busy = "a trainer push is starting"
         try:
             world = await self.agent.client.world_size()
-        except EngineError as e:
-            raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
+        except BaseException as e:
+            self.agent.busy = None
+            if isinstance(e, EngineError):
+                raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
+            raise
         push_id = f"push-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         push = Push(push_id, world, self._monotonic(), self._monotonic())
         self.push = push
@@ -441,9 +455,21 @@ class TransferCoordinator:
         finally:
             # Fenced even when the hold could not be saved, and released whatever broke.
             try:
-                await client.collective_rpc(
+                results = await client.collective_rpc(
                     FENCE, json.dumps({"reason": reason[:500]}), config.control_timeout
                 )
+                # A 200 is not every rank fenced: each must answer, poisoned.
+                fenced = collect_reports(FENCE, results, push.world)
+                unfenced = sorted(
+                    report.rank.key
+                    for report in fenced.reports
+                    if report.state is not EngineState.POISONED
+                )
+                failed.problems += [Problem("fence_failed", str(p)) for p in fenced.problems]
+                if unfenced:
+                    failed.problems.append(
+                        Problem("fence_failed", f"{FENCE}: ranks {unfenced} are not poisoned")
+                    )
             except Exception as e:  # fail closed whatever broke; the error names it
                 failed.problems.append(Problem("fence_failed", f"{FENCE}: {e}"))
             finally:

@@ -188,6 +188,13 @@ async def test_an_agent_restarted_without_state_learns_the_commit_from_the_ranks
             "u-1",
             None,
         )
+        # Which files u-1 loaded is lost with the state: no delta may assume they were v1's.
+        refused = await second.post(
+            "/v1/updates",
+            update_body("u-2", "v2", checkpoints["v2"], mode="sparse", baseVersion="v1"),
+        )
+        assert refused.status == 409, await refused.text()
+        assert "unknown" in (await refused.json())["message"]
         fake.boot_version = "v1"
         await fake.restart()
         body = await second.wait_ready(False)

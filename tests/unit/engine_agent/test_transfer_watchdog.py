@@ -34,14 +34,30 @@ def rank_status(tp: int, state: str, update_id: str | None) -> dict[str, Any]:
     }
 
 
+def fence_report(tp: int, fenced: bool) -> dict[str, Any]:
+    """A rank's answer to the fence (its ``weightroll_abort`` report): poisoned, or refused."""
+    return {
+        "rank": {"dp": 0, "pp": 0, "tp": tp, "ep": 0},
+        "call": "abort",
+        "ok": fenced,
+        "state": "poisoned" if fenced else "clean",
+        "version": "v0",
+        "error": None if fenced else {"code": "internal", "message": "no transfer backend"},
+    }
+
+
 @dataclass
 class ScriptedVllm:
     """Answers the calls the coordinator makes; ``ranks`` is what ``weightroll_state`` says."""
 
     ranks: list[dict[str, Any]] | None
     fence_error: Exception | None = None
+    #: tp ranks that refuse the fence (answer ``ok: false``, not poisoned).
+    unfenced: set[int] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
     paused: bool = True
+    #: ``world_size`` waits for this event when set (a slow vLLM).
+    world_gate: asyncio.Event | None = None
 
     async def collective_rpc(self, method: str, arg: str, timeout: float) -> list[Any]:
         self.calls.append(method)
@@ -50,8 +66,13 @@ class ScriptedVllm:
         if self.ranks is None:
             raise EngineUnavailable("collective_rpc: vLLM unreachable (connection refused)")
         if method == FENCE:
-            return [{"ok": True} for _ in self.ranks]
+            return [fence_report(tp, tp not in self.unfenced) for tp in range(len(self.ranks))]
         return list(self.ranks)
+
+    async def world_size(self) -> int:
+        if self.world_gate is not None:
+            await self.world_gate.wait()
+        return len(self.ranks or [])
 
     async def is_paused(self) -> bool:
         return self.paused
@@ -137,6 +158,45 @@ async def test_a_fence_that_breaks_unexpectedly_still_releases_the_push() -> Non
     assert coordinator.push is None and coordinator.agent.busy is None
     assert coordinator.agent.store.memory.hold_code == "engine_restarted"
     assert coordinator.last_failure is not None and "fence_failed" in coordinator.last_failure
+
+
+@pytest.mark.asyncio
+async def test_a_rank_the_fence_did_not_poison_is_named() -> None:
+    """A 200 from vLLM is not every rank fenced (found by review: its answers were not read)."""
+    vllm = ScriptedVllm(RESTARTED, unfenced={1})
+    coordinator, _ = open_push(vllm)
+    await coordinator.watch()
+    assert coordinator.push is None
+    failure = coordinator.last_failure or ""
+    assert "fence_failed" in failure and "dp0:pp0:tp1:ep0" in failure, failure
+    assert "tp0:ep0'] are not" not in failure  # the rank that was fenced is not named
+    assert coordinator.agent.store.memory.hold is not None
+
+
+@pytest.mark.asyncio
+async def test_a_push_starting_refuses_a_file_update_before_its_first_await() -> None:
+    """Found by review: ``start`` claimed the agent only after asking vLLM its world size, so a
+    file update accepted meanwhile ran beside the push (its commit resumed generation)."""
+    from engine_agent.protocol import UpdateRequest
+    from engine_agent.sidecar.agent import UpdateConflict
+
+    vllm = ScriptedVllm(RESTARTED, world_gate=asyncio.Event())
+    agent = Agent(AgentConfig(), client=cast(VllmClient, vllm))
+    agent._recovered.set()
+    coordinator = TransferCoordinator(agent)
+    starting = asyncio.create_task(coordinator.start())
+    await asyncio.sleep(0)  # start() now waits for the world size
+    request = UpdateRequest.model_validate(
+        {"id": "u-1", "version": "v2", "source": {"uri": "/w/v2"}}
+    )
+    with pytest.raises(UpdateConflict, match="trainer push"):
+        await agent.submit(request)
+    with pytest.raises(PushFailed, match="conflict"):
+        await coordinator.start()  # nor a second push
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert agent.busy is None and coordinator.push is None  # nothing left claimed
 
 
 @pytest.mark.asyncio
