@@ -1261,13 +1261,15 @@ def settle(
 
 
 def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
-    """The plan once some of its pod writes failed (``failed``: pod names whose ``GateOn`` or
-    ``Settle`` did not happen, e.g. a 409 because kubelet wrote the pod meanwhile).
+    """The plan once some of its pod writes failed (``failed``: pod names whose ``GateOn``, or
+    ``Settle`` as verified, did not happen, e.g. a 409 because kubelet wrote the pod meanwhile).
 
     :func:`settle` counts this pass's GateOns and Settles as done; when one of them failed,
     a completion reached only through it is none: the rollout is not ``Succeeded`` with a pod
-    out of traffic, and no completion time is persisted. A failed Settle leaves its pod in
-    flight. The next pass reads the pods again and settles for real.
+    out of traffic, and no completion time is persisted. A pod whose verified Settle failed is
+    still in flight, not updated. The next pass reads the pods again and settles for real.
+    (A unit the plan failed stays failed: that verdict is the operator's, whether or not it
+    could be written yet.)
     """
     names = frozenset(name for name in failed if name in the_plan.pods)
     if not names:
@@ -1275,7 +1277,8 @@ def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
     classes = dict(the_plan.classes)
     for name in names:
         pod = the_plan.pods.get(name)
-        if pod is not None and pod.state is not None and pod.state.state.in_flight:
+        in_flight = pod is not None and pod.state is not None and pod.state.state.in_flight
+        if in_flight and classes.get(name) is PodClass.UPDATED:
             classes[name] = PodClass.IN_FLIGHT  # its Settle did not happen
     newly = the_plan.persisted.completion_time is not None and before.completion_time is None
     persisted = replace(the_plan.persisted, completion_time=None) if newly else the_plan.persisted
