@@ -25,6 +25,11 @@ hand.
 Figures (issue 11 G), at the shipped defaults, on 2 cores ("AMD EPYC"); CPU time per pass
 (``passCpuMs``) is reported beside the wall time because other jobs change it far less:
 
+* At eddd516 (no change to the pass since the third round; conditional writes and the
+  unsettled check added), 10,000 pods, T = 20 s, 2 cores "AMD EPYC", idle: pass p50/p95/max
+  99.7/249/537 ms, rollout **1.067 x ideal**, peak RSS 153 MiB, 7.005 API writes per pod; the
+  landed tree of stop 18 in the same session: 96.3/239/543 ms, 1.067 x, 152 MiB (ratio
+  1.04x p95). 1,000 pods: 8.3/15.9/91 ms, 1.026 x ideal, 77 MiB, 7.05 writes per pod.
 * Third round (source identity added a path normalization per pod and check; now skipped when
   the strings are equal), 10,000 pods, T = 20 s, 2 cores "Intel Xeon @ 2.60GHz", the tree
   before and after one after the other: pass p50/p95/max 223/449/767 -> 195/352/708 ms
@@ -43,7 +48,7 @@ Figures (issue 11 G), at the shipped defaults, on 2 cores ("AMD EPYC"); CPU time
   rollout 1.169 -> 1.105 x; 1,000 pods 30/250/693 -> 27/297/2193 ms, rollout 1.049 -> 1.046 x.
 
 Limitations: the doubles answer instantly, so the pass time is the operator's own CPU time
-(plus the doubles'). At 10,000 pods a pass still misses the 100 ms p95 goal (about 0.28 s): the
+(plus the doubles'). At 10,000 pods a pass still misses the 100 ms p95 goal (about 0.25 s): the
 p95 passes are the ones that act on a whole batch (1,000 GateOns and Settles, or 1,000 claims,
 with their writes and Events), and every pass still walks the whole fleet several times (about
 14 microseconds per pod); 100 ms needs a planner that works only on the units that changed. The
