@@ -44,6 +44,7 @@ from weightroll_operator.domain.model import (
     OwnerKey,
     PodView,
 )
+from weightroll_operator.domain.plan import emit_holding
 from weightroll_operator.domain.pod_events import PodEvent, aggregate, pod_event
 from weightroll_operator.errors import (
     AgentUnavailable,
@@ -342,6 +343,12 @@ async def apply(actions: Sequence[Action], ctx: ApplyContext) -> list[ActionResu
 
     chains = await bounded_map(run_pod, list(by_pod.values()), ctx.concurrency)
     results = [r for chain in chains for r in chain]
+    # An Event reporting a pod write that did not happen is not true (yet): the next pass plans
+    # the step again and posts it then (``Emit.pods``).
+    unwritten = frozenset(
+        r.action.pod.name for r in results if not r.ok and not isinstance(r.action, Emit)
+    )
+    emits = [h for e in emits if (h := emit_holding(e, unwritten)) is not None]
 
     async def post(emit: Emit) -> ActionResult:
         try:

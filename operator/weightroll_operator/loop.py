@@ -8,7 +8,8 @@ and after every pod write. Here each WeightUpdate has one long-running loop (a k
   and restore, the kubelet's Ready flip, a new or deleted pod) or a change of the WeightUpdate;
 * the pass's own **delay**: ``poll_interval`` (default 0.5 s) while units are in flight — the
   agents' commits are not pod events, so in-flight units are polled — and ``interval``
-  (default 5 s, a resync) otherwise;
+  (default 5 s, a resync) otherwise; none at all when the pass left forward steps to the next
+  (more than ``burst`` pods were due: a batch of 1,000 is four passes of 250, back to back);
 * the daemon being stopped (the object is deleted, or the operator shuts down).
 
 So a commit is seen within ``poll_interval`` and every pod-side step within one watch round

@@ -28,6 +28,7 @@ import kopf
 from aiohttp import web
 
 from weightroll_operator.agent_client import AgentClient
+from weightroll_operator.gc_pacing import GcPacer
 from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 from weightroll_operator.k8s.lease import LeaderElector
@@ -93,6 +94,8 @@ def build_runtime(
         token_ttl=config.token_ttl,
         poll_interval=config.poll_interval,
         idle_interval=config.interval,
+        burst=config.burst,
+        gc_pacer=GcPacer(interval=config.gc_full_interval),
     )
     return Runtime(reconciler=reconciler, config=config, namespaces=tuple(namespaces))
 

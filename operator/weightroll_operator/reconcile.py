@@ -57,7 +57,6 @@ from weightroll_operator.domain.fleet import (
     group_units,
     pod_view,
     select_one,
-    sort_views,
     terminating_units,
 )
 from weightroll_operator.domain.model import (
@@ -97,6 +96,7 @@ from weightroll_operator.errors import (
     KubeNotFound,
     WeightrollError,
 )
+from weightroll_operator.gc_pacing import GcPacer
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.ports import AgentPort, KubePort
 
@@ -158,6 +158,26 @@ _STALE_FOR = 30.0
 
 
 @dataclass(frozen=True, slots=True)
+class _Selection:
+    """One pass's selection of a WeightUpdate's pods (``Reconciler._select``)."""
+
+    #: What it was made with: (namespace, selector, groupBy).
+    signature: tuple[Any, ...]
+    #: By ``id()`` of each pod object given: (the object, its view, or None when not selected).
+    judged: dict[int, tuple[Mapping[str, Any], PodView | None]]
+    #: The selected pods' views, by name.
+    views: tuple[PodView, ...]
+    #: Pod objects left out because they are being deleted (``terminating_units`` reads them).
+    deleting: tuple[Mapping[str, Any], ...]
+    #: The pod object of each view (same order), and each view's position by pod name.
+    objects: tuple[Mapping[str, Any], ...]
+    positions: dict[str, int]
+
+
+_NO_HIT: tuple[None, None] = (None, None)
+
+
+@dataclass(frozen=True, slots=True)
 class PassResult:
     """What one pass did (for handlers, tests and the benchmark)."""
 
@@ -189,9 +209,12 @@ class Reconciler:
         agents: the agent calls (``agent_client.AgentClient``).
         metrics: optional metrics sink.
         clock: injected time (tests and the benchmark).
-        state_ttl: seconds an agent ``/v1/state`` answer is reused for an unchanged pod.
+        state_ttl: seconds an agent ``/v1/state`` answer is reused for an unchanged pod (at
+            most; each answer expires at a random time in the second half).
         poll_interval: requeue delay while units are in flight.
         idle_interval: requeue delay otherwise.
+        burst: the most pods one pass starts a forward step on (the rest: the next pass, at
+            once); ``None``: no limit.
     """
 
     kube: KubePort
@@ -203,6 +226,10 @@ class Reconciler:
     token_ttl: float = 60.0
     poll_interval: float = 2.0
     idle_interval: float = 30.0
+    #: The most pods one pass starts a forward step on (``plan``'s ``step_limit``); None: all.
+    burst: int | None = None
+    #: Paces cyclic garbage collection (``gc_pacing.py``); None: CPython's own, unchanged.
+    gc_pacer: GcPacer | None = None
     #: Backoff of an agent that did not answer: first retry after about this many seconds.
     agent_backoff: float = 1.0
     agent_backoff_cap: float = 60.0
@@ -213,27 +240,34 @@ class Reconciler:
     _tokens: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
     #: Per pod (namespace, name): the :func:`_state_key` the answer is valid for, the answer
     #: and its expiry (one entry per pod, like ``_views``).
-    _states: dict[tuple[str, str], tuple[tuple[str, ...], AgentView, float]] = field(
+    #: (The view the answer was got for: a key equal by identity needs no comparison.)
+    _states: dict[tuple[str, str], tuple[tuple[str, ...], AgentView, float, PodView]] = field(
         default_factory=dict
     )
     _views: dict[tuple[str, str], tuple[Mapping[str, Any], str | None, PodView]] = field(
         default_factory=dict
     )
-    #: Per WeightUpdate: its units of the last pass, by key (``group_units`` reuses those whose
-    #: views are the same objects).
-    _units: dict[OwnerKey, dict[str, Unit]] = field(default_factory=dict)
+    #: Per WeightUpdate: the views its last pass asked agents about, with the version, source
+    #: and retry mark of that pass, and the queries (``_queries``).
+    _asked: dict[OwnerKey, tuple[tuple[PodView, ...], tuple[Any, ...], Mapping[str, Query]]] = (
+        field(default_factory=dict)
+    )
+    #: The views of the last ``_observe`` call and those views by pod name.
+    _by_name: tuple[tuple[PodView, ...], dict[str, PodView]] | None = None
+    #: Per WeightUpdate: the views its last pass grouped, the units and the units by key
+    #: (``group_units`` reuses those whose views are the same objects).
+    _units: dict[OwnerKey, tuple[tuple[PodView, ...], tuple[Unit, ...], dict[str, Unit] | None]] = (
+        field(default_factory=dict)
+    )
     #: Per pod (namespace, name): the last view :func:`_state_key` was computed for, and the key.
     _state_keys: dict[tuple[str, str], tuple[PodView, tuple[str, ...]]] = field(
         default_factory=dict
     )
     #: Entries of each cache before it is emptied (pods that vanished leave theirs behind).
     cache_limit: int = 100_000
-    #: Per WeightUpdate: the selection it was made with (namespace, selector, groupBy) and, by
-    #: ``id()`` of each pod object of its last pass, (the object, its view or None when not
-    #: selected). Rebuilt every pass, so it holds only the objects that pass was given.
-    _selections: dict[
-        OwnerKey, tuple[tuple[Any, ...], dict[int, tuple[Mapping[str, Any], PodView | None]]]
-    ] = field(default_factory=dict)
+    #: Per WeightUpdate: its last pass's selection (:class:`_Selection`). Rebuilt when a pod
+    #: object changed, so it holds only the objects the last pass was given.
+    _selections: dict[OwnerKey, _Selection] = field(default_factory=dict)
     #: (namespace, pod) -> (resourceVersion of the view our last write was planned from, when).
     _written: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     #: (namespace, pod, incarnation) -> (consecutive agent failures, monotonic retry time, view).
@@ -279,21 +313,36 @@ class Reconciler:
     def _select(
         self,
         owner: OwnerKey,
-        pods: Iterable[Mapping[str, Any]],
+        pods: list[Mapping[str, Any]],
         spec: WeightUpdateSpec,
         namespace: str,
-    ) -> tuple[PodView, ...]:
+    ) -> _Selection:
         """:func:`~weightroll_operator.domain.fleet.select_pods`, judging each pod object once.
 
         Object identity is the change token (see :meth:`_view`): a pod object seen by the
         previous pass of this WeightUpdate, under the same selection, keeps its verdict and view;
-        at 10,000 pods this is most of them, and the selector is not evaluated again.
+        at 10,000 pods this is most of them, and the selector is not evaluated again. When no
+        pod object changed at all (most passes while units are in flight: only agents move),
+        the previous selection is returned as it is, the same tuple of views included, so the
+        units grouped from it are reused too; when only selected pods changed and stay
+        selected (a batch claimed or restored), their views replace the old ones in place.
         """
         signature = (namespace, spec.selector, spec.group_by)
         previous = self._selections.get(owner)
-        known = previous[1] if previous is not None and previous[0] == signature else {}
+        if previous is not None and previous.signature != signature:
+            previous = None
+        known = previous.judged if previous is not None else {}
+        if previous is not None and len(pods) == len(known):
+            changed = [pod for pod in pods if (known.get(id(pod)) or _NO_HIT)[0] is not pod]
+            if not changed:
+                return previous
+            replaced = self._reselect(previous, changed, spec, namespace, owner)
+            if replaced is not None:
+                self._selections[owner] = replaced
+                return replaced
         judged: dict[int, tuple[Mapping[str, Any], PodView | None]] = {}
-        views: list[PodView] = []
+        views: list[tuple[PodView, Mapping[str, Any]]] = []
+        deleting: list[Mapping[str, Any]] = []
         for pod in pods:
             hit = known.get(id(pod))
             if hit is not None and hit[0] is pod:
@@ -302,9 +351,55 @@ class Reconciler:
                 view = select_one(pod, spec, namespace, self._view, owner)
             judged[id(pod)] = (pod, view)
             if view is not None:
-                views.append(view)
-        self._selections[owner] = (signature, judged)
-        return sort_views(views)
+                views.append((view, pod))
+            elif (pod.get("metadata") or {}).get("deletionTimestamp"):
+                deleting.append(pod)
+        views.sort(key=lambda pair: pair[0].name)
+        selection = _Selection(
+            signature,
+            judged,
+            tuple(v for v, _ in views),
+            tuple(deleting),
+            tuple(p for _, p in views),
+            {v.name: i for i, (v, _) in enumerate(views)},
+        )
+        self._selections[owner] = selection
+        return selection
+
+    def _reselect(
+        self,
+        previous: _Selection,
+        changed: list[Mapping[str, Any]],
+        spec: WeightUpdateSpec,
+        namespace: str,
+        owner: OwnerKey,
+    ) -> _Selection | None:
+        """``previous`` with the new objects ``changed`` of pods it selected, each still
+        selected, in place (same order); ``None`` when the selection itself changed (a pod
+        joined, left or is being deleted): the caller selects anew."""
+        views, objects = list(previous.views), list(previous.objects)
+        judged = dict(previous.judged)
+        for pod in changed:
+            meta = pod.get("metadata") or {}
+            at = previous.positions.get(str(meta.get("name", "")))
+            if at is None:
+                return None
+            view = select_one(pod, spec, namespace, self._view, owner)
+            if view is None or view.name != views[at].name:
+                return None
+            judged.pop(id(objects[at]), None)
+            judged[id(pod)] = (pod, view)
+            views[at], objects[at] = view, pod
+        if len(judged) != len(previous.judged):
+            return None  # one pod given twice: select anew
+        return _Selection(
+            previous.signature,
+            judged,
+            tuple(views),
+            previous.deleting,
+            tuple(objects),
+            previous.positions,
+        )
 
     def _mark_stale(self, views: tuple[PodView, ...]) -> tuple[PodView, ...]:
         """Flag views that predate our own last write to the pod (issue 11, finding C).
@@ -313,21 +408,74 @@ class Reconciler:
         from would show a pod we drained as Ready, or a pod whose gate we restored as not yet
         touched. Such a pod's unit gets no step and counts as unavailable until a newer view
         arrives (or ``_STALE_FOR`` passes: a write that changed nothing keeps the version).
+        ``views`` itself (the same object) when none is flagged.
         """
         if not self._written:
             return views
         now = time.monotonic()
-        out = []
-        for view in views:
+        out = list(views)
+        flagged = False
+        for i, view in enumerate(views):
             key = (view.namespace, view.name)
             mark = self._written.get(key)
             if mark is not None:
                 if view.resource_version == mark[0] and now - mark[1] < _STALE_FOR:
-                    view = replace(view, stale=True)
+                    out[i] = replace(view, stale=True)
+                    flagged = True
                 else:
                     del self._written[key]
-            out.append(view)
-        return tuple(out)
+        return tuple(out) if flagged else views
+
+    def _queries(
+        self,
+        owner: OwnerKey,
+        views: tuple[PodView, ...],
+        spec: WeightUpdateSpec,
+        retried_at: str | None,
+    ) -> Mapping[str, Query]:
+        """:func:`queries`, reused while ``views`` is the very tuple it was made from (no pod
+        changed) and the spec's version, source and the retry mark are the same."""
+        source = target_source(spec)
+        signature = (spec.version, source, retried_at)
+        last = self._asked.get(owner)
+        if last is not None and last[0] is views and last[1] == signature:
+            return last[2]
+        asked = queries(views, owner, spec.version, source, retried_at)
+        self._asked[owner] = (views, signature, asked)
+        return asked
+
+    def _group(
+        self, owner: OwnerKey, views: tuple[PodView, ...], group_by: str | None
+    ) -> tuple[Unit, ...]:
+        """:func:`group_units` of ``views``, reusing the last pass's units: all of them when
+        ``views`` is the very tuple they were grouped from, else those of unchanged views.
+        Without ``groupBy`` a unit is one pod, in the views' order: when the same pods are
+        there, only the units of changed views are built again, in place."""
+        last = self._units.get(owner)
+        if last is not None and last[0] is views:
+            return last[1]
+        if group_by is None and last is not None and len(last[0]) == len(views):
+            old, singles = last[0], list(last[1])
+            for i, view in enumerate(views):
+                if view is not old[i]:
+                    if view.name != old[i].name:
+                        break
+                    singles[i] = Unit(view.unit, (view,))
+            else:
+                units = tuple(singles)
+                self._units[owner] = (views, units, None)
+                return units
+        units = group_units(views, self._units_by_key(last))
+        self._units[owner] = (views, units, None)
+        return units
+
+    @staticmethod
+    def _units_by_key(
+        last: tuple[tuple[PodView, ...], tuple[Unit, ...], dict[str, Unit] | None] | None,
+    ) -> dict[str, Unit] | None:
+        if last is None:
+            return None
+        return last[2] if last[2] is not None else {u.key: u for u in last[1]}
 
     def _remember_writes(self, results: Iterable[ActionResult]) -> None:
         now = time.monotonic()
@@ -394,7 +542,8 @@ class Reconciler:
             check_wire(spec, name)
             pods = list(pods)
             with paused_gc():
-                selected = self._select(owner, pods, spec, namespace)
+                selection = self._select(owner, pods, spec, namespace)
+            selected = selection.views
             mismatch = agent_port_mismatch(spec, selected)
             if mismatch is not None:
                 raise ValueError(mismatch)
@@ -403,6 +552,7 @@ class Reconciler:
             # Its passes may stop until the spec changes: keep none of its pod objects meanwhile.
             self._selections.pop(owner, None)
             self._units.pop(owner, None)
+            self._asked.pop(owner, None)
             status = invalid_status(old_status, str(e), generation, now)
             await self._write_status(namespace, name, raw_status, status)
             raise InvalidSpec(str(e)) from e
@@ -422,13 +572,12 @@ class Reconciler:
         persisted = Persisted.from_status(old_status, spec.version)
         persisted = replace(persisted, clock_floor=timestamp(self.started or now))
         with paused_gc():
-            asked = queries(views, owner, spec.version, target_source(spec), persisted.retried_at)
+            asked = self._queries(owner, views, spec, persisted.retried_at)
         cached: set[str] = set()
         agents = await self._observe(views, asked, token, cached)
         with paused_gc():
             holding = blocking_peers(owner, persisted.start_time, views, peers)
-            units = group_units(views, self._units.get(owner))
-            self._units[owner] = {u.key: u for u in units}
+            units = self._group(owner, views, spec.group_by)
             fleet = Fleet(
                 name=name,
                 owner=owner,
@@ -439,20 +588,34 @@ class Reconciler:
                 generation=int(meta.get("generation") or 0),
                 units=units,
                 cached=frozenset(cached),
-                terminating=terminating_units(pods, spec, namespace, owner),
+                terminating=terminating_units(selection.deleting, spec, namespace, owner),
             )
-            the_plan = plan(spec, fleet, persisted, now)
+            the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst, provisional=True)
         for _round in range(2):
-            # A claim waits for a fresh answer from the agents it names (``Plan.refresh``):
-            # ask them now and plan again, rather than a pass later.
+            # A claim needs a fresh answer from the agents it names; the plan made some on
+            # cached ones (``Plan.refresh``): ask those agents now. The very same answers
+            # confirm the plan (it is then the plan those fresh answers make); other answers
+            # (a trainer push meanwhile) are planned again, rather than a pass later.
             if not the_plan.refresh:
                 break
-            fresh = {n: Query(state=True) for n in the_plan.refresh}
-            agents = {**agents, **await self._observe(views, fresh, token, fresh_only=True)}
-            cached -= the_plan.refresh
+            refresh = the_plan.refresh
+            fresh = {n: Query(state=True) for n in refresh}
+            answers = await self._observe(views, fresh, token, fresh_only=True)
+            confirmed = all(answers.get(n) == agents.get(n) for n in refresh)
+            agents = {**agents, **answers}
+            cached -= refresh
             fleet = replace(fleet, agents=agents, cached=frozenset(cached))
+            if confirmed:
+                the_plan = replace(the_plan, refresh=frozenset())
+                break
             with paused_gc():
-                the_plan = plan(spec, fleet, persisted, now)
+                the_plan = plan(
+                    spec, fleet, persisted, now, step_limit=self.burst, provisional=True
+                )
+        if the_plan.refresh:
+            # Still resting on answers not confirmed: only claims made on fresh ones go out.
+            with paused_gc():
+                the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst)
         ctx = ApplyContext(
             kube=self.kube,
             agents=self.agents,
@@ -476,6 +639,10 @@ class Reconciler:
             ),
             persisted,
         )
+        #: Pods with an action that did not happen: what the plan said of them is not so yet.
+        unwritten = frozenset(
+            r.action.pod.name for r in results if not r.ok and not isinstance(r.action, Emit)
+        )
         notes = {
             r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
             for r in results
@@ -492,18 +659,24 @@ class Reconciler:
         written = await self._write_status(namespace, name, raw_status, status)
         if old_status is None or old_status.phase is not status.phase:
             await self._phase_event(ctx, old_status, status)
-        self._observe_metrics(namespace, name, spec, the_plan, old_status, status, agents, now)
+        self._observe_metrics(
+            namespace, name, spec, the_plan, old_status, status, agents, now, unwritten
+        )
         errors = tuple(r for r in results if not r.ok)
         # Only in-flight units need polling (their agents commit without a pod event); a pending
         # unit becomes startable on a pod event (a restore, a pod turning Ready), which wakes the
         # loop (loop.py).
         busy = the_plan.in_flight_units > 0
+        # Steps the burst limit left for later are taken by the next pass, at once.
+        delay = 0.0 if the_plan.deferred else self.poll_interval if busy else self.idle_interval
+        if self.gc_pacer is not None:
+            self.gc_pacer.after_pass()
         return PassResult(
             phase=status.phase,
             status_written=written,
             actions=the_plan.actions,
             errors=errors,
-            delay=self.poll_interval if busy else self.idle_interval,
+            delay=delay,
         )
 
     async def finalize(
@@ -608,6 +781,7 @@ class Reconciler:
             self._locks.pop(owner, None)
             self._selections.pop(owner, None)
             self._units.pop(owner, None)
+            self._asked.pop(owner, None)
             if self.metrics is not None:
                 # every pod this WeightUpdate left drained, in this call or an earlier one
                 keep = {
@@ -797,7 +971,9 @@ class Reconciler:
     ) -> dict[str, AgentView]:
         """Ask each pod's agent what ``asked`` names; the names answered from the cache (an
         earlier pass's answer) are added to ``cached``; ``fresh_only`` asks every one anew."""
-        by_name = {v.name: v for v in views}
+        if self._by_name is None or self._by_name[0] is not views:
+            self._by_name = (views, {v.name: v for v in views})
+        by_name = self._by_name[1]
         now = time.monotonic()
         seen: dict[str, AgentView] = {}
         todo: list[tuple[PodView, Query]] = []
@@ -812,7 +988,7 @@ class Reconciler:
             # one serves pods in traffic only, whose agents' own readiness probes still guard.
             cacheable = query.update_id is None and pod.gate is True and not fresh_only
             hit = states.get((pod.namespace, pod.name)) if cacheable else None
-            if hit is not None and hit[2] > now and self._same_key(hit[0], pod):
+            if hit is not None and hit[2] > now and (hit[3] is pod or self._same_key(hit[0], pod)):
                 seen[name] = hit[1]
                 if cached is not None:
                     cached.add(name)
@@ -906,7 +1082,11 @@ class Reconciler:
         slot = (pod.namespace, pod.name)
         if slot not in self._states and len(self._states) >= self.cache_limit:
             self._states.clear()
-        self._states[slot] = (key, result, time.monotonic() + self.state_ttl)
+        # Expiry spread over the second half of the TTL: the answers of one pass (the first
+        # asks every agent) would otherwise all expire in one later pass, which then asks
+        # thousands of agents at once (at 10,000 pods, a pass twice as long).
+        ttl = self.state_ttl * (0.5 + 0.5 * self.rand())
+        self._states[slot] = (key, result, time.monotonic() + ttl, pod)
         return result
 
     async def _token_unavailable(
@@ -962,6 +1142,7 @@ class Reconciler:
         new: WeightUpdateStatus,
         agents: Mapping[str, AgentView],
         now: datetime,
+        unwritten: frozenset[str] = frozenset(),
     ) -> None:
         m = self.metrics
         if m is None:
@@ -989,7 +1170,9 @@ class Reconciler:
         new_failures = {
             a.pod.name: a.state.reason
             for a in the_plan.actions
-            if isinstance(a, Settle) and a.state.state is UnitState.FAILED
+            if isinstance(a, Settle)
+            and a.state.state is UnitState.FAILED
+            and a.pod.name not in unwritten  # counted when it is written (a later pass)
         }
         m.observe_units(namespace, name, the_plan.finished, the_plan.durations, new_failures)
         drained: dict[str, float] = {}

@@ -35,6 +35,15 @@ class OperatorConfig:
     agent_timeout: float = 5.0
     #: Parallel agent and pod calls per pass.
     concurrency: int = 32
+    #: The most pods one pass starts a forward step on (claim, update start, completion,
+    #: restore; a unit is never split); the rest follow in the next pass, at once. Bounds the
+    #: time of one pass (and so how long other WeightUpdates and the Lease renewal wait) when a
+    #: batch is large: at 10,000 pods and maxUnavailable 10 % a batch is 1,000 pods. Drains,
+    #: aborts and failures are never limited. As the ReplicaSet controller's burstReplicas.
+    burst: int = 250
+    #: Seconds between full cyclic garbage collections; between them the heap that survived a
+    #: pass is frozen out of the collector (``gc_pacing.py``). 0: CPython's own collection.
+    gc_full_interval: float = 60.0
     #: Seconds an agent's ``/v1/state`` answer is reused for an unchanged pod.
     state_ttl: float = 30.0
     #: Seconds an agent token read from its Secret is reused (a rotation's new first line is

@@ -87,11 +87,22 @@ class Settle:
 
 @dataclass(frozen=True, slots=True)
 class Emit:
-    """An Event on the WeightUpdate (also the unit-transition log)."""
+    """An Event on the WeightUpdate (also the unit-transition log).
+
+    An Event that reports pod writes of the same pass ("Verified ... and restored traffic",
+    "Draining ...") names those pods: it is true only once every action of theirs succeeded,
+    so ``apply`` posts it only then. Otherwise the next pass plans the same step again and
+    says it again (a 409 on a Settle posted ``UnitVerified`` twice for one unit).
+    """
 
     reason: str
     message: str
     warning: bool = False
+    #: The pods whose actions of this pass the Event reports (empty: it reports none).
+    pods: tuple[str, ...] = ()
+    #: An aggregate's parts, one per unit (``plan.aggregate_emits``): apply leaves out a part
+    #: whose pods' actions failed and words the rest anew.
+    parts: tuple[Emit, ...] = ()
 
 
 PodAction: TypeAlias = Claim | GateOff | StartUpdate | AbortUpdate | GateOn | Settle

@@ -37,7 +37,7 @@ Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -87,9 +87,11 @@ __all__ = [
     "Plan",
     "PodClass",
     "Query",
+    "aggregate_emits",
     "build_request",
     "check_wire",
     "classify",
+    "emit_holding",
     "parse_time",
     "plan",
     "queries",
@@ -427,8 +429,12 @@ class Plan:
     completed: bool
     rolling_back: bool
     rollback_remaining: int
-    #: Pods a claim waits for a fresh agent answer for: ask them afresh and plan again.
+    #: Pods a claim needs a fresh agent answer for: ask them afresh and plan again. In a
+    #: ``provisional`` plan they are claimed already, on their cached answers: the plan holds
+    #: only if the fresh answers equal those.
     refresh: frozenset[str] = frozenset()
+    #: Forward steps were left for the next pass (``plan``'s ``step_limit``): run it at once.
+    deferred: bool = False
 
 
 class _Builder:
@@ -441,11 +447,36 @@ class _Builder:
         self.progressed = False
         #: ``Persisted.clock_floor``: no timer counts time before it.
         self.clock_floor: datetime | None = None
+        self.step_limit = 0
         #: Pods a claim waits for a fresh agent answer for (:attr:`Plan.refresh`).
         self.refresh: set[str] = set()
+        #: Pods this pass may still start a forward step on (``plan``'s ``step_limit``);
+        #: ``None``: no limit.
+        self.steps_left: int | None = None
+        #: A forward step was left for the next pass by the limit (:attr:`Plan.deferred`).
+        self.deferred = False
+        #: Claims may rest on cached answers (``plan``'s ``provisional``).
+        self.provisional = False
 
-    def emit(self, reason: str, message: str, warning: bool = False) -> None:
-        self.actions.append(Emit(reason=reason, message=message, warning=warning))
+    def take_steps(self, pods: int) -> bool:
+        """Spend ``pods`` forward steps (a claim, an update start, a completion, a restore of
+        that many pods); False, and the step is left for the next pass, once they run out.
+        Steps that drain, abort or fail are never limited: they are what keeps traffic safe."""
+        if self.steps_left is None:
+            return True
+        if self.steps_left < pods and self.steps_left < self.step_limit:
+            # Out of steps (a unit larger than the whole limit still goes alone, first).
+            self.deferred = True
+            return False
+        self.steps_left -= pods
+        return True
+
+    def emit(
+        self, reason: str, message: str, warning: bool = False, pods: Iterable[PodView] = ()
+    ) -> None:
+        """Post an Event; ``pods``: those whose actions of this pass it reports (``Emit.pods``)."""
+        names = tuple(p.name for p in pods)
+        self.actions.append(Emit(reason=reason, message=message, warning=warning, pods=names))
 
     def duration(self, unit: Unit) -> float | None:
         starts = [parse_time(p.state.started_at) for p in unit.pods if p.state is not None]
@@ -587,7 +618,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             b.progressed = True
             running.append(pod)
         elif update is None:
-            if agent.active_update_id != st.update_id:
+            if agent.active_update_id != st.update_id and b.take_steps(1):
                 b.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
             running.append(pod)
         elif update.phase is UpdatePhase.COMMITTED and update.version != st.version:
@@ -625,6 +656,8 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             why if len(flying) == 1 else f"{name}: {why}" for name, why in sorted(failed.items())
         )
         return _fail_unit(b, unit, flying, reason)
+    if not b.take_steps(len(flying)):
+        return True  # completed next pass (still drained: in flight until then)
     # Every pod of the unit committed at the version its state names: restore traffic.
     tl = spec.strategy.traffic_label
     for pod in flying:
@@ -641,10 +674,14 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         )
     version = flying[0].state.version if flying[0].state else "?"
     if rollback:
-        b.emit(Reason.UNIT_ROLLED_BACK, f"Rolled back {label} to {version}")
+        b.emit(Reason.UNIT_ROLLED_BACK, f"Rolled back {label} to {version}", pods=flying)
         b.finished[unit.key] = "rolled_back"
     else:
-        b.emit(Reason.UNIT_VERIFIED, f"Verified {label} at {version} and restored traffic")
+        b.emit(
+            Reason.UNIT_VERIFIED,
+            f"Verified {label} at {version} and restored traffic",
+            pods=flying,
+        )
         b.finished[unit.key] = "succeeded"
     d = b.duration(unit)
     if d is not None:
@@ -664,7 +701,8 @@ def _fail_unit(b: _Builder, unit: Unit, flying: list[PodView], reason: str) -> b
         )
         b.reasons[pod.name] = reason
     what = "rollback of" if rollback else "update of"
-    b.emit(Reason.UNIT_FAILED, f"Failed {what} {_unit_label(unit)}: {reason}"[:1000], warning=True)
+    message = f"Failed {what} {_unit_label(unit)}: {reason}"[:1000]
+    b.emit(Reason.UNIT_FAILED, message, warning=True, pods=flying)
     b.finished[unit.key] = "failed"
     d = b.duration(unit)
     if d is not None:
@@ -740,9 +778,11 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
         b.emit(
             Reason.UNIT_ROLLING_BACK,
             f"Draining {_unit_label(unit)} to roll back from {rollback_of}",
+            pods=unit.pods,
         )
     else:
-        b.emit(Reason.UNIT_DRAINING, f"Draining {_unit_label(unit)} for weights {b.spec.version}")
+        message = f"Draining {_unit_label(unit)} for weights {b.spec.version}"
+        b.emit(Reason.UNIT_DRAINING, message, pods=unit.pods)
     b.progressed = True
 
 
@@ -760,6 +800,8 @@ _MAX_LISTED = 20
 
 
 def _aggregate_events(actions: list[Action]) -> tuple[Action, ...]:
+    """The actions with each aggregated reason's Events made one (:func:`aggregate_emits`), at
+    the place of the first."""
     grouped: dict[str, list[Emit]] = {}
     out: list[Action] = []
     for action in actions:
@@ -772,14 +814,37 @@ def _aggregate_events(actions: list[Action]) -> tuple[Action, ...]:
             out.append(action)
     for i, action in enumerate(out):
         if isinstance(action, Emit) and action.reason in grouped:
-            emits = grouped[action.reason]
-            if len(emits) == 1:
-                continue
-            listed = "; ".join(e.message for e in emits[:_MAX_LISTED])
-            more = f"; and {len(emits) - _MAX_LISTED} more" if len(emits) > _MAX_LISTED else ""
-            message = f"{len(emits)} units: {listed}{more}"
-            out[i] = Emit(action.reason, message[:2000], any(e.warning for e in emits))
+            merged = aggregate_emits(grouped[action.reason])
+            assert merged is not None
+            out[i] = merged
     return tuple(out)
+
+
+def aggregate_emits(emits: Sequence[Emit]) -> Emit | None:
+    """One Event for ``emits`` of one reason ("3 units: ..."), keeping each as a part; ``None``
+    for none. The message names up to ``_MAX_LISTED`` units."""
+    if len(emits) <= 1:
+        return emits[0] if emits else None
+    first = emits[0]
+    listed = "; ".join(e.message for e in emits[:_MAX_LISTED])
+    more = f"; and {len(emits) - _MAX_LISTED} more" if len(emits) > _MAX_LISTED else ""
+    return Emit(
+        first.reason,
+        f"{len(emits)} units: {listed}{more}"[:2000],
+        any(e.warning for e in emits),
+        pods=tuple(name for e in emits for name in e.pods),
+        parts=tuple(emits),
+    )
+
+
+def emit_holding(emit: Emit, unwritten: frozenset[str]) -> Emit | None:
+    """``emit`` as far as it is still true when the actions of the pods ``unwritten`` failed:
+    an Event reporting one of them is left out, an aggregate keeps its other parts."""
+    if not unwritten or unwritten.isdisjoint(emit.pods):
+        return emit
+    if not emit.parts:
+        return None
+    return aggregate_emits([e for e in emit.parts if unwritten.isdisjoint(e.pods)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -804,18 +869,21 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
     owner, version, source = fleet.owner, spec.version, target_source(spec)
     units = fleet.units if fleet.units is not None else group_units(fleet.pods)
     completed = persisted.completion_time is not None
-    classes = {
-        p.name: classify(
-            p, fleet.agents.get(p.name), owner, version, source, completed, persisted.retried_at
-        )
-        for p in fleet.pods
-    }
-    reasons = {
-        p.name: p.state.reason
-        for p in fleet.pods
-        if classes[p.name] in (PodClass.FAILED, PodClass.ROLLBACK_FAILED) and p.state is not None
-    }
-    blocked = {str(p.owner) for p in fleet.pods if classes[p.name] is PodClass.BLOCKED}
+    retried_at, agents = persisted.retried_at, fleet.agents
+    # One walk over the pods (at 10,000 pods each walk costs about a millisecond).
+    classes: dict[str, PodClass] = {}
+    reasons: dict[str, str] = {}
+    blocked: set[str] = set()
+    frozen: set[str] = set()
+    for p in fleet.pods:
+        cls = classify(p, agents.get(p.name), owner, version, source, completed, retried_at)
+        classes[p.name] = cls
+        if cls in _FAILED_CLASSES and p.state is not None:
+            reasons[p.name] = p.state.reason
+        elif cls is PodClass.BLOCKED:
+            blocked.add(str(p.owner))
+        if p.stale:
+            frozen.add(p.unit)
     return Seen(
         units=units,
         classes=classes,
@@ -827,7 +895,7 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
         },
         blocked_by=tuple(sorted(blocked | set(fleet.peers))),
         max_unavailable=resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units))),
-        frozen=frozenset(p.unit for p in fleet.pods if p.stale),
+        frozen=frozenset(frozen),
         reasons=reasons,
     )
 
@@ -1062,11 +1130,14 @@ def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> in
                     )
                 )
                 b.reasons[p.name] = why
-            b.emit(Reason.UNIT_FAILED, f"Cannot roll back {_unit_label(unit)}: {why}", True)
+            message = f"Cannot roll back {_unit_label(unit)}: {why}"
+            b.emit(Reason.UNIT_FAILED, message, True, pods=needs)
+            continue
+        if unit.ready and slots <= 0:
+            continue
+        if not b.take_steps(len(unit.pods)):
             continue
         if unit.ready:
-            if slots <= 0:
-                continue
             slots -= 1
         _claim(b, unit, rollback_of=version)
     return remaining
@@ -1112,19 +1183,24 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
             continue
         if not startable(unit):
             continue
+        if unit.ready and slots <= 0:
+            break
+        if not b.take_steps(len(unit.pods)):
+            break
         if fresh and limit is not None:
             limit -= 1
         if unit.ready:
-            if slots <= 0:
-                break
             slots -= 1
         # A claim records what the pod serves (the rollback target) and that it runs no
         # update: only an answer from this pass may say so, never a cached one (a trainer push
-        # changes both without touching the pod). The caller asks afresh and plans again.
+        # changes both without touching the pod). The caller asks afresh, then applies this
+        # plan only if the fresh answers are the cached ones (``provisional``), else plans
+        # again.
         stale = [p.name for p in unit.pods if p.name in fleet.cached]
         if stale:
             b.refresh.update(stale)
-            continue
+            if not b.provisional:
+                continue
         _claim(b, unit)
 
 
@@ -1144,45 +1220,94 @@ def restore(b: _Builder, seen: Seen) -> None:
         ours = st is not None and st.by == owner and st.state is UnitState.VERIFIED
         if ours and st is not None and agent.committed_update_id not in (None, st.update_id):
             continue
+        if not b.take_steps(1):
+            return
         b.actions.append(GateOn(pod, version=version, reason="ServingTarget"))
-        b.emit(Reason.UNIT_RESTORED, f"Restored traffic to {pod.name}, ready at {version}")
+        message = f"Restored traffic to {pod.name}, ready at {version}"
+        b.emit(Reason.UNIT_RESTORED, message, pods=(pod,))
 
 
-def _notes(
-    b: _Builder, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
-) -> dict[str, str]:
-    """Why a pod is not being worked on, or is worked on again, by pod name."""
-    fleet, owner, version, source = b.fleet, b.fleet.owner, b.spec.version, target_source(b.spec)
-    notes: dict[str, str] = {}
-    for name, cls in classes.items():
-        if cls not in _NOTED:
-            continue
-        agent, st = fleet.agents.get(name), pods[name].state
-        if cls is PodClass.UNKNOWN:
-            notes[name] = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
-        elif cls is PodClass.PENDING and not _can_claim(pods[name], agent, owner, version):
-            notes[name] = "Joining: waiting for its agent to answer at a known version"
-        if (
-            cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
-            and st is not None
-            and st.state is UnitState.VERIFIED
-            and st.version == version
-            and agent is not None
-            and agent.reachable
-            and not _serves(agent, version, source)
-        ):
-            if agent.version != version:
-                why = f"its agent now serves {agent.version or 'an unknown version'}"
-            elif not agent.ready:
-                why = "its agent is not ready (held, paused or poisoned)"
-            else:
-                served, wanted = _spelled(agent.source), _spelled(source)
-                why = f"it serves {version} from {served}, not from spec.source {wanted}"
-            notes[name] = (
-                f"NotServing: verified at {version} by {st.update_id}, but {why}; updated "
-                "again by a new attempt"
-            )
-    return notes
+class _Notes(Mapping[str, str]):
+    """Why a pod is not being worked on, or is worked on again, by pod name (:func:`_note`).
+
+    Worked out per pod when asked: the status names at most ``MAX_POD_RESULTS`` pods, and at
+    10,000 pending pods working out every note cost a tenth of a pass.
+    """
+
+    __slots__ = ("_classes", "_fleet", "_pods", "_source", "_version")
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        version: str,
+        source: SourceRef,
+        classes: Mapping[str, PodClass],
+        pods: Mapping[str, PodView],
+    ) -> None:
+        self._fleet, self._version, self._source = fleet, version, source
+        self._classes, self._pods = classes, pods
+
+    def __getitem__(self, name: str) -> str:
+        cls = self._classes.get(name)
+        note = None
+        if cls in _NOTED:
+            assert cls is not None
+            fleet = self._fleet
+            agent, pod = fleet.agents.get(name), self._pods[name]
+            note = _note(cls, pod, agent, fleet.owner, self._version, self._source)
+        if note is None:
+            raise KeyError(name)
+        return note
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._classes if name in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[str(name)]
+        except KeyError:
+            return False
+        return True
+
+
+def _note(
+    cls: PodClass,
+    pod: PodView,
+    agent: AgentView | None,
+    owner: OwnerKey,
+    version: str,
+    source: SourceRef,
+) -> str | None:
+    """Why ``pod`` (of class ``cls``) is not being worked on, or is worked on again."""
+    st, note = pod.state, None
+    if cls is PodClass.UNKNOWN:
+        note = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
+    elif cls is PodClass.PENDING and not _can_claim(pod, agent, owner, version):
+        note = "Joining: waiting for its agent to answer at a known version"
+    if (
+        cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
+        and st is not None
+        and st.state is UnitState.VERIFIED
+        and st.version == version
+        and agent is not None
+        and agent.reachable
+        and not _serves(agent, version, source)
+    ):
+        if agent.version != version:
+            why = f"its agent now serves {agent.version or 'an unknown version'}"
+        elif not agent.ready:
+            why = "its agent is not ready (held, paused or poisoned)"
+        else:
+            served, wanted = _spelled(agent.source), _spelled(source)
+            why = f"it serves {version} from {served}, not from spec.source {wanted}"
+        note = (
+            f"NotServing: verified at {version} by {st.update_id}, but {why}; updated "
+            "again by a new attempt"
+        )
+    return note
 
 
 def settle(
@@ -1244,7 +1369,7 @@ def settle(
         classes=classes,
         pods=pods,
         reasons={**seen.reasons, **b.reasons},
-        notes=_notes(b, classes, pods),
+        notes=_Notes(fleet, version, target, classes, pods),
         units_total=len(seen.units),
         max_unavailable=seen.max_unavailable,
         paused_reason=halt.paused_reason,
@@ -1257,6 +1382,7 @@ def settle(
         rolling_back=rollback,
         rollback_remaining=rollback_remaining,
         refresh=frozenset(b.refresh),
+        deferred=b.deferred,
     )
 
 
@@ -1269,11 +1395,14 @@ def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
     out of traffic, and no completion time is persisted. A pod whose verified Settle failed is
     still in flight, not updated. The next pass reads the pods again and settles for real.
     (A unit the plan failed stays failed: that verdict is the operator's, whether or not it
-    could be written yet.)
+    could be written yet.) A unit with such a pod did not finish this pass either: it leaves
+    ``finished`` and ``durations`` (the unit-duration histogram), since the next pass plans its
+    end again and reports it then, once.
     """
     names = frozenset(name for name in failed if name in the_plan.pods)
     if not names:
         return the_plan
+    units = {the_plan.pods[name].unit for name in names}
     classes = dict(the_plan.classes)
     for name in names:
         pod = the_plan.pods.get(name)
@@ -1287,10 +1416,20 @@ def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
         classes=classes,
         persisted=persisted,
         completed=persisted.completion_time is not None,
+        finished={k: v for k, v in the_plan.finished.items() if k not in units},
+        durations={k: v for k, v in the_plan.durations.items() if k not in units},
     )
 
 
-def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: datetime) -> Plan:
+def plan(
+    spec: WeightUpdateSpec,
+    fleet: Fleet,
+    persisted: Persisted,
+    now: datetime,
+    *,
+    step_limit: int | None = None,
+    provisional: bool = False,
+) -> Plan:
     """Compute this pass's actions. Pure: same inputs, same plan.
 
     The pass is a short list of named steps: :func:`classify_fleet` -> :func:`advance_units`
@@ -1302,12 +1441,25 @@ def plan(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted, now: dateti
         fleet: the selected pods and the agent observations :func:`queries` asked for.
         persisted: the persisted status fields (see :class:`Persisted`).
         now: the current time (UTC, timezone-aware).
+        step_limit: the most pods this pass starts a forward step on (claims, update starts,
+            completions, restores; a unit is never split); the rest wait for the next pass
+            (:attr:`Plan.deferred`). Drains, aborts and failures are never limited. It bounds
+            the time of one pass, as the ReplicaSet controller's ``burstReplicas`` does: at
+            10,000 pods one batch is 1,000 units. ``None``: no limit.
+        provisional: claim pods on cached agent answers too (each listed in
+            :attr:`Plan.refresh`). Such a plan is the plan of fresh answers only if the caller
+            asked those agents again and got the very answers it was made on (``fleet.cached``
+            matters nowhere else); otherwise the caller must plan again. Saves planning twice
+            at 10,000 pods, where a claim pass otherwise always does.
 
     Returns:
         The plan; its actions must be applied in order per pod.
     """
     b = _Builder(spec, fleet, now)
     b.clock_floor = parse_time(persisted.clock_floor)
+    if step_limit is not None:
+        b.steps_left = b.step_limit = max(1, step_limit)
+    b.provisional = provisional
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(b, seen)
     halt = deadlines(b, seen, persisted, flying)

@@ -9,9 +9,11 @@ second writer gets 409, stops that pod's chain and re-plans on its next pass.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
+from weightroll_operator.domain.actions import GateOn
 from weightroll_operator.errors import KubeConflict
 
 from tests.contract.rollout.harness import NS, Harness
@@ -82,3 +84,57 @@ async def test_a_stale_observation_cannot_undo_a_newer_write(h: Harness) -> None
     assert len(h.emu.status_writes) == writes_before, "a write planned on a stale pod landed"
     assert any(isinstance(r.error, KubeConflict) for r in result.errors)
     assert await h.gate("pod-0") == "False"
+
+
+async def _bump(h: Harness, pod: str) -> None:
+    """Another writer (kubelet, a label controller) changes ``pod``: its version moves on."""
+    headers = {"Content-Type": "application/merge-patch+json"}
+    body = {"metadata": {"labels": {"touched": str(time.monotonic_ns())}}}
+    async with h.http.patch(f"/api/v1/namespaces/{NS}/pods/{pod}", json=body, headers=headers) as r:
+        assert r.status < 400
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _unit_samples(h: Harness) -> float:
+    value = h.metrics.registry.get_sample_value(
+        "weightroll_unit_update_duration_seconds_count",
+        {"namespace": NS, "name": "wu", "outcome": "succeeded"},
+    )
+    return value or 0.0
+
+
+async def test_a_completion_refused_by_a_conflict_is_reported_once_when_it_happens(
+    h: Harness,
+) -> None:
+    """A unit's GateOn + Settle refused with 409 (the pod changed after the pass read it) did
+    not verify the unit: no ``UnitVerified`` Event and no unit-duration sample for that pass.
+    The next pass completes it and reports it, once (both were reported twice)."""
+    await _versioned_pods(h, 1)
+    await h.create_wu("wu", "v2")
+    agent = h.agents["pod-0"]
+    await h.run_until(["wu"], lambda: _true(agent.active is not None))  # claimed and started
+    for _ in range(500):  # the agent commits on its own; no pass meanwhile
+        if agent.active is None:
+            break
+        await asyncio.sleep(0.01)
+    assert agent.committed_version == "v2", agent.snapshot()
+    stale = await h.pods()
+    await _bump(h, "pod-0")  # after the read: every write of the next pass is refused
+    refused = await h.rec.reconcile(await h.wu("wu"), stale, await h.kube.list_weightupdates(NS))
+
+    assert any(isinstance(a, GateOn) for a in refused.actions), refused.actions
+    assert any(isinstance(r.error, KubeConflict) for r in refused.errors), refused.errors
+    assert await h.gate("pod-0") == "False"
+    events = [e["reason"] for e in await h.kube.list_events(NS, "wu")]
+    assert "UnitVerified" not in events, "verified before the gate and the state were written"
+    assert _unit_samples(h) == 0
+
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+
+    assert await h.gate("pod-0") == "True"
+    events = [e["reason"] for e in await h.kube.list_events(NS, "wu")]
+    assert events.count("UnitVerified") == 1, events
+    assert _unit_samples(h) == 1

@@ -5,6 +5,7 @@ token Secret deleted with its WeightUpdate (E). Each failed before its fix."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,41 @@ async def test_deleting_a_weightupdate_whose_token_secret_is_gone_finishes(h: Ha
     await h.add_pods(1)
     await h.create_wu("wu", "v2", agent={"tokenSecretRef": {"name": "missing"}})
     assert await h.rec.finalize(await h.wu("wu"), await h.pods()) == 0
+
+
+async def test_a_claim_on_a_cached_answer_confirmed_fresh_is_planned_once(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The claim pass asks pod-1's agent afresh; its answer is the cached one, so the plan made
+    on it is applied as it is (the unconfirmed case is the test above): planned once, pod-1
+    claimed with what it serves."""
+    import weightroll_operator.reconcile as reconcile
+
+    await h.add_pods(2)
+    rec = replace(h.new_reconciler(), state_ttl=30.0)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
+    await h.tick("wu", rec)  # pod-0 claimed; pod-1's v1 answer cached
+    await h.run_until(["wu"], lambda: _verified(h, "pod-0"), rec=rec)
+    plans: list[object] = []
+    real = reconcile.plan
+
+    def counting(*args: object, **kw: object) -> object:
+        plans.append(kw)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reconcile, "plan", counting)
+    log = h.agents["pod-1"].request_log = tmp_path / "pod-1.log"
+    for _ in range(100):
+        plans.clear()
+        await h.tick("wu", rec)
+        if await h.state_of("pod-1") is not None:
+            break
+    assert len(plans) == 1, plans  # claimed in the pass that planned it, on a fresh answer
+    st = await h.state_of("pod-1")
+    assert st is not None and st.previous_version == "v1"
+    assert "GET /v1/state" in log.read_text().splitlines()  # asked afresh for the claim
+
+
+async def _verified(h: Harness, pod: str) -> bool:
+    st = await h.state_of(pod)
+    return st is not None and st.state.value == "Verified"

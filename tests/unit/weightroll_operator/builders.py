@@ -137,13 +137,15 @@ def run(
     pods: list[PodView],
     agents: dict[str, AgentView] | None = None,
     persisted: Persisted | None = None,
+    *,
+    step_limit: int | None = None,
 ) -> Plan:
     # Like reconcile: the planner only sees the agents that queries() says to ask.
     persisted = persisted or Persisted(target_version="v2")
     asked = queries(tuple(pods), ME, s.version, target_source(s), persisted.retried_at)
     seen = {k: v for k, v in (agents or {}).items() if k in asked}
     fleet = Fleet(name="wu", owner=ME, pods=tuple(pods), agents=seen)
-    return plan(s, fleet, persisted, NOW)
+    return plan(s, fleet, persisted, NOW, step_limit=step_limit)
 
 
 def summary(p: Plan) -> list[tuple[str, str]]:

@@ -10,10 +10,17 @@ from weightroll_operator.api.v1alpha1 import (
     Phase,
     WeightUpdateStatus,
 )
-from weightroll_operator.domain.actions import Claim, GateOn, Settle, StartUpdate
+from weightroll_operator.domain.actions import Claim, Emit, GateOn, Settle, StartUpdate
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import AgentView, UnitState
-from weightroll_operator.domain.plan import Persisted, PodClass, queries, unsettled
+from weightroll_operator.domain.plan import (
+    Persisted,
+    PodClass,
+    aggregate_emits,
+    emit_holding,
+    queries,
+    unsettled,
+)
 
 from engine_agent.protocol import UpdatePhase
 from tests.unit.weightroll_operator.builders import (
@@ -422,9 +429,41 @@ def test_a_completion_needs_the_writes_that_reach_it(
     assert after.completed is completed
     assert (after.persisted.completion_time is not None) is completed
     assert after.classes["p0"] is p0_class
+    # the unit finished (Event, unit-duration sample) only when its writes happened
+    assert ("p0" in after.finished) is completed and ("p0" in after.durations) is completed
     # a completion persisted by an earlier pass stands
     earlier = Persisted(target_version="v2", completion_time=timestamp(NOW))
     assert unsettled(p, failed, earlier).completed
+
+
+_VERIFIED = {f"p{i}": Emit("UnitVerified", f"Verified p{i}", pods=(f"p{i}",)) for i in range(3)}
+
+
+@pytest.mark.parametrize(
+    ("emits", "unwritten", "expected"),
+    [
+        # an Event that reports no pod write holds whatever failed
+        ([Emit("CanaryFailed", "Halted")], {"p0"}, "Halted"),
+        # one unit: left out when its pod's writes failed
+        ([_VERIFIED["p0"]], set(), "Verified p0"),
+        ([_VERIFIED["p0"]], {"p0"}, None),
+        ([_VERIFIED["p0"]], {"p1"}, "Verified p0"),
+        # an aggregate keeps the units whose writes happened, worded anew
+        (list(_VERIFIED.values()), set(), "3 units: Verified p0; Verified p1; Verified p2"),
+        (list(_VERIFIED.values()), {"p1"}, "2 units: Verified p0; Verified p2"),
+        (list(_VERIFIED.values()), {"p0", "p2"}, "Verified p1"),
+        (list(_VERIFIED.values()), {"p0", "p1", "p2"}, None),
+    ],
+)
+def test_an_event_is_posted_only_for_the_writes_that_happened(
+    emits: list[Emit], unwritten: set[str], expected: str | None
+) -> None:
+    """Found by review: a 409 on a unit's Settle kept it in flight, and the next pass posted
+    ``UnitVerified`` (and observed its duration) a second time."""
+    merged = aggregate_emits(emits)
+    assert merged is not None
+    held = emit_holding(merged, frozenset(unwritten))
+    assert (held.message if held is not None else None) == expected
 
 
 def test_restart_between_gate_on_and_settle_finishes_without_draining_again() -> None:

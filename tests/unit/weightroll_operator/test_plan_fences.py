@@ -248,3 +248,20 @@ def test_pause_after_canary_holds_however_many_units_were_touched() -> None:
     p = run(spec(maxUnavailable=3, canary=1, pauseAfterCanary=True), pods, agents)
     assert (claimed(p), p.paused_reason) == ([], Reason.CANARY_COMPLETE)
     assert claimed(run(spec(maxUnavailable=3, canary=1), pods, agents)) == ["p3", "p4"]
+
+
+@pytest.mark.parametrize("cached", [frozenset({"p0"}), frozenset({"p0", "p1"}), frozenset()])
+def test_a_provisional_plan_is_the_plan_of_fresh_answers_when_they_are_the_same(
+    cached: frozenset[str],
+) -> None:
+    """A provisional plan claims on cached answers too and lists them in ``refresh``; with the
+    same answers fresh, planning again gives the very same plan (the oracle: the reconciler
+    then applies it without planning twice)."""
+    persisted = Persisted(target_version="v2")
+    provisional = plan(
+        spec(maxUnavailable=1), _claimable_fleet(cached), persisted, NOW, provisional=True
+    )
+    fresh = plan(spec(maxUnavailable=1), _claimable_fleet(frozenset()), persisted, NOW)
+    assert claimed(provisional) == ["p0"]
+    assert provisional.refresh == cached & {"p0"}
+    assert replace(provisional, refresh=frozenset()) == fresh

@@ -146,22 +146,31 @@ def test_selection_memo_matches_select_pods_and_judges_each_object_once() -> Non
 
     reconcile.select_one = counting  # type: ignore[assignment]
     try:
-        first = rec._select(owner, pods, llm, "default")
+        first = rec._select(owner, pods, llm, "default").views
         assert first == fleet.select_pods(pods, llm, "default")
         assert len(judged) == len(pods)
         judged.clear()
-        assert rec._select(owner, reversed(pods), llm, "default") == first  # same objects
+        # the same objects: nothing judged again, the very same views (units are reused)
+        assert rec._select(owner, list(reversed(pods)), llm, "default").views is first
         assert judged == []
         changed = copy.deepcopy(pods[0])  # p0 now joins the selection (a new object)
         changed["metadata"]["labels"]["app"] = "llm"
         pods[0] = changed
-        again = rec._select(owner, pods, llm, "default")
+        again = rec._select(owner, pods, llm, "default").views
         assert judged == ["p0"]
         assert again == fleet.select_pods(pods, llm, "default")
         assert again[0].name == "p0"
         judged.clear()
+        deleted = copy.deepcopy(pods[1])  # p1 is being deleted: left out, kept as deleting
+        deleted["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+        pods[1] = deleted
+        gone = rec._select(owner, pods, llm, "default")
+        assert "p1" not in [v.name for v in gone.views]
+        assert gone.deleting == (deleted,)
+        assert rec._select(owner, pods, llm, "default") is gone
+        judged.clear()
         other = _spec({"matchLabels": {"app": "other"}})  # another selector: judged anew
-        assert rec._select(owner, pods, other, "default") == fleet.select_pods(
+        assert rec._select(owner, pods, other, "default").views == fleet.select_pods(
             pods, other, "default"
         )
         assert len(judged) == len(pods)
@@ -170,9 +179,59 @@ def test_selection_memo_matches_select_pods_and_judges_each_object_once() -> Non
         rec._select(owner, pods, grouped, "default")
         assert len(judged) == len(pods)  # groupBy is part of the selection
         (held,) = rec._selections.values()
-        assert len(held[1]) == len(pods)  # only the objects of the last pass are kept
+        assert len(held.judged) == len(pods)  # only the objects of the last pass are kept
     finally:
         reconcile.select_one = real
+
+
+@pytest.mark.parametrize(
+    ("change", "in_place"),
+    [
+        ("annotate", True),  # a claim or a gate write: stays selected, replaced in place
+        ("relabel-away", False),  # leaves the selection: selected anew
+        ("delete", False),  # being deleted: selected anew, kept as deleting
+        ("add", False),  # a new pod: selected anew
+        ("remove", False),  # gone: selected anew
+    ],
+)
+@pytest.mark.parametrize("group_by", [None, "rack"])
+def test_changed_pods_give_the_selection_and_units_made_from_scratch(
+    change: str, in_place: bool, group_by: str | None
+) -> None:
+    """Issue 11 G: when a batch of pods changes, their views are replaced in place (no
+    re-sort, units rebuilt only for them); the oracle is :func:`select_pods` and
+    :func:`group_units` of the same objects."""
+    from weightroll_operator.domain import fleet
+    from weightroll_operator.domain.model import owner_key
+
+    rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
+    owner = owner_key("default", "wu")
+    pods: list[dict[str, Any]] = [
+        make_pod(f"p{i}", "10.0.0.1", 8470, labels={"app": "llm", "rack": f"r{i % 3}"})
+        for i in (7, 3, 9, 1, 5)
+    ]
+    llm = _spec({"matchLabels": {"app": "llm"}}, group_by=group_by)
+    first = rec._select(owner, pods, llm, "default")
+    rec._group(owner, first.views, group_by)
+    pods = [copy.deepcopy(p) if i in (1, 3) else p for i, p in enumerate(pods)]
+    if change == "annotate":
+        pods[1]["metadata"]["annotations"] = {"weightroll.io/owner": "default/wu"}
+    elif change == "relabel-away":
+        pods[1]["metadata"]["labels"]["app"] = "other"
+    elif change == "delete":
+        pods[1]["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+    elif change == "add":
+        pods.append(make_pod("p0", "10.0.0.1", 8470, labels={"app": "llm", "rack": "r0"}))
+    elif change == "remove":
+        pods.pop(0)
+    again = rec._select(owner, pods, llm, "default")
+    expected = fleet.select_pods(pods, llm, "default", owner=owner)
+    assert again.views == expected
+    assert [v.name for v in again.views] == sorted(v.name for v in again.views)
+    assert (again.positions is first.positions) is in_place
+    assert len(again.judged) == len(pods)
+    assert rec._group(owner, again.views, group_by) == fleet.group_units(expected)
+    assert rec._select(owner, pods, llm, "default") is again  # and nothing changed since
 
 
 def test_state_key_memo_follows_the_view_object() -> None:
