@@ -12,9 +12,10 @@ watch does; each agent commits ``T`` seconds (default 20) after it is asked.
 
 Reported: reconcile pass time (p50/p95/max), API writes per pod (by kind), peak RSS of the
 process, the full garbage collections run (``gcFullCollections``), total rollout time versus
-the ideal ``ceil(N / maxUnavailable) * T``, the settings used, and whether each goal of the issue is met (at most 1.1 x ideal, 100 ms per pass p95,
-9 API writes per pod — issue 4's 6 plus the 3 Events on each pod of issue 13: drained,
-updating, verified, counted apart as ``pod-event`` — and 256 MiB peak RSS).
+the ideal ``ceil(N / maxUnavailable) * T``, the settings used, and whether each goal of the
+issue is met (at most 1.1 x ideal, 100 ms per pass p95, 9 API writes per pod — issue 4's 6
+plus the 3 Events on each pod of issue 13: drained, updating, verified, counted apart as
+``pod-event`` — and 256 MiB peak RSS).
 
 Usage: ``python bench/operator_scale.py [--pods 1000] [--update-seconds 20]``
 (``--poll-interval``/``--interval`` override the defaults, for experiments only). A run takes
@@ -25,23 +26,22 @@ hand.
 Figures (issue 11 G), at the shipped defaults, on 2 cores ("AMD EPYC"); CPU time per pass
 (``passCpuMs``) is reported beside the wall time because other jobs change it far less:
 
-* Fourth round, 10,000 pods, T = 20 s, idle machine, this tree and its parent (8f20301) run
-  ten minutes apart: pass p50/p95/max 95.7/199/386 -> 50.8/81.7/349 ms (0.53x / 0.41x);
-  rollout 1.062 -> **1.037 x ideal**; peak RSS 150 MiB; 4.0 pod writes and 3 pod Events per pod (7.02 API writes per pod
-  with the WeightUpdate's own). 1,000 pods: 6.4/12.3/61 ms, 1.020 x ideal, 76 MiB. What
-  changed, found by timing each step of the slowest passes: (1) CPython's automatic *full*
-  garbage collections (100-200 ms each, walking about 260,000 tracked objects) fell inside two
-  thirds of the slowest passes: the surviving heap is now frozen after each pass and collected
-  in full once a minute (``gc_pacing.py``, ``gcFullCollections``); (2) a batch of 1,000 units
-  was claimed, started and completed in one pass each: a pass now starts forward steps on at
-  most ``burst`` (250) pods and the next pass follows at once; (3) a claim pass planned twice
-  (its claims wait for fresh agent answers): the plan is made on the cached answers and
-  applied as it is when the fresh ones are the same; (4) agent answers cached in the first
-  pass all expired in one later pass (thousands of agents asked at once): their expiry is now
-  spread over the second half of ``stateTtl``; (5) a pass where no pod object changed reuses
-  the selection, units and queries of the last one, and one where some did replaces their
-  views and units in place; pending pods' notes are worked out only for the pods the status
-  lists.
+* Fourth round, 10,000 pods, T = 20 s, idle machine, this tree and its parent (8f20301) run ten
+  minutes apart: pass p50/p95/max 95.7/199/386 -> 50.8/81.7/349 ms (0.53x / 0.41x); rollout
+  1.062 -> **1.037 x ideal**; peak RSS 150 MiB; 4.0 pod writes and 3 pod Events per pod (7.02
+  API writes per pod with the WeightUpdate's own). 1,000 pods: 6.4/12.3/61 ms, 1.020 x ideal, 76
+  MiB. What changed, found by timing each step of the slowest passes: (1) CPython's automatic
+  *full* garbage collections (100-200 ms each, walking about 260,000 tracked objects) fell
+  inside two thirds of the slowest passes: the surviving heap is now frozen after each pass and
+  collected in full once a minute (``gc_pacing.py``, ``gcFullCollections``); (2) a batch of
+  1,000 units was claimed, started and completed in one pass each: a pass now starts forward
+  steps on at most ``burst`` (250) pods and the next pass follows at once; (3) a claim pass
+  planned twice (its claims wait for fresh agent answers): the plan is made on the cached
+  answers and applied as it is when the fresh ones are the same; (4) agent answers cached in the
+  first pass all expired in one later pass (thousands of agents asked at once): their expiry is
+  now spread over the second half of ``stateTtl``; (5) a pass where no pod object changed reuses
+  the selection, units and queries of the last one, and one where some did replaces their views
+  and units in place; pending pods' notes are worked out only for the pods the status lists.
 * At eddd516 (no change to the pass since the third round; conditional writes and the
   unsettled check added), 10,000 pods, T = 20 s, 2 cores "AMD EPYC", idle: pass p50/p95/max
   99.7/249/537 ms, rollout **1.067 x ideal**, peak RSS 153 MiB, 7.005 API writes per pod; the
