@@ -199,15 +199,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    config = OperatorConfig.from_env(
-        interval=args.interval,
-        metrics_port=args.metrics_port,
-        health_port=args.health_port,
-        pod_selector=args.pod_selector,
-        leader_elect=args.leader_elect,
-        webhook_port=args.webhook_port,
-        webhook_cert_dir=args.webhook_cert_dir,
-    )
+    try:
+        config = OperatorConfig.from_env(
+            interval=args.interval,
+            metrics_port=args.metrics_port,
+            health_port=args.health_port,
+            pod_selector=args.pod_selector,
+            leader_elect=args.leader_elect,
+            webhook_port=args.webhook_port,
+            webhook_cert_dir=args.webhook_cert_dir,
+        )
+    except ValueError as e:
+        print(f"weightroll operator: {e}", file=sys.stderr)
+        return 2
     try:
         kube_config = KubeConfig.load(args.kubeconfig, args.context)
     except Exception as e:  # the kubernetes client raises several unrelated types here

@@ -96,18 +96,61 @@ class OperatorConfig:
         """The defaults, then ``WEIGHTROLL_<FIELD>`` variables, then non-``None`` ``overrides``.
 
         Raises:
-            ValueError: a variable does not parse as its field's type (the message names it).
+            ValueError: a variable does not parse as its field's type, or a value is out of its
+                field's range (the message names the variable or flag, and what it accepts).
         """
         env = os.environ if environ is None else environ
         defaults = cls()
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         for f in fields(cls):
             var = f"WEIGHTROLL_{f.name.upper()}"
             raw = env.get(var)
             if raw is not None:
                 values[f.name] = _parse(var, raw, type(getattr(defaults, f.name)))
-        values.update({k: v for k, v in overrides.items() if v is not None})
+                sources[f.name] = var
+        for name, value in overrides.items():
+            if value is not None:
+                values[name] = value
+                sources[name] = "--" + name.replace("_", "-")
+        for name, value in values.items():
+            problem = _out_of_range(name, value)
+            if problem:
+                raise ValueError(f"{sources[name]}={value!r}: {problem}")
         return cls(**values)
+
+
+#: Fields with a lower bound: (least value, whether the least value itself is allowed, what the
+#: bound protects). A zero burst would start one unit per pass, a zero interval a busy loop.
+_LOWER_BOUNDS: dict[str, tuple[float, bool, str]] = {
+    "interval": (0, False, "seconds between passes"),
+    "poll_interval": (0, False, "seconds between passes while units are in flight"),
+    "agent_timeout": (0, False, "seconds an agent call may take"),
+    "concurrency": (1, True, "parallel agent and pod calls"),
+    "burst": (1, True, "pods one pass starts a forward step on"),
+    "gc_full_interval": (0, True, "seconds between full collections (0: CPython's own)"),
+    "state_ttl": (0, True, "seconds an agent answer is reused"),
+    "token_ttl": (0, True, "seconds an agent token is reused"),
+    "watch_server_timeout": (1, True, "seconds a watch request lasts"),
+    "lease_seconds": (0, False, "seconds the Lease stays taken"),
+    "liveness_stall_intervals": (0, True, "intervals without a pass before liveness fails"),
+}
+_PORTS = ("metrics_port", "health_port", "webhook_port")
+_POSTING_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _out_of_range(name: str, value: Any) -> str:
+    """Why ``value`` is not acceptable for field ``name``, or ``""`` when it is."""
+    if name in _LOWER_BOUNDS:
+        least, inclusive, meaning = _LOWER_BOUNDS[name]
+        if value < least or (value == least and not inclusive):
+            bound = f"at least {least:g}" if inclusive else f"greater than {least:g}"
+            return f"must be {bound} ({meaning})"
+    if name in _PORTS and not 0 <= value <= 65535:
+        return "must be a port from 1 to 65535, or 0 to disable it"
+    if name == "posting_level" and value not in _POSTING_LEVELS:
+        return f"must be one of {', '.join(_POSTING_LEVELS)}"
+    return ""
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

@@ -199,3 +199,14 @@ def test_status_missing_kubeconfig_is_one_line(
     assert cli.main(["status", "llama-v2", "--kubeconfig", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "set KUBECONFIG" in err
+
+
+def test_operator_refuses_an_out_of_range_setting_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("WEIGHTROLL_BURST", "0")
+    assert cli.main(["operator"]) == 2
+    assert capsys.readouterr().err == (
+        "weightroll operator: WEIGHTROLL_BURST=0: must be at least 1 "
+        "(pods one pass starts a forward step on)\n"
+    )
