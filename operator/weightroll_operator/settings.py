@@ -143,7 +143,8 @@ def _out_of_range(name: str, value: Any) -> str:
     """Why ``value`` is not acceptable for field ``name``, or ``""`` when it is."""
     if name in _LOWER_BOUNDS:
         least, inclusive, meaning = _LOWER_BOUNDS[name]
-        if value < least or (value == least and not inclusive):
+        # Written as "not within" so that NaN (every comparison false) is refused too.
+        if not (value >= least if inclusive else value > least):
             bound = f"at least {least:g}" if inclusive else f"greater than {least:g}"
             return f"must be {bound} ({meaning})"
     if name in _PORTS and not 0 <= value <= 65535:

@@ -59,6 +59,8 @@ def test_defaults_types_and_overrides() -> None:
         ("WEIGHTROLL_CONCURRENCY", "0", "at least 1"),
         ("WEIGHTROLL_INTERVAL", "0", "greater than 0"),
         ("WEIGHTROLL_POLL_INTERVAL", "-0.5", "greater than 0"),
+        ("WEIGHTROLL_INTERVAL", "nan", "greater than 0"),
+        ("WEIGHTROLL_STATE_TTL", "NaN", "at least 0"),
         ("WEIGHTROLL_AGENT_TIMEOUT", "0", "greater than 0"),
         ("WEIGHTROLL_LEASE_SECONDS", "0", "greater than 0"),
         ("WEIGHTROLL_GC_FULL_INTERVAL", "-1", "at least 0"),
