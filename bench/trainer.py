@@ -41,6 +41,8 @@ from bench.machine import cpu_model, load_average  # noqa: E402 (after the path 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+#: The worker's trainer networks: the bench's trainer rendezvous on loopback.
+os.environ.setdefault("WEIGHTROLL_TRAINER_NETWORKS", "127.0.0.1/32")
 
 BACKEND = "weightroll_bench_gloo"
 #: Which lifecycle the bench backend runs next (the engine runs in this process).

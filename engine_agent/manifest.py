@@ -5,6 +5,13 @@ extension loads it with :func:`load_manifest` and, before any byte reaches a liv
 what each rank read with :meth:`Manifest.verify`; the sidecar loads it too, so a corrupt, stale or
 tampered manifest fails the update before generation is paused.
 
+A manifest only vouches for itself: whoever can write the volume can rewrite checkpoint and
+manifest together. ``weightroll manifest`` therefore prints the manifest file's *pin*,
+``sha256:<hex>`` of its exact bytes (:func:`manifest_file_digest`); a WeightUpdate that carries
+it in ``spec.source.manifestDigest`` makes the sidecar refuse any other manifest
+(:class:`ManifestDigestMismatch`, checked by :func:`load_manifest` on the bytes it parses)
+before draining, so before anything is written to the engine.
+
 Format (JSON, ``weightroll.manifest/v2``; ``v1`` is still read)::
 
     {"format": "weightroll.manifest/v2", "version": "v2" | null, "baseVersion": "v1" | null,
@@ -79,6 +86,7 @@ __all__ = [
     "HashAlgorithm",
     "Manifest",
     "ManifestError",
+    "ManifestDigestMismatch",
     "ManifestMismatch",
     "TensorEntry",
     "build_manifest",
@@ -87,6 +95,8 @@ __all__ = [
     "index_conflicts",
     "content_hash",
     "load_manifest",
+    "manifest_bytes",
+    "manifest_file_digest",
     "main",
     "new_hasher",
     "rank_digest",
@@ -154,6 +164,12 @@ class ManifestMismatch(ManifestError):
     """Bytes (or dtype, shape, size) that differ from what the manifest pins."""
 
     code = "manifest_mismatch"
+
+
+class ManifestDigestMismatch(ManifestError):
+    """The manifest file's bytes differ from the ``manifestDigest`` the update pins."""
+
+    code = "manifest_digest_mismatch"
 
 
 class _ManifestModel(BaseModel):
@@ -475,10 +491,34 @@ def sha256_hex(buffer: Any) -> str:
     return hashlib.sha256(view).hexdigest()
 
 
-def load_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and validate a manifest file.
+def manifest_file_digest(raw: bytes) -> str:
+    """The pin of a manifest file: ``sha256:`` and the hex SHA-256 of its exact bytes.
+
+    This is what ``spec.source.manifestDigest`` holds and what ``weightroll manifest`` prints.
+    Unlike :attr:`Manifest.digest` (over the ``tensors`` map only) it covers every byte of the
+    file, ``version`` and ``baseVersion`` included.
+    """
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The exact bytes :func:`write_manifest` writes (indented JSON and a final newline)."""
+    return (json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n").encode()
+
+
+def load_manifest(path: str | os.PathLike[str], *, pinned: str | None = None) -> Manifest:
+    """Read and validate a manifest file; with ``pinned``, check its bytes first.
+
+    The file is read once: the bytes hashed against ``pinned`` are the bytes parsed, so a
+    manifest replaced between a check and a read cannot slip through.
+
+    Args:
+        path: the manifest file.
+        pinned: ``sha256:<hex>`` the file must hash to (:func:`manifest_file_digest`); the
+            update's ``source.manifestDigest``.
 
     Raises:
+        ManifestDigestMismatch: the bytes do not hash to ``pinned`` (checked before parsing).
         ManifestError: the file is missing or unreadable, is not JSON, or does not validate
             (wrong format, bad entry, wrong total, digest mismatch); the message names the file
             and the problem.
@@ -488,6 +528,14 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         raw = path.read_bytes()
     except OSError as e:
         raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror or e}") from e
+    if pinned is not None:
+        actual = manifest_file_digest(raw)
+        if actual != pinned:
+            raise ManifestDigestMismatch(
+                f"manifest {str(path)!r} hashes to {actual}, but source.manifestDigest "
+                f"(spec.source.manifestDigest of the WeightUpdate) pins {pinned}: the manifest "
+                "is not the one the update was written for; nothing was loaded"
+            )
     try:
         document = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -505,12 +553,18 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise error from e
 
 
-def write_manifest(manifest: Manifest, path: str | os.PathLike[str]) -> None:
-    """Write ``manifest`` to ``path`` (indented JSON) atomically via a temporary sibling file."""
+def write_manifest(manifest: Manifest, path: str | os.PathLike[str]) -> str:
+    """Write ``manifest`` to ``path`` (indented JSON) atomically via a temporary sibling file.
+
+    Returns:
+        The pin of the bytes written (:func:`manifest_file_digest`).
+    """
     path = Path(path)
+    raw = manifest_bytes(manifest)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
+    tmp.write_bytes(raw)
     os.replace(tmp, path)
+    return manifest_file_digest(raw)
 
 
 def read_safetensors_header(handle: BinaryIO, file_name: str) -> tuple[int, dict[str, Any]]:
@@ -730,8 +784,11 @@ def _parser() -> argparse.ArgumentParser:
             "Only *.safetensors files directly inside DIR are hashed (with "
             "model.safetensors.index.json: exactly the files it lists). Name the manifest in the "
             "WeightUpdate's spec.source.manifest; every rank checks the bytes it reads against "
-            "it before writing a live tensor. Exit status: 0 written, 1 the checkpoint cannot "
-            "be hashed or the manifest not written, 2 bad usage."
+            "it before writing a live tensor. Prints the manifest file's pin (sha256:<hex> of "
+            "its exact bytes) on stdout (on stderr with --out -): put it in "
+            "spec.source.manifestDigest and the agents refuse any other manifest before "
+            "draining. Exit status: 0 written, 1 the checkpoint cannot be hashed or the "
+            "manifest not written, 2 bad usage."
         ),
     )
     parser.add_argument("directory", metavar="DIR", help="checkpoint directory (or one file)")
@@ -771,23 +828,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"weightroll manifest: {e}{hint}", file=sys.stderr)
         return 1
     if args.out == "-":
-        json.dump(manifest.to_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        # stdout is the manifest itself; the pin of exactly these bytes goes to stderr
+        raw = manifest_bytes(manifest)
+        sys.stdout.write(raw.decode("ascii"))  # json.dumps escapes to ASCII: same bytes
+        sys.stdout.flush()
+        print(f"manifestDigest: {manifest_file_digest(raw)}", file=sys.stderr)
         return 0
     root = Path(args.directory)
     out = Path(args.out) if args.out else (root if root.is_dir() else root.parent)
     if not args.out:
         out = out / DEFAULT_MANIFEST_NAME
     try:
-        write_manifest(manifest, out)
+        pin = write_manifest(manifest, out)
     except OSError as e:
         print(f"weightroll manifest: cannot write {str(out)!r}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(
         f"Wrote manifest for {len(manifest.tensors)} tensors ({manifest.total_bytes} bytes) to "
-        f"{out}; digest {manifest.digest}",
+        f"{out}; pin it with spec.source.manifestDigest: {pin}",
         file=sys.stderr,
     )
+    print(pin)  # stdout: just the pin, for DIGEST=$(weightroll manifest DIR)
     return 0
 
 

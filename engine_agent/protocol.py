@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from pydantic.alias_generators import to_camel
 
 __all__ = [
+    "MANIFEST_DIGEST_PATTERN",
     "VERSION_PATTERN",
     "UPDATE_ID_PATTERN",
     "AbortArgs",
@@ -53,6 +54,9 @@ __all__ = [
 VERSION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 #: Update ids are chosen by the operator (``<cr-uid-prefix>-<version>``) or by a user.
 UPDATE_ID_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,125}[a-z0-9])?$"
+#: A pinned manifest: ``sha256:`` and the lower-case hex SHA-256 of the manifest file's bytes,
+#: exactly as ``weightroll manifest`` prints it (``engine_agent.manifest.manifest_file_digest``).
+MANIFEST_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 
 Version = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
 UpdateId = Annotated[str, StringConstraints(pattern=UPDATE_ID_PATTERN)]
@@ -148,6 +152,10 @@ class LoadSource(WireModel):
     #: Optional manifest (JSON written by ``weightroll manifest``); every byte read is checked
     #: against it before it reaches a live tensor.
     manifest: str | None = None
+    #: The update's pin of the manifest's bytes (``source.manifestDigest``): each rank checks
+    #: the manifest it reads itself, so one replaced after the agent's check is refused before
+    #: any live byte is written.
+    manifest_digest: str | None = Field(default=None, pattern=MANIFEST_DIGEST_PATTERN)
 
 
 class AbortArgs(WireModel):
@@ -280,6 +288,10 @@ class SourceSpec(WireModel):
 
     uri: str
     manifest: str | None = None
+    #: ``sha256:<hex>`` of the manifest file's bytes (``weightroll manifest`` prints it): the
+    #: agent refuses the update before draining, so before any write to the engine, when the
+    #: manifest it reads hashes otherwise. Requires ``manifest``.
+    manifest_digest: str | None = Field(default=None, pattern=MANIFEST_DIGEST_PATTERN)
 
     @model_validator(mode="after")
     def _local_uri(self) -> Self:
@@ -290,6 +302,10 @@ class SourceSpec(WireModel):
                     f"source.{name} must be an absolute path or a file:// URI, got {value!r}; "
                     "other schemes are not supported by this agent"
                 )
+        if self.manifest_digest is not None and self.manifest is None:
+            raise ValueError(
+                "source.manifestDigest pins a manifest, so source.manifest is required"
+            )
         return self
 
     @property

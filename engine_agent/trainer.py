@@ -16,6 +16,11 @@ replica's **agent** (not to vLLM), carrying the agent's bearer token. ::
 Every failure is an exception: :class:`PushRejected` (the agent refused; ``error`` is its
 ``ErrorBody``, naming missing or duplicated shards) or :class:`ReplicaUnreachable`.
 
+TLS: with ``ca_file`` the agent's certificate must chain to that CA (the chart's agent CA,
+``<fullname>-agent-ca``) and name ``server_name`` (the chart's agents present
+``weightroll-agent.<namespace>.svc``; the URL may then use the pod IP), as the operator's client
+checks it. Redirects are never followed: a redirect would carry the token to another host.
+
 :func:`push_fleet` updates N replicas: one transfer group per replica (a failing replica cannot
 stall the others' collectives), pushed concurrently, one :class:`ReplicaResult` per replica —
 ``committed``, ``failed`` (with the agent's reason; that replica stays fenced and drained) or
@@ -26,8 +31,11 @@ Imports vLLM (the trainer engines) and torch; the HTTP client is the standard li
 
 from __future__ import annotations
 
+import functools
+import http.client
 import json
 import logging
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -84,13 +92,49 @@ class ReplicaUnreachable(ConnectionError):
     """The agent could not be reached."""
 
 
+class _NamedHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to the URL's address, verifying the certificate for ``server_name`` instead."""
+
+    def __init__(self, *args: Any, server_name: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._server_name = server_name
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP only; TLS below, with our name
+        context: ssl.SSLContext = self._context  # type: ignore[attr-defined]
+        self.sock = context.wrap_socket(self.sock, server_hostname=self._server_name)
+
+
+class _TLSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, context: ssl.SSLContext, server_name: str | None) -> None:
+        super().__init__(context=context)
+        self._tls, self._server_name = context, server_name
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        if self._server_name is None:
+            return super().https_open(req)
+        connection = functools.partial(_NamedHTTPSConnection, server_name=self._server_name)
+        return self.do_open(connection, req, context=self._tls)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx answer is an error: following it would send the bearer token elsewhere."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class AgentSyncClient:
     """``VLLMWeightSyncClient`` (vLLM's structural protocol) for one replica's agent.
 
     Args:
-        base_url: the agent's URL (its own port, not vLLM's).
-        token: the bearer token, or ``token_file`` to read it from (re-read on every call).
+        base_url: the agent's URL (its own port, not vLLM's); ``https://`` with TLS.
+        token: the bearer token, or ``token_file`` to read it from (re-read on every call; its
+            first non-empty line, as the operator sends it, so a file mid-rotation works).
         timeout: seconds per HTTP call (``update_weights`` lasts the whole broadcast).
+        ca_file: PEM CA bundle the agent's certificate must chain to (needs ``https://``).
+        server_name: the name the certificate must carry when it is not the URL's host (the
+            chart's agents: ``weightroll-agent.<namespace>.svc``).
     """
 
     def __init__(
@@ -100,10 +144,19 @@ class AgentSyncClient:
         token: str | None = None,
         token_file: str | Path | None = None,
         timeout: float = 600.0,
+        ca_file: str | Path | None = None,
+        server_name: str | None = None,
     ) -> None:
         if (token is None) == (token_file is None):
             raise ValueError("pass exactly one of token and token_file")
         self.base_url = base_url.rstrip("/")
+        if (ca_file is not None or server_name is not None) and not self.base_url.startswith(
+            "https://"
+        ):
+            raise ValueError(f"{self.base_url}: ca_file and server_name need an https:// URL")
+        context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._opener = urllib.request.build_opener(_TLSHandler(context, server_name), _NoRedirects)
         self._token = token
         self._token_file = None if token_file is None else Path(token_file)
         self.timeout = timeout
@@ -112,7 +165,10 @@ class AgentSyncClient:
 
     def _bearer(self) -> str:
         if self._token_file is not None:
-            return self._token_file.read_text().strip()
+            # The first non-empty line: during a rotation the file holds two tokens, one a
+            # line (docs/architecture.md, "Threat model"), and the first is the one to send.
+            lines = (line.strip() for line in self._token_file.read_text().splitlines())
+            return next((line for line in lines if line), "")
         assert self._token is not None
         return self._token
 
@@ -128,7 +184,7 @@ class AgentSyncClient:
             },
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with self._opener.open(request, timeout=self.timeout) as response:
                 answer: dict[str, Any] = json.loads(response.read() or b"{}")
                 return answer
         except urllib.error.HTTPError as e:

@@ -278,7 +278,7 @@ class RankEngine:
             from engine_agent.manifest import ManifestError, load_manifest
 
             try:
-                manifest = load_manifest(source.manifest)
+                manifest = load_manifest(source.manifest, pinned=source.manifest_digest)
             except (ManifestError, OSError) as e:
                 raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
         with _timed(active.timings, "read_headers"):

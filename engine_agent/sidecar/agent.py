@@ -2,7 +2,7 @@
 
 Update flow (one at a time, driven by ``POST /v1/updates``)::
 
-    Pending    world size; manifest loaded and checked (digest, version, base version)
+    Pending    world size; manifest loaded and checked (pin, digest, version, base version)
     Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
     Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
     Verifying  weightroll_finish() on every rank → all-rank agreement (ranks.check_commit)
@@ -48,6 +48,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Final
 
@@ -66,6 +67,7 @@ from engine_agent.protocol import (
     UpdateRequest,
     Verdict,
 )
+from engine_agent.sidecar.confinement import SourceRefused, confine
 from engine_agent.sidecar.engine import EngineError, EngineTimeout, VllmClient
 from engine_agent.sidecar.metrics import AgentMetrics
 from engine_agent.sidecar.ranks import (
@@ -80,7 +82,7 @@ from engine_agent.sidecar.ranks import (
 )
 from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 
-__all__ = ["Agent", "AgentConfig", "UpdateConflict", "UpdateNotFound", "Readiness"]
+__all__ = ["Agent", "AgentConfig", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,12 @@ class AgentConfig:
     #: (fenced, failed as ``push_abandoned``): a trainer that died between steps never calls
     #: finish, and the replica must not stay held by it for ever.
     push_idle_timeout: float = 900.0
+    #: Networks a trainer's rendezvous address (``init_info.master_address``) may lie in
+    #: (``engine_agent.transfer.rendezvous``); empty refuses every trainer push.
+    trainer_networks: tuple[IPv4Network | IPv6Network, ...] = ()
+    #: The trainers' bearer tokens (one per line), for the native weight-transfer routes only;
+    #: ``None`` closes those routes. The ``--token-file`` tokens never open them.
+    trainer_token_file: Path | None = None
     #: Seconds an observation is reused by ``/readyz`` and ``/v1/state``.
     observe_ttl: float = 1.0
     #: Directory for the persisted store (an ``emptyDir``); ``None`` keeps memory only.
@@ -132,12 +140,31 @@ class AgentConfig:
     #: pod-view URIs everywhere else (records, ``/v1/state``). For pod simulators without mount
     #: namespaces (``weightroll_dev.devcluster``), where each pod has its own volume root.
     source_root: Path | None = None
+    #: Directory, as the pods see it (the model volume's mount path, e.g. ``/models``), inside
+    #: which every update's ``source.uri`` and ``source.manifest`` must resolve, symlinks and
+    #: ``..`` followed; ``None``: inside ``source_root`` when that is set, else anywhere.
+    model_dir: str | None = None
 
     def local_path(self, path: str) -> str:
         """Where this process reads a source path (``path`` itself without ``source_root``)."""
         if self.source_root is None:
             return path
         return str(self.source_root / path.lstrip("/"))
+
+    def check_source(self, source: SourceSpec) -> None:
+        """Refuse a source outside :attr:`model_dir` (or :attr:`source_root`); see
+        :func:`~engine_agent.sidecar.confinement.confine`.
+
+        Raises:
+            SourceRefused: naming ``source.uri`` or ``source.manifest``.
+        """
+        if self.model_dir is not None:
+            jail, where = self.local_path(self.model_dir), f"the model directory {self.model_dir}"
+        elif self.source_root is not None:
+            jail, where = str(self.source_root), "the source root"
+        else:
+            return
+        confine(source, jail=jail, where=where, local_path=self.local_path)
 
 
 class UpdateConflict(Exception):
@@ -295,8 +322,10 @@ class Agent:
             ``(created, record)``: ``created`` is False when the same request was seen before.
 
         Raises:
+            SourceRefused: the source or manifest lies outside the model directory.
             UpdateConflict: another update is active, or the id was used for another request.
         """
+        self.config.check_source(request.source)  # before anything is read
         existing = self.store.records.get(request.id)
         if existing is not None:
             if existing.request != request:
@@ -743,8 +772,12 @@ class Agent:
             manifest_path = request.source.manifest_path
             if manifest_path is not None:
                 try:
+                    # With source.manifestDigest the bytes parsed are the bytes hashed against
+                    # the pin, all before the drain: a swapped manifest writes nothing.
                     manifest = await asyncio.to_thread(
-                        load_manifest, self.config.local_path(manifest_path)
+                        load_manifest,
+                        self.config.local_path(manifest_path),
+                        pinned=request.source.manifest_digest,
                     )
                 except ManifestError as e:
                     raise _Failed([Problem(e.code, str(e))]) from e
@@ -777,6 +810,7 @@ class Agent:
             source = LoadSource(
                 path=self.config.local_path(request.source.path),
                 manifest=None if manifest_path is None else self.config.local_path(manifest_path),
+                manifest_digest=request.source.manifest_digest,
             )
             arg = source.model_dump_json(by_alias=True)
             load = check_session(

@@ -13,18 +13,26 @@ Invariants:
       as a second line, makes it the first (the operator sends the first line), then drops the old
       one, so no request fails while kubelet propagates each step to the pods.
     * Every error is an :class:`~engine_agent.protocol.ErrorBody` JSON: 400 for bodies that are
-      not a JSON object, 422 for validation errors (naming the field), 401, 404, 409 (naming the
-      active update id in ``field``).
+      not a JSON object (also nested too deeply, a number too long, ``NaN``/``Infinity``), 408
+      for a body that did not arrive within ``body_timeout``, 413 for one above
+      ``max_body_bytes``, 422 for validation errors (naming the field), 401, 404, 409 (naming
+      the active update id in ``field``). No answer echoes the body, and none is a 500.
+    * Unauthenticated callers (the kubelet's probes) learn only whether the replica is ready:
+      ``/readyz`` names its reasons only to a caller presenting a token, since they can carry
+      paths and errors taken from a request.
     * Handlers only translate HTTP to :class:`~engine_agent.sidecar.agent.Agent` calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,11 +40,11 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from engine_agent.protocol import ErrorBody, UpdateRequest
-from engine_agent.sidecar.agent import Agent, UpdateConflict, UpdateNotFound
+from engine_agent.sidecar.agent import Agent, SourceRefused, UpdateConflict, UpdateNotFound
 from engine_agent.sidecar.metrics import CONTENT_TYPE
 from engine_agent.sidecar.transfer_routes import add_transfer_routes
 
-__all__ = ["AGENT_KEY", "TokenFile", "create_app"]
+__all__ = ["AGENT_KEY", "HttpLimits", "TokenFile", "create_app", "parse_json_object"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,75 @@ AGENT_KEY: Final = web.AppKey("agent", Agent)
 MAX_BODY_BYTES: Final = 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Bounds on what one client may hold of the agent (flags in ``main.py``).
+
+    A connection that has not sent a whole request head ``header_timeout`` seconds after it
+    opened (or after its previous answer) is closed; an authenticated request whose body has not
+    fully arrived ``body_timeout`` seconds after its head gets 408 and its connection is closed;
+    at most ``max_connections`` connections are served at once (more are closed on accept).
+    """
+
+    #: Seconds to receive a request head (also how long an idle keep-alive connection stays).
+    header_timeout: float = 30.0
+    #: Seconds to receive a request body once its head arrived.
+    body_timeout: float = 60.0
+    #: Connections served at once; further ones are closed as soon as they are accepted.
+    max_connections: int = 256
+    #: Largest request body accepted (413 above).
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if not (self.header_timeout > 0 and self.body_timeout > 0):
+            raise ValueError("header_timeout and body_timeout must be above 0")
+        if self.max_connections < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_connections and max_body_bytes must be at least 1")
+
+
+class MalformedBody(ValueError):
+    """A request body that is not a JSON object; the message never quotes the body."""
+
+
+def _no_constant(name: str) -> Any:
+    raise MalformedBody(f"body is not valid JSON: {name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise MalformedBody("body is not valid JSON: a number is out of range")
+    return value
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a request body that must be one JSON object.
+
+    Raises:
+        MalformedBody: not UTF-8 JSON, nested too deeply for the parser, an integer longer than
+            Python converts (``sys.get_int_max_str_digits``), ``NaN``/``Infinity`` or a float
+            out of range, or not an object. The message names the problem, never the body.
+    """
+    try:
+        document = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except MalformedBody:
+        raise
+    except RecursionError:
+        raise MalformedBody("body is not valid JSON: nested too deeply") from None
+    except json.JSONDecodeError as e:
+        # position only: the exception's ``doc`` is the body and is never quoted
+        raise MalformedBody(
+            f"body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except UnicodeDecodeError:
+        raise MalformedBody("body is not valid JSON: not UTF-8 text") from None
+    except ValueError:  # int(): more digits than sys.get_int_max_str_digits() allows
+        raise MalformedBody("body is not valid JSON: a number is too long") from None
+    if not isinstance(document, dict):
+        raise MalformedBody("body must be a JSON object")
+    return document
 
 
 class TokenFile:
@@ -84,6 +161,10 @@ class TokenFile:
         return bool(presented) and any(hits)
 
 
+#: Application key under which the :class:`TokenFile` is stored.
+TOKENS_KEY: Final = web.AppKey("tokens", TokenFile)
+
+
 def _error(
     status: int, code: str, message: str, field: str | None = None, **headers: str
 ) -> web.Response:
@@ -91,22 +172,60 @@ def _error(
     return web.json_response(body, status=status, headers=headers or None)
 
 
+def _authorized(request: web.Request, tokens: TokenFile) -> bool:
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and tokens.matches(presented.strip().encode())
+
+
 def _auth_middleware(tokens: TokenFile) -> Any:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1"):
-            header = request.headers.get("Authorization", "")
-            scheme, _, presented = header.partition(" ")
-            if scheme.lower() != "bearer" or not tokens.matches(presented.strip().encode()):
-                return _error(
-                    401,
-                    "unauthorized",
-                    "missing or wrong bearer token",
-                    **{"WWW-Authenticate": 'Bearer realm="weightroll"'},
-                )
+        if request.path.startswith("/v1") and not _authorized(request, tokens):
+            return _error(
+                401,
+                "unauthorized",
+                "missing or wrong bearer token",
+                **{"WWW-Authenticate": 'Bearer realm="weightroll"'},
+            )
         return await handler(request)
 
     return auth
+
+
+def _body_middleware(tokens: TokenFile, limits: HttpLimits) -> Any:
+    """Read an authorised POST body within ``limits`` and check it is a JSON object, before any
+    handler (the transfer routes included) sees it; handlers then read the cached bytes.
+    Unauthorised requests are left to the handlers, which answer 401 without reading."""
+
+    @web.middleware
+    async def body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "POST" or not request.body_exists or not _authorized(request, tokens):
+            return await handler(request)
+        try:
+            async with asyncio.timeout(limits.body_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            refused = _error(
+                408,
+                "request_timeout",
+                f"the request body did not arrive within {limits.body_timeout:g} s",
+            )
+            refused.force_close()
+            return refused
+        except web.HTTPRequestEntityTooLarge:
+            refused = _error(
+                413, "body_too_large", f"a request body is at most {limits.max_body_bytes} bytes"
+            )
+            refused.force_close()
+            return refused
+        if raw:
+            try:
+                parse_json_object(raw)
+            except MalformedBody as e:
+                return _error(400, "malformed_json", str(e))
+        return await handler(request)
+
+    return body
 
 
 def _validation_error(e: ValidationError) -> web.Response:
@@ -124,7 +243,11 @@ async def _healthz(_: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     readiness = await request.app[AGENT_KEY].readiness()
-    body = {"ready": readiness.ready, "reasons": list(readiness.reasons)}
+    body: dict[str, Any] = {"ready": readiness.ready}
+    # The reasons can quote a request (a manifest path, the error reading it): only for a
+    # caller with the token; the kubelet's probe needs the status code alone.
+    if _authorized(request, request.app[TOKENS_KEY]):
+        body["reasons"] = list(readiness.reasons)
     return web.json_response(body, status=200 if readiness.ready else 503)
 
 
@@ -142,11 +265,9 @@ async def _state(request: web.Request) -> web.Response:
 async def _post_update(request: web.Request) -> web.Response:
     raw = await request.read()
     try:
-        document = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _error(400, "malformed_json", f"body is not valid JSON: {e}")
-    if not isinstance(document, dict):
-        return _error(400, "malformed_json", "body must be a JSON object")
+        document = parse_json_object(raw)
+    except MalformedBody as e:
+        return _error(400, "malformed_json", str(e))
     try:
         update = UpdateRequest.model_validate(document)
     except ValidationError as e:
@@ -154,6 +275,8 @@ async def _post_update(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     try:
         created, record = agent.submit(update)
+    except SourceRefused as e:
+        return _error(422, "invalid_request", str(e), field=e.field)
     except UpdateConflict as e:
         body = ErrorBody(code="conflict", message=str(e), field="id", active_id=e.active_id)
         return web.json_response(body.to_wire(), status=409)
@@ -186,16 +309,29 @@ async def _not_found(request: web.Request) -> web.Response:
     return _error(404, "not_found", f"no route {request.method} {request.path}")
 
 
-def create_app(agent: Agent, tokens: TokenFile, *, manage_agent: bool = True) -> web.Application:
+def create_app(
+    agent: Agent,
+    tokens: TokenFile,
+    *,
+    manage_agent: bool = True,
+    limits: HttpLimits | None = None,
+) -> web.Application:
     """Build the aiohttp application.
 
     Args:
         agent: the agent the routes drive.
         tokens: the bearer token source for ``/v1``.
         manage_agent: start and stop the agent with the application (tests may do it themselves).
+        limits: body timeout and size (the head timeout and connection bound are the server's,
+            ``main.serve``); default :class:`HttpLimits`.
     """
-    app = web.Application(middlewares=[_auth_middleware(tokens)], client_max_size=MAX_BODY_BYTES)
+    limits = limits or HttpLimits()
+    app = web.Application(
+        middlewares=[_auth_middleware(tokens), _body_middleware(tokens, limits)],
+        client_max_size=limits.max_body_bytes,
+    )
     app[AGENT_KEY] = agent
+    app[TOKENS_KEY] = tokens
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

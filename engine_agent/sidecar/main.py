@@ -5,16 +5,27 @@ the container without templating the command line; a flag wins over its variable
 refuses to start without a readable, non-empty token file or with a non-loopback vLLM URL.
 
 It listens on the pod IP only (``--host``, default ``$POD_IP`` from the downward API), never on a
-wildcard address, and serves TLS when given a certificate and key (a mounted Secret, e.g. from
-cert-manager or the chart's self-signed CA); the certificate is re-read when its file changes.
+wildcard address (however spelled: ``0``, ``0x0``, ``0.0``, ``::0`` …), and serves TLS when
+given a certificate and key (a mounted Secret, e.g. from cert-manager or the chart's self-signed
+CA); the certificate is re-read when its file changes. Slow clients are bounded: a request head
+must arrive within ``--header-timeout``, a body within ``--body-timeout``, and at most
+``--max-connections`` connections are served at once.
+
+Trainer pushes (the native weight-transfer routes) need two more settings, both empty by
+default, which keeps them refused: ``--trainer-networks`` (where a rendezvous peer may be) and
+``--trainer-token-file`` (the trainers' own tokens, sharing none with ``--token-file``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ipaddress
 import logging
 import math
 import os
+import signal
+import socket
 import ssl
 import sys
 from collections.abc import Callable, Sequence
@@ -25,8 +36,9 @@ from aiohttp import web
 
 from engine_agent.protocol import SourceSpec
 from engine_agent.sidecar.agent import Agent, AgentConfig
-from engine_agent.sidecar.app import TokenFile, create_app
+from engine_agent.sidecar.app import HttpLimits, TokenFile, create_app
 from engine_agent.sidecar.engine import require_loopback
+from engine_agent.transfer.rendezvous import Network, parse_networks
 
 __all__ = ["DEFAULT_PORT", "ReloadingTLS", "build_config", "listen_host", "main", "tls_context"]
 
@@ -57,6 +69,22 @@ def _positive_seconds(env: str) -> Callable[[str], float]:
     return parse
 
 
+def _positive_int(env: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number above 0; it comes from the flag or from "
+                f"WEIGHTROLL_AGENT_{env}"
+            )
+        return value
+
+    return parse
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -68,6 +96,16 @@ def _port(text: str) -> int:
             "WEIGHTROLL_AGENT_PORT"
         )
     return port
+
+
+def _networks(text: str) -> tuple[Network, ...]:
+    """An argparse ``type``: the trainer networks (``engine_agent.transfer.rendezvous``)."""
+    try:
+        return parse_networks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"{e}; it comes from the flag or from WEIGHTROLL_AGENT_TRAINER_NETWORKS"
+        ) from e
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,6 +165,45 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("SOURCE_ROOT"),
         help="resolve weight sources and manifests under this directory [SOURCE_ROOT]",
     )
+    add(
+        "--model-dir",
+        default=_env("MODEL_DIR"),
+        help="directory (the model volume's mount path) every update source and manifest must "
+        "lie in, symlinks resolved [MODEL_DIR]",
+    )
+    limits = HttpLimits()
+    for name, help_text in (
+        ("header_timeout", "seconds a connection may take to send a request head"),
+        ("body_timeout", "seconds a request may take to send its body"),
+    ):
+        env = name.upper()
+        add(
+            f"--{name.replace('_', '-')}",
+            type=_positive_seconds(env),
+            default=_env(env) or str(getattr(limits, name)),
+            help=f"{help_text} [{env}]",
+        )
+    add(
+        "--max-connections",
+        type=_positive_int("MAX_CONNECTIONS"),
+        default=_env("MAX_CONNECTIONS") or str(limits.max_connections),
+        help="connections served at once; more are closed on accept [MAX_CONNECTIONS]",
+    )
+    add(
+        "--trainer-token-file",
+        default=_env("TRAINER_TOKEN_FILE"),
+        help="file holding the trainers' bearer tokens, one per line: the only tokens the native "
+        "weight-transfer routes accept (unset: those routes are closed) [TRAINER_TOKEN_FILE]",
+    )
+    add(
+        "--trainer-networks",
+        type=_networks,
+        # a string default goes through ``type`` too: a bad variable is reported like a bad flag
+        default=_env("TRAINER_NETWORKS", ""),
+        help="IP networks (CIDR, comma separated) a trainer's rendezvous address "
+        "(init_info.master_address) may lie in; empty refuses every trainer push "
+        "[TRAINER_NETWORKS]",
+    )
     for name, help_text in (
         ("begin_timeout", "seconds for weightroll_begin"),
         ("load_timeout", "seconds for weightroll_load"),
@@ -150,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> AgentConfig:
     """Turn parsed arguments into an :class:`AgentConfig` (validates URL and source)."""
     require_loopback(args.vllm_url)
+    if args.model_dir and not args.model_dir.startswith("/"):
+        raise ValueError(f"--model-dir {args.model_dir!r} must be an absolute path")
     if args.initial_manifest and not args.initial_source:
         raise ValueError("--initial-manifest needs --initial-source (the weights it describes)")
     source = (
@@ -170,6 +249,9 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         initial_source=source,
         initial_version=args.initial_version,
         source_root=Path(args.source_root) if args.source_root else None,
+        model_dir=args.model_dir or None,
+        trainer_networks=args.trainer_networks,
+        trainer_token_file=Path(args.trainer_token_file) if args.trainer_token_file else None,
     )
 
 
@@ -189,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = build_config(args)
         tokens = TokenFile(args.token_file)
+        if config.trainer_token_file is not None:
+            _separate_tokens(args.token_file, config.trainer_token_file)
     except ValueError as e:
         print(f"weightroll agent: {e}", file=sys.stderr)
         return 2
@@ -198,30 +282,150 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"weightroll agent: {e}", file=sys.stderr)
         return 2
-    app = create_app(Agent(config), tokens)
-    ssl_context = None if tls is None else tls.context
-    web.run_app(
-        app, host=host, port=args.port, ssl_context=ssl_context, print=None, access_log=None
+    limits = HttpLimits(
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
     )
+    app = create_app(Agent(config), tokens, limits=limits)
+    asyncio.run(serve(app, host, args.port, None if tls is None else tls.context, limits))
     return 0
 
 
-_WILDCARDS: Final = frozenset({"0.0.0.0", "::", "[::]", "*", ""})
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None,
+    limits: HttpLimits,
+) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT, then shut down cleanly (the agent stops).
+
+    Within :class:`HttpLimits`: a connection must send a whole request head within
+    ``header_timeout`` of opening (or of its previous answer), else aiohttp closes it (its
+    idle-connection timer; a partly sent head counts as idle); a TLS handshake gets as long;
+    beyond ``max_connections`` open connections a new one is closed at once.
+    """
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=limits.header_timeout)
+    await runner.setup()
+    try:
+        server = runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        # Accepted but not yet in ``server.connections`` (asyncio announces a connection one
+        # loop turn after accepting it, and a TLS one after its handshake, which the header
+        # timeout bounds instead): a burst of connects must not slip past the bound.
+        burst = 0
+
+        def settle() -> None:
+            nonlocal burst
+            burst = 0
+
+        def accept() -> asyncio.BaseProtocol:
+            nonlocal burst
+            if len(server.connections) + burst >= limits.max_connections:
+                return _Refused()
+            if burst == 0:
+                loop.call_soon(settle)
+            burst += 1
+            return server()
+
+        listener = await loop.create_server(
+            accept,
+            host,
+            port,
+            ssl=ssl_context,
+            ssl_handshake_timeout=limits.header_timeout if ssl_context else None,
+            reuse_address=True,
+        )
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            listener.close()
+    finally:
+        await runner.cleanup()
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over ``max_connections``: closed as soon as it is accepted."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address if it is one in any spelling the resolver accepts: standard
+    forms, and the short IPv4 forms of ``inet_aton`` (``0``, ``0x0``, ``0.0``, ``127.1``)."""
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0])  # without an IPv6 zone
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+
+
+def _unspecified(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_unspecified
+    return address.is_unspecified
+
+
+def _separate_tokens(operator_file: str, trainer_file: Path) -> None:
+    """The trainer token file must be readable, non-empty and share no token with the
+    operator's: one credential must never open both the ``/v1`` and the trainer routes.
+
+    Raises:
+        ValueError: naming the files (never the tokens).
+    """
+    TokenFile(trainer_file)  # readable and non-empty, or ValueError
+
+    def lines(path: str | Path) -> set[str]:
+        return {line.strip() for line in Path(path).read_text().splitlines() if line.strip()}
+
+    if lines(operator_file) & lines(trainer_file):
+        raise ValueError(
+            f"--trainer-token-file {str(trainer_file)!r} shares a token with --token-file "
+            f"{operator_file!r}: give trainers their own token (a second Secret)"
+        )
 
 
 def listen_host(host: str | None) -> str:
     """The address to listen on: an explicit host or the pod IP, never a wildcard.
 
+    The address is parsed, not compared as text: ``0``, ``0x0``, ``0.0``, ``::0``,
+    ``0:0:0:0:0:0:0:0`` are the wildcard too. A name is resolved and refused if any of its
+    addresses is a wildcard.
+
     Raises:
-        ValueError: no address given, or a wildcard (which would also expose the agent on
-            every other interface of the pod).
+        ValueError: no address given, a wildcard (which would also expose the agent on
+            every other interface of the pod), or a name that does not resolve.
     """
-    if host is None or host.strip() in _WILDCARDS:
-        raise ValueError(
-            f"--host {host!r}: listen on the pod IP (set POD_IP from the downward API, "
-            "fieldRef status.podIP), never on a wildcard address"
-        )
-    return host.strip()
+    text = (host or "").strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    refusal = ValueError(
+        f"--host {host!r}: listen on the pod IP (set POD_IP from the downward API, "
+        "fieldRef status.podIP), never on a wildcard address"
+    )
+    if not text or text == "*":
+        raise refusal
+    address = _address(text)
+    if address is not None:
+        addresses = [address]
+    else:
+        try:
+            found = socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError) as e:
+            raise ValueError(f"--host {host!r} does not resolve: {e}") from e
+        addresses = [a for info in found if (a := _address(str(info[4][0]))) is not None]
+    if not addresses or any(_unspecified(a) for a in addresses):
+        raise refusal
+    return text
 
 
 class ReloadingTLS:

@@ -1,11 +1,21 @@
 """The agent fronts vLLM's native weight-transfer routes for trainers (issue 12 C).
 
 Routes (same names and bodies as vLLM's ``entrypoints/rl/online/api_router.py``, on the agent's
-port, every one behind the agent's bearer token): ``POST /init_weight_transfer_engine``,
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
-``/shutdown_weight_transfer_engine`` and ``GET /weight_info``. Each forwards to vLLM on loopback
-(:class:`~engine_agent.sidecar.engine.VllmClient`); around them the agent adds what vLLM lacks:
+port, every one behind a **trainer** token: ``--trainer-token-file``, never the operator's
+``--token-file``; without a trainer token file the routes are closed):
+``POST /init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, ``/shutdown_weight_transfer_engine`` and ``GET /weight_info``. Each
+forwards to vLLM on loopback (:class:`~engine_agent.sidecar.engine.VllmClient`); around them
+the agent adds what vLLM lacks:
 
+* ``init``: the trainer's ``init_info`` names the peer every worker connects to, and vLLM's
+  NCCL rendezvous unpickles what that peer publishes. The agent refuses (403, nothing reaches
+  vLLM) unless the peer is an IP address inside ``AgentConfig.trainer_networks``
+  (``--trainer-networks``; empty, the default, refuses every push), then asks every rank to
+  check it too (``weightroll_transfer_check_init``: a weightroll backend, the rank's own
+  trainer networks) and forwards only when all agree (:mod:`engine_agent.transfer.rendezvous`).
+  ``start`` is refused while no trainer network is configured, and ``update_weights`` refuses
+  pickled payloads (``ipc_handles_pickled``).
 * ``start``: refuses while a file update (``/v1/updates``) or another push runs; holds the
   replica (readiness 503 until a commit), pauses generation, and arms every rank with one
   session id (``weightroll_transfer_arm``) before forwarding.
@@ -67,6 +77,12 @@ from engine_agent.sidecar.ranks import (
     collect_states,
     committed_problems,
 )
+from engine_agent.transfer.rendezvous import (
+    RendezvousRefused,
+    check_init_info,
+    check_update_info,
+    require_networks,
+)
 
 __all__ = ["ROUTES", "TransferCoordinator", "add_transfer_routes"]
 
@@ -76,6 +92,7 @@ ARM: Final = "weightroll_transfer_arm"
 COMMIT_AS: Final = "weightroll_transfer_commit_as"
 REPORT: Final = "weightroll_transfer_report"
 FENCE: Final = "weightroll_transfer_fence"
+CHECK_INIT: Final = "weightroll_transfer_check_init"
 
 #: The native routes the agent serves (the public interface, docs/trainer.md).
 ROUTES: Final = (
@@ -98,10 +115,18 @@ _IN_SESSION: Final = frozenset({EngineState.OPEN, EngineState.DIRTY})
 class PushFailed(Exception):
     """A push step failed; ``status`` is the HTTP status the trainer gets."""
 
-    def __init__(self, status: int, problems: list[Problem]) -> None:
+    def __init__(self, status: int, problems: list[Problem], field: str | None = None) -> None:
         super().__init__("; ".join(map(str, problems)))
         self.status = status
         self.problems = problems
+        #: The request field at fault (``ErrorBody.field``), when one is.
+        self.field = field
+
+
+def _refusal(error: RendezvousRefused) -> PushFailed:
+    """A trainer-networks refusal as the trainer sees it: 403, or 422 for a malformed field."""
+    status = 422 if error.code == "invalid_request" else 403
+    return PushFailed(status, [Problem(error.code, str(error))], error.field)
 
 
 @dataclass(slots=True)
@@ -197,10 +222,41 @@ class TransferCoordinator:
     # -- steps -------------------------------------------------------------------------
 
     async def init(self, body: dict[str, Any]) -> Any:
-        self._refuse_if_busy()
-        if not isinstance(body.get("init_info"), dict):
+        init_info = body.get("init_info")
+        if not isinstance(init_info, dict):
             raise PushFailed(422, [Problem("invalid_request", "init_info: must be a JSON object")])
+        try:  # before anything else: a refused peer never reaches vLLM
+            check_init_info(init_info, self.agent.config.trainer_networks)
+        except RendezvousRefused as e:
+            logger.warning("Refused a trainer's rendezvous: %s", e)
+            raise _refusal(e) from e
+        self._refuse_if_busy()
+        await self._ranks_accept(init_info)
         return await self._forward("/init_weight_transfer_engine", body, INIT_TIMEOUT_S)
+
+    async def _ranks_accept(self, init_info: dict[str, Any]) -> None:
+        """Every rank must accept ``init_info`` (its backend and trainer networks) before
+        vLLM's init runs: a stock backend, or a rank configured narrower, is never handed it."""
+        config = self.agent.config
+        try:
+            world = await self.agent.client.world_size()
+            results = await self.agent.client.collective_rpc(
+                CHECK_INIT, json.dumps(init_info), config.control_timeout
+            )
+        except EngineError as e:
+            raise PushFailed(
+                _status_of(e), [Problem(e.code, f"{CHECK_INIT}: the ranks did not answer: {e}")]
+            ) from e
+        round_ = collect_reports(CHECK_INIT, results, world)
+        problems = [
+            Problem(report.error.code, f"rank {report.rank.key}: {report.error.message}")
+            for report in round_.reports
+            if not report.ok and report.error is not None
+        ] or list(round_.problems)
+        if problems:
+            policy = {"trainer_push_disabled", "rendezvous_not_allowed"}
+            status = 403 if all(p.code in policy for p in problems) else 409
+            raise PushFailed(status, problems)
 
     async def shutdown(self) -> Any:
         self._refuse_if_busy()
@@ -213,6 +269,10 @@ class TransferCoordinator:
             raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
 
     async def start(self) -> dict[str, Any]:
+        try:
+            require_networks(self.agent.config.trainer_networks)
+        except RendezvousRefused as e:
+            raise _refusal(e) from e
         self._refuse_if_busy()
         if not self.agent.recovered:
             raise PushFailed(
@@ -274,6 +334,10 @@ class TransferCoordinator:
         if "update_info" not in body:
             raise PushFailed(422, [Problem("invalid_request", "update_info: field required")])
         async with self._failing_closed(push, explain=True):
+            try:
+                check_update_info(body["update_info"])
+            except RendezvousRefused as e:
+                raise _refusal(e) from e
             await self._step("/update_weights", body, self.agent.config.load_timeout)
         return {"message": "Weights updated"}
 
@@ -517,14 +581,36 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def add_transfer_routes(
     app: web.Application, agent: Agent, matches: Callable[[bytes], bool]
 ) -> TransferCoordinator:
-    """Serve :data:`ROUTES` on ``app`` for ``agent``; ``matches`` checks a bearer token."""
+    """Serve :data:`ROUTES` on ``app`` for ``agent``.
+
+    Only the trainer tokens (``agent.config.trainer_token_file``) open them; ``matches`` checks
+    the operator's token, which never does (it only makes the refusal say so).
+    """
+    from engine_agent.sidecar.app import TokenFile  # app.py imports this module
+
     coordinator = TransferCoordinator(agent)
+    path = agent.config.trainer_token_file
+    trainers = None if path is None else TokenFile(path)
+
+    def refusal(presented: bytes) -> str | None:
+        if trainers is not None and trainers.matches(presented):
+            return None
+        if trainers is None:
+            return (
+                "the trainer routes are closed: no trainer token is configured "
+                "(--trainer-token-file / WEIGHTROLL_AGENT_TRAINER_TOKEN_FILE)"
+            )
+        if matches(presented):
+            return "the operator's token does not open the trainer routes; use a trainer token"
+        return "missing or wrong bearer token"
 
     def guarded(step: Callable[[dict[str, Any]], Awaitable[Any]]) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:
             scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not matches(presented.strip().encode()):
-                body = ErrorBody(code="unauthorized", message="missing or wrong bearer token")
+            why = refusal(presented.strip().encode()) if scheme.lower() == "bearer" else None
+            if scheme.lower() != "bearer" or why is not None:
+                message = why or "missing or wrong bearer token"
+                body = ErrorBody(code="unauthorized", message=message)
                 return web.json_response(
                     body.to_wire(),
                     status=401,
@@ -544,7 +630,7 @@ def add_transfer_routes(
                     answer = await step(document)
                 except PushFailed as e:
                     first = e.problems[0]
-                    return _error(e.status, first.code, "; ".join(map(str, e.problems)))
+                    return _error(e.status, first.code, "; ".join(map(str, e.problems)), e.field)
             return web.json_response(answer if answer is not None else {})
 
         return handler
@@ -560,5 +646,6 @@ def add_transfer_routes(
     return coordinator
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response(ErrorBody(code=code, message=message).to_wire(), status=status)
+def _error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+    body = ErrorBody(code=code, message=message, field=field)
+    return web.json_response(body.to_wire(), status=status)

@@ -11,15 +11,26 @@
   model while vLLM's own receive code runs (it calls ``self.model.load_weights``). After a
   refused batch the feeder keeps swallowing the stream, so the collective with the trainer
   stays aligned instead of hanging, and the error is raised once the receive returns.
+* before any backend contacts a peer (``init_transfer_engine``), :meth:`check_rendezvous`
+  holds the init info to this rank's trainer networks (``WEIGHTROLL_TRAINER_NETWORKS``,
+  :mod:`~engine_agent.transfer.rendezvous`), and ``update_weights`` refuses pickled payloads
+  before vLLM's parser could unpickle them: the agent checks both first; this is the second
+  line, for callers that reach vLLM's loopback routes directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from engine_agent.transfer.rendezvous import (
+    WORKER_SETTING,
+    check_init_info,
+    check_update_info,
+    networks_from_env,
+)
 from engine_agent.transfer.verified import VerifiedReceiver
 
 __all__ = ["Feeder", "VerifiedBackendMixin", "same_metadata"]
@@ -89,6 +100,17 @@ class VerifiedBackendMixin:
             self._weightroll_receiver = VerifiedReceiver(this._default_model, this.vllm_config)
         return self._weightroll_receiver
 
+    def check_rendezvous(self, init_info: Mapping[str, Any]) -> None:
+        """Refuse ``init_info`` unless its peer lies in this rank's trainer networks.
+
+        Read from the environment on every call (the vLLM container's
+        ``WEIGHTROLL_TRAINER_NETWORKS``; unset refuses every rendezvous).
+
+        Raises:
+            RendezvousRefused: see :func:`~engine_agent.transfer.rendezvous.check_init_info`.
+        """
+        check_init_info(init_info, networks_from_env(), setting=WORKER_SETTING)
+
     def start_weight_update(self) -> None:
         self.weightroll.start()
 
@@ -98,6 +120,7 @@ class VerifiedBackendMixin:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         this: Any = self
         try:
+            check_update_info(update_info)  # before vLLM's parser could unpickle anything
             if self.repeats_metadata:
                 update_info = same_metadata(update_info, self._weightroll_previous)
                 self._weightroll_previous = {key: update_info.get(key) for key in _META_KEYS}

@@ -4,7 +4,10 @@ Worker side (:class:`GlooWeightTransferEngine`, registered in ``WeightTransferEn
 and trainer side (:class:`GlooTrainerWeightTransferEngine`, registered in
 ``WeightTransferTrainerFactory``) under the same name, mirroring vLLM's dense NCCL pair:
 
-* rendezvous: the trainer (rank 0) hosts a ``TCPStore`` at ``master_address:master_port``;
+* rendezvous: the trainer (rank 0) hosts a ``TCPStore`` at ``master_address:master_port``,
+  which must lie in the worker's trainer networks (``WEIGHTROLL_TRAINER_NETWORKS``, checked
+  before the store is contacted; nothing read from the store is unpickled, Gloo exchanges
+  addresses in its own binary format);
   each worker joins as rank ``rank_offset + dp_index * world_size_per_dp + rank``. The group is
   a private ``ProcessGroupGloo`` over a prefixed store, so it never touches the engine's own
   default process group (vLLM's CPU TP uses Gloo too);
@@ -26,8 +29,9 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
 
@@ -140,6 +144,7 @@ class GlooWeightTransferEngine(
         self._batch_bytes = DEFAULT_BATCH_BYTES
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        self.check_rendezvous(asdict(init_info))  # before the store is contacted
         parallel = self.parallel_config
         rank = (
             init_info.rank_offset
@@ -260,22 +265,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not engine.is_sender:
             return engine
         # The workers block in init_weight_transfer_engine until the group forms: post it on a
-        # side thread while this process hosts the store and joins as rank 0.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            future = pool.submit(client.init_weight_transfer_engine, init_info.worker_init_info())
-            try:
-                engine._store, engine._group = _group(
-                    init_info.master_address,
-                    init_info.master_port,
-                    0,
-                    init_info.world_size,
-                    init_info.timeout_s,
-                )
-            except BaseException:
-                if future.done():
-                    future.result()  # the inference side's refusal says more
-                raise
-            future.result()
+        # side thread while this process hosts the store and joins as rank 0. A refusal (the
+        # agent's trainer networks, say) is raised at once, not after the group timed out.
+        posted = _in_daemon_thread(client.init_weight_transfer_engine, init_info.worker_init_info())
+        joined = _in_daemon_thread(
+            _group,
+            init_info.master_address,
+            init_info.master_port,
+            0,
+            init_info.world_size,
+            init_info.timeout_s,
+        )
+        wait([posted, joined], return_when=FIRST_EXCEPTION)
+        if posted.done():
+            posted.result()  # the inference side's refusal says more
+        engine._store, engine._group = joined.result()
+        posted.result()
         return engine
 
     def send_weights(self, weight_version: str | None = None) -> None:
@@ -310,6 +315,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def shutdown(self) -> None:
         self._group = None
         self._store = None
+
+
+def _in_daemon_thread(call: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run ``call`` on a daemon thread: a rank 0 left waiting for workers that were refused
+    times out on its own without holding the trainer's exit."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="weightroll-gloo-init", daemon=True).start()
+    return future
 
 
 def _raise_if_failed(future: Future[Any]) -> None:

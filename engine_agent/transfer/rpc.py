@@ -6,6 +6,11 @@ raises on the first failing rank (vLLM #60928), so the agent reads every rank's 
 through these methods, which **never raise**: each returns a ``RankReport`` dict (an error is
 ``ok: false`` with a code).
 
+``weightroll_transfer_check_init(init_info)``
+    Whether this rank would accept a trainer's ``init_info``: a weightroll backend, and a
+    rendezvous inside this rank's trainer networks (``WEIGHTROLL_TRAINER_NETWORKS``). The agent
+    asks every rank before it forwards ``/init_weight_transfer_engine``, so a stock backend
+    (whose NCCL rendezvous unpickles what the peer publishes) is never handed one.
 ``weightroll_transfer_arm(spec)``
     The next ``start_weight_update`` on this rank opens exactly ``spec`` (an ``UpdateSpec``:
     the agent names the session, the same on every rank). Also clears vLLM's own
@@ -28,6 +33,7 @@ import logging
 from typing import Any
 
 from engine_agent.protocol import ErrorBody, RankId, RankReport, UpdateSpec
+from engine_agent.transfer.rendezvous import RendezvousRefused
 
 __all__ = ["TransferRpcMixin"]
 
@@ -85,6 +91,26 @@ class TransferRpcMixin:
             backend = self._weightroll_transfer()
             if backend is not None:
                 backend.reset_weight_update_target()
+
+    def weightroll_transfer_check_init(self, init_info_json: str) -> dict[str, Any]:
+        """Check a trainer's ``init_info`` as this rank's backend will (never contacts anyone)."""
+
+        def check(backend: Any) -> dict[str, Any]:
+            this: Any = self
+            engine = this._weightroll_engine()
+            try:
+                backend.check_rendezvous(json.loads(init_info_json or "{}"))
+            except RendezvousRefused as e:
+                return _refused(e.code, str(e), engine.status())
+            return RankReport(
+                rank=engine.rank,
+                call="check_init",
+                ok=True,
+                state=engine.state.state,
+                version=engine.state.version,
+            ).to_wire()
+
+        return self._weightroll_transfer_call("check_init", check)
 
     def weightroll_transfer_arm(self, spec_json: str) -> dict[str, Any]:
         """Arm the next ``start_weight_update`` with ``spec`` (see the module docstring)."""

@@ -23,7 +23,15 @@ from engine_agent.trainer import AgentSyncClient, CheckpointSource, push_fleet
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agent", action="append", required=True, help="a replica's agent URL")
-    parser.add_argument("--token-file", required=True, help="the agents' bearer token")
+    parser.add_argument(
+        "--token-file",
+        required=True,
+        help="the trainers' token (agent --trainer-token-file)",
+    )
+    parser.add_argument("--ca-file", help="https:// agents: the CA their certificates chain to")
+    parser.add_argument(
+        "--server-name", help="the name on the agents' certificates, e.g. weightroll-agent.ml.svc"
+    )
     parser.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory")
     parser.add_argument("--version", required=True, help="the weight version to commit")
     parser.add_argument(
@@ -32,7 +40,12 @@ def main() -> int:
         help="this trainer's address as the replicas' workers reach it",
     )
     args = parser.parse_args()
-    replicas = [AgentSyncClient(url, token_file=args.token_file) for url in args.agent]
+    replicas = [
+        AgentSyncClient(
+            url, token_file=args.token_file, ca_file=args.ca_file, server_name=args.server_name
+        )
+        for url in args.agent
+    ]
     results = push_fleet(
         replicas,
         CheckpointSource(args.checkpoint),

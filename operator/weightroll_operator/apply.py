@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
+from weightroll_operator.api.names import agent_address
 from weightroll_operator.api.v1alpha1 import API_VERSION, KIND
 from weightroll_operator.domain.actions import (
     AbortUpdate,
@@ -160,7 +161,10 @@ def target_of(pod: PodView, token: str | None) -> AgentTarget:
     """
     if pod.ip is None or pod.port is None:
         raise AgentUnavailable(f"{pod.name}: no pod IP or no container port named 'weightroll'")
-    host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
+    ip = agent_address(pod.ip)
+    if ip is None:
+        raise AgentUnavailable(f"{pod.name}: status.podIP is not a unicast pod address")
+    host = f"[{ip}]" if ip.version == 6 else str(ip)
     base_url = f"http://{host}:{pod.port}"
     return AgentTarget(pod=pod.name, base_url=base_url, token=token, namespace=pod.namespace)
 

@@ -211,6 +211,9 @@ class Reconciler:
         clock: injected time (tests and the benchmark).
         state_ttl: seconds an agent ``/v1/state`` answer is reused for an unchanged pod (at
             most; each answer expires at a random time in the second half).
+        token_ttl: seconds an agent token read from its Secret is reused; 0 (the default): read
+            once per pass, so a Secret that loses its opt-in label (or its token) is not sent
+            from the next pass on.
         poll_interval: requeue delay while units are in flight.
         idle_interval: requeue delay otherwise.
         burst: the most pods one pass starts a forward step on (the rest: the next pass, at
@@ -223,7 +226,7 @@ class Reconciler:
     clock: Callable[[], datetime] = utcnow
     concurrency: int = 32
     state_ttl: float = 30.0
-    token_ttl: float = 60.0
+    token_ttl: float = 0.0
     poll_interval: float = 2.0
     idle_interval: float = 30.0
     #: The most pods one pass starts a forward step on (``plan``'s ``step_limit``); None: all.
@@ -1040,7 +1043,10 @@ class Reconciler:
         if pod.port is None:
             missing = f"pod has no container port named {AGENT_PORT_NAME!r}"
             return AgentView(reachable=False, error=missing)
-        target = target_of(pod, token)
+        try:
+            target = target_of(pod, token)
+        except AgentError as e:
+            return AgentView(reachable=False, error=str(e))
         if query.update_id is not None:
             try:
                 update = await self.agents.get_update(target, query.update_id)
@@ -1073,7 +1079,9 @@ class Reconciler:
             reachable=True,
             version=state.version,
             ready=state.ready,
-            source=None if src is None else SourceRef(uri=src.uri, manifest=src.manifest),
+            source=None
+            if src is None
+            else SourceRef(uri=src.uri, manifest=src.manifest, manifest_digest=src.manifest_digest),
             active_update_id=state.active_update_id,
             clean=state.engine_state is EngineState.CLEAN,
             committed_update_id=state.committed_update_id,

@@ -46,9 +46,10 @@ class OperatorConfig:
     gc_full_interval: float = 60.0
     #: Seconds an agent's ``/v1/state`` answer is reused for an unchanged pod.
     state_ttl: float = 30.0
-    #: Seconds an agent token read from its Secret is reused (a rotation's new first line is
-    #: sent at most this long after the Secret changed).
-    token_ttl: float = 60.0
+    #: Seconds an agent token read from its Secret is reused. 0 (the default): read once per
+    #: pass, so a Secret that loses its opt-in label is not sent from the next pass on, and a
+    #: rotation's new first line is sent from the next pass on.
+    token_ttl: float = 0.0
     #: Port of the Prometheus metrics endpoint (0 disables it).
     metrics_port: int = 8080
     #: Address the metrics endpoint binds to (``127.0.0.1`` for a local run).

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from weightroll_operator.api.names import is_dns_label, is_dns_subdomain
 from weightroll_operator.errors import KubeError, KubeNotFound, KubeUnavailable
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 
@@ -529,16 +530,35 @@ def target_namespace(args: argparse.Namespace) -> str:
     return context_namespace(args.kubeconfig, args.context)
 
 
+def _object_name(value: str) -> str:
+    """argparse type: a Kubernetes object name (it becomes a URL path segment)."""
+    if not is_dns_subdomain(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Kubernetes object name")
+    return value
+
+
+def _namespace_name(value: str) -> str:
+    if not is_dns_label(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a namespace name")
+    return value
+
+
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     """``NAME``, ``-n/--namespace``, ``--kubeconfig`` and ``--context``: which WeightUpdate.
 
     The namespace is resolved with :func:`target_namespace` (``-n`` is ``None`` when omitted).
     """
-    parser.add_argument("name", metavar="NAME", help="name of the WeightUpdate (kubectl get wu)")
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        type=_object_name,
+        help="name of the WeightUpdate (kubectl get wu)",
+    )
     parser.add_argument(
         "-n",
         "--namespace",
         default=None,
+        type=_namespace_name,
         help="namespace of the WeightUpdate (default: the kubeconfig context's namespace, "
         "else default; in a pod, the ServiceAccount's)",
     )

@@ -1,5 +1,7 @@
 """Cluster tier: the chart installs, upgrades and uninstalls on a real kube-apiserver, and its
-RBAC grants the operator's ServiceAccount exactly the verbs the operator uses.
+RBAC confines the operator's ServiceAccount to the release namespace by default (issue 28 item
+7). That the rules grant exactly the verbs the operator uses is shown from the audit log of a
+real run, not from a list here (tests/charts/test_rbac_audit_cluster.py).
 
 Runs against the built-in kube-apiserver 1.20.2 (tests/harness/apiserver.py) or the cluster in
 WEIGHTROLL_KUBECONFIG; skipped with the build command when neither is available. The built-in
@@ -50,21 +52,27 @@ pytestmark = [
 
 kubernetes = pytest.importorskip("kubernetes")
 
-#: (apiGroup, resource, verb) the operator needs; mirrors weightroll.rbacRules in _helpers.tpl.
-NEEDED = {
-    *(("weightroll.io", "weightupdates", v) for v in ("get", "list", "watch", "patch")),
-    *(("weightroll.io", "weightupdates/status", v) for v in ("get", "patch")),
-    *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
-    *(("", "pods/status", v) for v in ("get", "patch")),
-    *(("", "events", v) for v in ("create", "patch")),
-    ("", "secrets", "get"),
-    *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")),
-}
 #: Granted to every authenticated user by the default system:basic-user role.
 BASELINE = {
     ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
     ("authorization.k8s.io", "selfsubjectrulesreviews", "create"),
 }
+#: A few of the operator's requests (the audit test has them all), allowed in the release
+#: namespace only.
+SAMPLE = [
+    ("weightroll.io", "weightupdates", "watch"),
+    ("weightroll.io", "weightupdates/status", "patch"),
+    ("", "pods", "list"),
+    ("", "pods/status", "patch"),
+    ("", "events", "create"),
+]
+#: Never used (the audit log of a rollout and a deletion shows none), so not granted (issue 28).
+UNUSED = [
+    ("", "pods", "get"),
+    ("", "pods/status", "get"),
+    ("weightroll.io", "weightupdates", "get"),
+    ("weightroll.io", "weightupdates/status", "get"),
+]
 FORBIDDEN = [
     ("", "pods", "create"),
     ("", "pods", "delete"),
@@ -135,10 +143,13 @@ def test_release_objects_exist(installed: KubeCluster) -> None:
     ):
         assert name in out.split()
     roles = kubectl(installed, "get", "clusterrole,clusterrolebinding", "-o", "name").stdout
-    assert "clusterrole.rbac.authorization.k8s.io/weightroll-operator" in roles.split()
-    # HA and admission (issue 11 F, I): the Lease Role, the webhook and its certificate.
+    assert "clusterrole.rbac.authorization.k8s.io/weightroll-operator" not in roles.split()
+    # HA and admission (issue 11 F, I): the Lease Role, the webhook and its certificate; the
+    # operator's Role in the release namespace (issue 28 item 7).
     local = kubectl(installed, "get", "role,rolebinding,secret,svc", "-n", NAMESPACE, "-o", "name")
     for name in (
+        "role.rbac.authorization.k8s.io/weightroll-operator",
+        "rolebinding.rbac.authorization.k8s.io/weightroll-operator",
         "role.rbac.authorization.k8s.io/weightroll-leader-election",
         "rolebinding.rbac.authorization.k8s.io/weightroll-leader-election",
         "secret/weightroll-webhook-tls",
@@ -163,23 +174,29 @@ def test_operator_identity_matches_the_harness_token() -> None:
     assert (OPERATOR_NAMESPACE, OPERATOR_SERVICEACCOUNT) == (NAMESPACE, "weightroll-operator")
 
 
-def test_operator_gets_exactly_the_needed_verbs(installed: KubeCluster) -> None:
+def _rules_in(installed: KubeCluster, namespace: str) -> set[tuple[str, str, str]]:
+    """What the operator's identity may do in ``namespace`` (SelfSubjectRulesReview)."""
     api = kubernetes.client.AuthorizationV1Api(_api_client(installed, _operator_token(installed)))
     review = api.create_self_subject_rules_review(
-        {"spec": {"namespace": "default"}}, _preload_content=False
+        {"spec": {"namespace": namespace}}, _preload_content=False
     )
     status = yaml.safe_load(review.data)["status"]
-    granted: set[tuple[str, str, str]] = set()
-    restricted: dict[tuple[str, str], list[str]] = {}
-    for rule in status.get("resourceRules", []):
-        for group in rule.get("apiGroups", []):
-            for resource in rule.get("resources", []):
-                for verb in rule.get("verbs", []):
-                    granted.add((group, resource, verb))
-                    if rule.get("resourceNames"):
-                        restricted[(group, resource)] = rule["resourceNames"]
-    assert granted - BASELINE == NEEDED
-    assert restricted == {("", "secrets"): ["vllm-example-weightroll-token"]}
+    return {
+        (group, resource, verb)
+        for rule in status.get("resourceRules", [])
+        for group in rule.get("apiGroups", [])
+        for resource in rule.get("resources", [])
+        for verb in rule.get("verbs", [])
+    }
+
+
+def test_operator_identity_has_nothing_outside_the_release_namespace(
+    installed: KubeCluster,
+) -> None:
+    """Issue 28 item 7: by default no pod, Secret or WeightUpdate right anywhere else."""
+    assert _rules_in(installed, "default") == BASELINE
+    assert _rules_in(installed, "kube-system") == BASELINE
+    assert set(SAMPLE) <= _rules_in(installed, NAMESPACE)
 
 
 def _allowed(api: Any, group: str, resource: str, verb: str, **attrs: str) -> bool:
@@ -199,24 +216,32 @@ def _allowed(api: Any, group: str, resource: str, verb: str, **attrs: str) -> bo
     return bool(yaml.safe_load(review.data)["status"].get("allowed"))
 
 
-def test_access_reviews_cluster_wide(installed: KubeCluster) -> None:
+def test_access_reviews(installed: KubeCluster) -> None:
     api = kubernetes.client.AuthorizationV1Api(_api_client(installed, _operator_token(installed)))
-    for group, resource, verb in sorted(NEEDED):
-        if resource == "secrets":
-            continue
-        assert _allowed(api, group, resource, verb), (group, resource, verb)
+    for group, resource, verb in SAMPLE:
+        assert _allowed(api, group, resource, verb, namespace=NAMESPACE), (group, resource, verb)
+        assert not _allowed(api, group, resource, verb, namespace="ml"), (group, resource, verb)
+        assert not _allowed(api, group, resource, verb), ("cluster-wide", group, resource, verb)
     for group, resource, verb in FORBIDDEN:
         assert not _allowed(api, group, resource, verb), (group, resource, verb)
-    assert _allowed(api, "", "secrets", "get", namespace="ml", name="vllm-example-weightroll-token")
-    assert not _allowed(api, "", "secrets", "get", namespace="ml", name="other-secret")
+        # the leader election Role allows creating a Lease in the release namespace
+        if resource != "leases":
+            assert not _allowed(api, group, resource, verb, namespace=NAMESPACE), (resource, verb)
+    for group, resource, verb in UNUSED:
+        assert not _allowed(api, group, resource, verb, namespace=NAMESPACE), (resource, verb)
+    token = "vllm-example-weightroll-token"
+    assert _allowed(api, "", "secrets", "get", namespace=NAMESPACE, name=token)
+    assert not _allowed(api, "", "secrets", "get", namespace=NAMESPACE, name="other-secret")
+    assert not _allowed(api, "", "secrets", "get", namespace="ml", name=token)
 
 
-def test_operator_identity_reads_pods_and_nothing_else(installed: KubeCluster) -> None:
+def test_operator_identity_reads_its_namespace_and_nothing_else(installed: KubeCluster) -> None:
     core = kubernetes.client.CoreV1Api(_api_client(installed, _operator_token(installed)))
-    core.list_pod_for_all_namespaces(limit=1)
-    with pytest.raises(kubernetes.client.ApiException) as err:
-        core.list_secret_for_all_namespaces(limit=1)
-    assert err.value.status == 403
+    core.list_namespaced_pod(NAMESPACE, limit=1)
+    for call in (core.list_pod_for_all_namespaces, core.list_secret_for_all_namespaces):
+        with pytest.raises(kubernetes.client.ApiException) as err:
+            call(limit=1)
+        assert err.value.status == 403
 
 
 def test_crd_installed_and_established(installed: KubeCluster) -> None:
@@ -284,29 +309,26 @@ def test_kubectl_explain_shows_every_field_description(installed: KubeCluster) -
 
 
 def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) -> None:
-    """`weightroll operator` authenticated as the chart's ServiceAccount reads the fleet, the token
-    Secret and writes status and Events without a single 403 (the full rollout under this
-    identity is the e2e tier's)."""
+    """`weightroll operator` authenticated as the chart's ServiceAccount, watching the release
+    namespace as the chart's Deployment does, reads the fleet, the token Secret and writes status
+    and Events without a single 403 (the full rollout under this identity is the e2e tier's and
+    test_rbac_audit_cluster.py's)."""
     if not crd_available():
         pytest.skip("the generated CRD file does not exist yet")
     token = _operator_token(installed)
     kubeconfig = installed.run_dir or Path(tempfile.mkdtemp())
     op_cfg = Path(kubeconfig) / "kubeconfig-operator-test"
     write_token_kubeconfig(installed.server, token, op_cfg)
-    ns = f"rbac-{uuid.uuid4().hex[:6]}"
+    # The chart watches only its release namespace (issue 28 item 7); the token Secret there is
+    # the example workload's (workload-values.yaml).
+    ns = NAMESPACE
+    pod_name, wu_name = f"vllm-{uuid.uuid4().hex[:6]}", f"wu-{uuid.uuid4().hex[:6]}"
     objs: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
         default_service_account(ns),
         {
             "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "vllm-example-weightroll-token", "namespace": ns},
-            "stringData": {"token": "not-a-secret"},
-        },
-        {
-            "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "vllm-0", "namespace": ns, "labels": {"app": "rbac"}},
+            "metadata": {"name": pod_name, "namespace": ns, "labels": {"app": "rbac"}},
             "spec": {
                 "automountServiceAccountToken": False,
                 "readinessGates": [{"conditionType": "weightroll.io/weights-ready"}],
@@ -316,7 +338,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
         {
             "apiVersion": "weightroll.io/v1alpha1",
             "kind": "WeightUpdate",
-            "metadata": {"name": "wu", "namespace": ns},
+            "metadata": {"name": wu_name, "namespace": ns},
             "spec": {
                 "selector": {"matchLabels": {"app": "rbac"}},
                 "version": "v2",
@@ -340,7 +362,8 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
             "can-i",
             "list",
             "weightupdates.weightroll.io",
-            "--all-namespaces",
+            "-n",
+            ns,
             "--as=system:serviceaccount:weightroll-system:weightroll-operator",
             check=False,
         )
@@ -357,6 +380,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
                 "--interval=1",
                 "--metrics-port=0",
                 "--health-port=0",
+                f"--namespace={ns}",
             ],
             env={**os.environ, "KUBECONFIG": str(op_cfg)},
             stdout=log,
@@ -366,7 +390,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
             status: dict[str, Any] = {}
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and proc.poll() is None:
-                out = kubectl(installed, "get", "wu", "wu", "-n", ns, "-o", "json").stdout
+                out = kubectl(installed, "get", "wu", wu_name, "-n", ns, "-o", "json").stdout
                 status = json.loads(out).get("status") or {}
                 if status.get("phase"):
                     break
@@ -379,7 +403,10 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
     assert status.get("phase"), f"no status written; operator log:\n{text[-3000:]}"
     assert "replicas" in status
     assert " 403" not in text and "Forbidden" not in text, text[-3000:]
-    kubectl(installed, "delete", "namespace", ns, "--wait=false", check=False)
+    patch = '{"metadata":{"finalizers":null}}'
+    kubectl(installed, "patch", "wu", wu_name, "-n", ns, "--type=merge", "-p", patch, check=False)
+    kubectl(installed, "delete", "wu", wu_name, "-n", ns, "--wait=false", check=False)
+    kubectl(installed, "delete", "pod", pod_name, "-n", ns, "--wait=false", check=False)
 
 
 def test_upgrade_then_uninstall_keeps_the_crd(kube_cluster: KubeCluster) -> None:

@@ -120,12 +120,13 @@ def test_every_value_has_a_doc_comment() -> None:
     assert missing == []
 
 
-#: What the operator does inside each namespace it handles (weightroll.rbacNamespacedRules).
+#: What the operator does inside each namespace it handles (weightroll.rbacNamespacedRules), as
+#: the audit log of a real run shows it (tests/charts/test_rbac_audit_cluster.py): no `get`.
 NAMESPACED = {
-    *(("weightroll.io", "weightupdates", v) for v in ("get", "list", "watch", "patch")),
-    *(("weightroll.io", "weightupdates/status", v) for v in ("get", "patch")),
-    *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
-    *(("", "pods/status", v) for v in ("get", "patch")),
+    *(("weightroll.io", "weightupdates", v) for v in ("list", "watch", "patch")),
+    ("weightroll.io", "weightupdates/status", "patch"),
+    *(("", "pods", v) for v in ("list", "watch", "patch")),
+    ("", "pods/status", "patch"),
     *(("", "events", v) for v in ("create", "patch")),
     ("", "secrets", "get"),
 }
@@ -144,20 +145,22 @@ def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("watch", "cluster", "roles"),
+    ("operator", "cluster", "roles"),
     [
-        ([], NAMESPACED | CRD_READ, []),
-        (["ml", "team-b"], None, ["ml", "team-b"]),
-        (["ml-*"], NAMESPACED | CRD_READ | NAMESPACE_READ, []),
-        (["ml", "!kube-system"], NAMESPACED | CRD_READ | NAMESPACE_READ, []),
+        ({}, None, [NAMESPACE]),
+        ({"watchNamespaces": ["ml", "team-b"]}, None, ["ml", "team-b"]),
+        ({"watchNamespaces": ["ml-*"]}, NAMESPACED | CRD_READ | NAMESPACE_READ, []),
+        ({"watchNamespaces": ["ml", "!kube-system"]}, NAMESPACED | CRD_READ | NAMESPACE_READ, []),
+        ({"clusterWide": True}, NAMESPACED | CRD_READ, []),
     ],
 )
 def test_rbac_is_per_namespace_when_namespaces_are_named(
-    watch: list[str], cluster: set[tuple[str, str, str]] | None, roles: list[str]
+    operator: dict[str, Any], cluster: set[tuple[str, str, str]] | None, roles: list[str]
 ) -> None:
-    """Issue 14 A: plain watched namespaces get a Role + RoleBinding each and no ClusterRole
-    (kopf's scanning is off then); a glob keeps the rules cluster-wide plus namespaces."""
-    objs = objects(render({"operator": {"watchNamespaces": watch}}))
+    """Issue 14 A, issue 28 item 7: plain watched namespaces (by default the release namespace
+    alone) get a Role + RoleBinding each and no ClusterRole (kopf's scanning is off then); a glob
+    or the explicit `operator.clusterWide` puts the rules into a ClusterRole."""
+    objs = objects(render({"operator": operator}))
     if cluster is None:
         assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     else:
@@ -186,12 +189,16 @@ def test_rbac_is_per_namespace_when_namespaces_are_named(
 
 
 def test_rbac_is_least_privilege() -> None:
+    """By default the operator watches the release namespace alone: a Role there, no
+    ClusterRole (issue 28 item 7); cluster-wide is the explicit `operator.clusterWide`."""
     objs = objects(render())
-    role = find(objs, "ClusterRole", "weightroll-operator")
-    assert _granted(role) == NAMESPACED | CRD_READ
+    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    role = find(objs, "Role", "weightroll-operator")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert _granted(role) == NAMESPACED
     assert not any("*" in str(rule) for rule in role["rules"])
     assert not any("kopf" in str(rule) for rule in role["rules"]), "no peering objects"
-    binding = find(objs, "ClusterRoleBinding", "weightroll-operator")
+    binding = find(objs, "RoleBinding", "weightroll-operator")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {
@@ -204,9 +211,15 @@ def test_rbac_is_least_privilege() -> None:
     assert sa["metadata"]["name"] == OPERATOR_SERVICEACCOUNT
 
 
+def test_cluster_wide_and_named_namespaces_exclude_each_other() -> None:
+    values = {"operator": {"clusterWide": True, "watchNamespaces": ["ml"]}}
+    with pytest.raises(helm_python.HelmRenderError, match="clusterWide"):
+        render(values)
+
+
 def test_secret_access_can_be_narrowed_to_names() -> None:
     objs = objects(render({"rbac": {"agentTokenSecretNames": ["tok-a", "tok-b"]}}))
-    role = find(objs, "ClusterRole")
+    role = find(objs, "Role", "weightroll-operator")
     (secrets,) = [r for r in role["rules"] if r["resources"] == ["secrets"]]
     assert secrets == {
         "apiGroups": [""],
@@ -218,7 +231,7 @@ def test_secret_access_can_be_narrowed_to_names() -> None:
 
 def test_rbac_and_serviceaccount_switches() -> None:
     kinds = {o["kind"] for o in objects(render({"rbac": {"create": False}}))}
-    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     objs = objects(render({"serviceAccount": {"create": False, "name": "existing-sa"}}))
     assert "ServiceAccount" not in {o["kind"] for o in objs}
     deploy = find(objs, "Deployment")
@@ -239,7 +252,8 @@ def test_operator_deployment() -> None:
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (ctr,) = pod["containers"]
     assert ctr["command"] == ["weightroll", "operator"]
-    assert ctr["args"] == ["--leader-elect"]  # cluster-wide, INFO logging
+    # the release namespace only (issue 28 item 7), INFO logging
+    assert ctr["args"] == [f"--namespace={NAMESPACE}", "--leader-elect"]
     assert ctr["image"] == "ghcr.io/weightroll/weightroll-operator:0.1.0"
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
     assert ports == {"health": 8081, "metrics": 8080, "webhook": 9443}
@@ -292,7 +306,7 @@ def test_more_replicas_need_leader_election() -> None:
     objs = objects(render(single))
     deploy = find(objs, "Deployment")
     assert deploy["spec"]["strategy"] == {"type": "Recreate"}
-    assert "Role" not in {o["kind"] for o in objs}
+    assert not [o for o in objs if o["metadata"]["name"] == "weightroll-leader-election"]
 
 
 def test_leader_election_role_is_one_lease() -> None:
@@ -346,7 +360,7 @@ def test_admission_webhook_is_served_and_registered() -> None:
     volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
     assert volumes["webhook-cert"]["secret"]["secretName"] == "weightroll-webhook-tls"
     given = objects(render({"webhook": {"existingSecret": "mine", "caBundle": "Q0E="}}))
-    assert "Secret" not in {o["kind"] for o in given}
+    assert not [o for o in given if o["kind"] == "Secret" and "webhook" in o["metadata"]["name"]]
     (hook,) = find(given, "ValidatingWebhookConfiguration")["webhooks"]
     assert hook["clientConfig"]["caBundle"] == "Q0E="
     off = objects(render({"webhook": {"enabled": False}}))
@@ -481,7 +495,12 @@ def test_workload_example_is_prepared_for_weightroll() -> None:
         "--token-file=/var/run/weightroll/token",
     ]
     assert agent["ports"] == [{"name": "weightroll", "containerPort": 8470}]
-    assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "weightroll"}
+    # TLS on the agent port by default (issue 28 item 8)
+    assert agent["readinessProbe"]["httpGet"] == {
+        "path": "/readyz",
+        "port": "weightroll",
+        "scheme": "HTTPS",
+    }
     assert "--state-dir=/var/lib/weightroll" in agent["args"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in agent["volumeMounts"]}
@@ -504,7 +523,7 @@ def test_workload_example_is_prepared_for_weightroll() -> None:
     )
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "vllm-models"
     assert pod["automountServiceAccountToken"] is False
-    role = find(objs, "ClusterRole")
+    role = find(objs, "Role", "weightroll-operator")
     (secrets,) = [r for r in role["rules"] if r["resources"] == ["secrets"]]
     assert secrets["resourceNames"] == [secret["metadata"]["name"]]
 

@@ -222,6 +222,10 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
         "version": "Version the replica serves after the commit.",
         "source.uri": "Absolute path or `file://` URI; other schemes → 422.",
         "source.manifest": "Manifest (`weightroll manifest`); checked before the drain.",
+        "source.manifestDigest": (
+            "`sha256:<hex>` of the manifest file's bytes (needs `source.manifest`); any other "
+            "manifest fails the update `manifest_digest_mismatch` before the drain."
+        ),
         "mode": (
             "`full`: every shard; `partial`: only the modules named by `scope`; `sparse`: a "
             "patch file against `baseVersion`."

@@ -103,6 +103,9 @@ def test_agent_route_table_matches_the_sidecar() -> None:
 
         metrics = AgentMetrics()
 
+        class config:  # stands for AgentConfig
+            trainer_token_file = None
+
     class _Tokens:
         pass
 

@@ -86,11 +86,16 @@ def commands(language: str, body: str) -> list[str]:
             continue
         pending.append(line.strip().removesuffix("\\").rstrip())
         if not line.rstrip().endswith("\\"):
-            result.append(_PLACEHOLDER.sub(r"PLACEHOLDER-\1", " ".join(pending)))
+            result.append(_PLACEHOLDER.sub(_placeholder, " ".join(pending)))
             pending = []
     if pending:
         result.append(" ".join(pending))
     return result
+
+
+def _placeholder(match: re.Match[str]) -> str:
+    """``<name>`` as a value any argument accepts, a Kubernetes name included."""
+    return "placeholder-" + match.group(1).lower().replace("_", "-")
 
 
 def simple_commands(command: str) -> list[list[str]]:
@@ -137,7 +142,7 @@ def check_paths(argv: list[str]) -> list[str]:
     problems = []
     for token in argv:
         value = token.split("=", 1)[1] if token.startswith("-") and "=" in token else token
-        if "PLACEHOLDER" in value or value.startswith(("/", "-", "$")) or "://" in value:
+        if "placeholder-" in value or value.startswith(("/", "-", "$")) or "://" in value:
             continue
         first = value.split("/", 1)[0]
         if "/" in value and first in top_level() and not (ROOT / value).exists():

@@ -126,14 +126,19 @@ class Light:
 
 @pytest.fixture(scope="module")
 def chart(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
-    """The chart (default values, token Secret name allowed) as release ``weightroll``."""
+    """The chart (cluster-wide, token Secret name allowed) as release ``weightroll``."""
     if kube_cluster.external:
         pytest.skip("the pod simulator needs the built-in kube-apiserver (no kubelets)")
     from tests.charts.helpers import CHART, helm_python, with_crd_fallback
 
     config = helm_python.Config(kubeconfig_path=str(kube_cluster.kubeconfig), namespace=NAMESPACE)
     # No webhook: the dev cluster cannot route to its Service (devcluster.workload_values).
-    values = {"rbac": {"agentTokenSecretNames": [TOKEN_SECRET]}, "webhook": {"enabled": False}}
+    # Cluster-wide (an explicit opt-in since issue 28): each test uses a namespace of its own.
+    values = {
+        "operator": {"clusterWide": True},
+        "rbac": {"agentTokenSecretNames": [TOKEN_SECRET]},
+        "webhook": {"enabled": False},
+    }
     try:
         config.uninstall(RELEASE, ignore_not_found=True, wait="watcher", timeout=60)
         config.install(

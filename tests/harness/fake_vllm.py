@@ -2,8 +2,9 @@
 
 This is **not** vLLM. It serves the few dev-mode routes the sidecar uses (``/health``,
 ``/get_world_size``, ``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``,
-``/collective_rpc``, ``/metrics``, ``/weight_info``, ``/update_weight_version``) plus a toy
-``/v1/completions``, and plays N ranks of the
+``/collective_rpc``, ``/metrics``, ``/weight_info``, ``/update_weight_version``,
+``/init_weight_transfer_engine`` (recorded only)) plus a toy ``/v1/completions``, and plays N
+ranks of the
 weightroll worker extension with the real state machine of ``engine_agent/reload/session.py``
 (clean → open → dirty → clean(v'), dirty --abort--> poisoned; a delta's base checks).
 
@@ -50,6 +51,13 @@ from engine_agent.manifest import ManifestError, build_manifest, load_manifest
 from engine_agent.protocol import UpdateMode, UpdateSpec
 from engine_agent.reload import session
 from engine_agent.reload.session import WeightState
+from engine_agent.transfer.rendezvous import (
+    WORKER_ENV,
+    WORKER_SETTING,
+    RendezvousRefused,
+    check_init_info,
+    networks_from_env,
+)
 
 __all__ = ["FakeRank", "FakeVllm"]
 
@@ -92,6 +100,9 @@ class FakeRank:
     manifest_digest: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)
     loaded_bytes: int = 0
+    #: The rank's ``WEIGHTROLL_TRAINER_NETWORKS``: ``weightroll_transfer_check_init`` runs the
+    #: real check (``engine_agent.transfer.rendezvous``) against it.
+    trainer_networks: str = "127.0.0.1/32"
 
     @property
     def rank(self) -> dict[str, int]:
@@ -160,6 +171,13 @@ class FakeRank:
                 "poisonReason": self.ws.poison_reason,
                 **({"committedUpdateId": self.committed_by} if self.reports_commit else {}),
             }
+        if method == "weightroll_transfer_check_init":
+            networks = networks_from_env({WORKER_ENV: self.trainer_networks})
+            try:
+                check_init_info(json.loads(arg), networks, setting=WORKER_SETTING)
+            except RendezvousRefused as e:
+                return self._report("transfer", ok=False, error={"code": e.code, "message": str(e)})
+            return self._report("check_init")
         try:
             if method == "weightroll_begin":
                 return self._begin(arg)
@@ -193,7 +211,8 @@ class FakeRank:
             raise SourceUnavailable(f"{path} does not exist")
         if body.get("manifest"):
             try:
-                pinned = load_manifest(body["manifest"])
+                # as the real rank (reload/engine.py): the update's pin, checked on these bytes
+                pinned = load_manifest(body["manifest"], pinned=body.get("manifestDigest"))
                 actual = build_manifest(path)
             except ManifestError as e:
                 error = AgentError(str(e))
@@ -284,6 +303,8 @@ class FakeVllm:
         self._rpc_lock = asyncio.Lock()
         self.entered: dict[str, asyncio.Event] = {}
         self.requests: list[tuple[str, str]] = []
+        #: Bodies of ``/init_weight_transfer_engine`` (vLLM's trainer rendezvous) that arrived.
+        self.transfer_inits: list[Any] = []
         self.cache_resets = 0
         self.cache_reset_ok = True
         self.restarts = 0
@@ -335,6 +356,7 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/weight_info", self._weight_info)
         app.router.add_post("/update_weight_version", self._update_weight_version)
+        app.router.add_post("/init_weight_transfer_engine", self._init_transfer)
         return app
 
     async def start(self, port: int = 0) -> str:
@@ -408,6 +430,11 @@ class FakeVllm:
             return web.json_response({"detail": [{"loc": ["body", "new_version"]}]}, status=422)
         self.weight_version = version
         return web.json_response({"success": True, "new_version": version})
+
+    async def _init_transfer(self, request: web.Request) -> web.Response:
+        """Records the rendezvous; a real worker would now connect to ``master_address``."""
+        self.transfer_inits.append(await request.json())
+        return web.json_response({"message": "Weight transfer initialized"})
 
     async def _metrics(self, _: web.Request) -> web.Response:
         text = (

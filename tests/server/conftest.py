@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,7 +111,8 @@ class Scenario:
             await asyncio.sleep(0.05)
 
     async def readyz(self) -> tuple[int, dict[str, Any]]:
-        response = await self.http.get(f"{self.agent.url}/readyz")
+        # with the token: an anonymous /readyz (the kubelet's) does not say why
+        response = await self.http.get(f"{self.agent.url}/readyz", headers=self.headers)
         return response.status, await response.json()
 
     async def wait_ready(self, want: bool = True, timeout: float = 60) -> dict[str, Any]:
@@ -165,6 +166,7 @@ async def start_scenario(
     models: Models | None = None,
     server_args: Sequence[str] = (),
     agent_args: Sequence[str] = ("--finish-timeout", "5", "--load-timeout", "60"),
+    server_env: Mapping[str, str] | None = None,
 ) -> Scenario:
     """Start vLLM (on ``models.a``) and the agent under ``root``; wait until the agent is ready.
 
@@ -183,6 +185,7 @@ async def start_scenario(
         boot_version="v0",
         failpoints_file=failpoints,
         extra_args=list(server_args),
+        extra_env=dict(server_env or {}),
     )
     await server.start()
     agent = AgentProcess(

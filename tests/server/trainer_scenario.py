@@ -14,22 +14,41 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.server.conftest import TOKEN, Models, Scenario, start_scenario
+from tests.server.conftest import Models, Scenario, start_scenario
 from tests.server.vllm_server import ROOT
 
 GLOO = ("--weight-transfer-config", json.dumps({"backend": "weightroll_gloo"}))
+#: The trainer runs on this machine: its rendezvous (loopback) is the one trainer network,
+#: for the agent (``--trainer-networks``) and for every worker (the vLLM container's variable).
+TRAINER_NETWORKS = "127.0.0.1/32"
+#: The trainers' own bearer token (``--trainer-token-file``); the operator's never opens the
+#: trainer routes.
+TRAINER_TOKEN = "server-test-trainer-token"
 #: A push's finish forwards vLLM's finish and reads every rank: give a busy 2-core machine time.
-AGENT_ARGS = ("--finish-timeout", "60", "--load-timeout", "120")
+AGENT_ARGS = (
+    *("--finish-timeout", "60", "--load-timeout", "120"),
+    *("--trainer-networks", TRAINER_NETWORKS),
+)
 
 
 async def start_replica(root: Path, models: Models, *, tp: int = 1) -> Scenario:
     """A replica on ``models.a`` (boot version v0) with the Gloo backend, ready."""
     root.mkdir(parents=True, exist_ok=True)
-    return await start_scenario(root, tp, models=models, server_args=GLOO, agent_args=AGENT_ARGS)
+    trainer_token = root / "trainer-token"
+    trainer_token.write_text(TRAINER_TOKEN)
+    return await start_scenario(
+        root,
+        tp,
+        models=models,
+        server_args=GLOO,
+        agent_args=(*AGENT_ARGS, "--trainer-token-file", str(trainer_token)),
+        server_env={"WEIGHTROLL_TRAINER_NETWORKS": TRAINER_NETWORKS},
+    )
 
 
 def token_file(sc: Scenario) -> Path:
-    return sc.agent.token_file
+    """The trainers' token file of ``sc``'s agent."""
+    return sc.agent.token_file.parent / "trainer-token"
 
 
 async def run_trainer(
@@ -71,7 +90,7 @@ async def push(sc: Scenario, version: str, checkpoint: Path, **kw: Any) -> dict[
 
 
 async def call(
-    sc: Scenario, route: str, body: Any = None, token: str = TOKEN
+    sc: Scenario, route: str, body: Any = None, token: str = TRAINER_TOKEN
 ) -> tuple[int, dict[str, Any]]:
     """One native route on ``sc``'s agent: ``(status, body)``."""
     headers = {"Authorization": f"Bearer {token}"}

@@ -49,6 +49,8 @@ class VllmServer:
     started_s: float = 0.0
     #: Extra server flags (e.g. ``--weight-transfer-config``).
     extra_args: list[str] = field(default_factory=list)
+    #: Extra environment of the server (e.g. ``WEIGHTROLL_TRAINER_NETWORKS``).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -64,6 +66,7 @@ class VllmServer:
             VLLM_LOGGING_LEVEL="INFO",
             PYTHONPATH=str(ROOT),
             WEIGHTROLL_BOOT_VERSION=self.boot_version,
+            **self.extra_env,
         )
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         if self.failpoints_file is not None:

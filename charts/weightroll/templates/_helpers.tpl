@@ -58,14 +58,19 @@ app.kubernetes.io/part-of: weightroll
 {{- end }}
 
 {{/*
-The operator's RBAC rules: exactly the verbs it uses, no more. tests/charts checks this list
-against the set the operator needs, and removes each rule on a real apiserver to prove it is.
-Namespaced (weightroll.rbacNamespacedRules; a Role per watched namespace when
-operator.watchNamespaces lists plain names, else in the ClusterRole):
-- weightupdates: kopf watches them and patches finalizers/progress annotations.
-- weightupdates/status: the aggregate status, written only when it changed.
+The operator's RBAC rules: exactly the verbs it uses, no more.
+tests/charts/test_rbac_audit_cluster.py runs rollouts and a deletion under the chart's
+ServiceAccount on a real kube-apiserver with its audit log on and checks these rules grant
+exactly the (verb, resource, subresource) tuples the log shows; test_security_cluster.py removes
+each rule to show the operator then gets a 403.
+Namespaced (weightroll.rbacNamespacedRules; a Role per watched namespace, the release namespace
+by default, unless operator.clusterWide or a glob in operator.watchNamespaces: then in the
+ClusterRole):
+- weightupdates: kopf lists and watches them and patches finalizers/progress annotations (it
+  never reads one by name).
+- weightupdates/status: the aggregate status, written only when it changed (patch only).
 - pods: observed through @kopf.index (list/watch), annotations/labels patched (weight-state,
-  owner, weight-version, trafficLabel).
+  owner, weight-version, trafficLabel); never read by name.
 - pods/status: the `weightroll.io/weights-ready` condition, strategic merge patch (never Ready).
 - events: Events for every unit transition and phase change (on the WeightUpdate) and on each
   pod (drained, updating, verified, failed); `patch` raises the count of a repeated pod Event.
@@ -76,21 +81,21 @@ Cluster-scoped (weightroll.rbacClusterRules, in the ClusterRole unless every wat
 is a plain name: then kopf's cluster scanning is off and no cluster-scoped rule is needed):
 - customresourcedefinitions: kopf's resource discovery (it watches CRDs while scanning).
 - namespaces: only when a watched namespace is a glob (kopf lists namespaces to resolve it).
-No kopf peering objects: the operator runs standalone (one replica, Recreate).
+No kopf peering objects: leader election uses one Lease (templates/rbac.yaml).
 */}}
 {{- define "weightroll.rbacNamespacedRules" -}}
 - apiGroups: ["weightroll.io"]
   resources: ["weightupdates"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: ["weightroll.io"]
   resources: ["weightupdates/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
   resources: ["pods/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
@@ -119,14 +124,30 @@ non-empty output means "some". A pattern cannot be bound per namespace, so its r
 cluster-wide.
 */}}
 {{- define "weightroll.watchGlobs" -}}
-{{- range .Values.operator.watchNamespaces }}{{ if regexMatch "[*?!]" . }}{{ . }} {{ end }}{{ end }}
+{{- range (include "weightroll.watchNamespaces" . | fromJsonArray) }}{{ if regexMatch "[*?!]" . }}{{ . }} {{ end }}{{ end }}
+{{- end }}
+
+{{/*
+The namespaces the operator watches, as a JSON list: operator.watchNamespaces, or the release
+namespace alone when that is empty; an empty list (every namespace, a ClusterRole) only with the
+explicit opt-in operator.clusterWide.
+*/}}
+{{- define "weightroll.watchNamespaces" -}}
+{{- if .Values.operator.clusterWide }}
+{{- if .Values.operator.watchNamespaces }}
+{{- fail "operator.clusterWide watches every namespace: leave operator.watchNamespaces empty" }}
+{{- end }}
+{{- list | toJson }}
+{{- else }}
+{{- default (list .Release.Namespace) .Values.operator.watchNamespaces | toJson }}
+{{- end }}
 {{- end }}
 
 {{/*
 "true" when the namespaced rules are granted per namespace (Role + RoleBinding each).
 */}}
 {{- define "weightroll.rbacPerNamespace" -}}
-{{- if and .Values.operator.watchNamespaces (not (include "weightroll.watchGlobs" .)) }}true{{ end }}
+{{- if and (include "weightroll.watchNamespaces" . | fromJsonArray) (not (include "weightroll.watchGlobs" .)) }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -184,6 +205,11 @@ readinessGates:
   env:
     - name: VLLM_SERVER_DEV_MODE
       value: "1"
+    {{- with $w.trainerNetworks }}
+    # Every worker checks a trainer's rendezvous address against these before it connects.
+    - name: WEIGHTROLL_TRAINER_NETWORKS
+      value: {{ join "," . | quote }}
+    {{- end }}
   ports:
     - name: http
       containerPort: {{ $w.vllm.port }}
@@ -191,6 +217,14 @@ readinessGates:
     - name: models
       mountPath: {{ $w.models.mountPath }}
       readOnly: true
+  # The restricted Pod Security Standard (the agent image runs vLLM as 65532, HOME=/tmp).
+  securityContext:
+    allowPrivilegeEscalation: false
+    runAsNonRoot: true
+    capabilities:
+      drop: ["ALL"]
+    seccompProfile:
+      type: RuntimeDefault
   {{- with $w.vllm.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
@@ -216,6 +250,10 @@ readinessGates:
     - --tls-cert-file=/var/run/weightroll-tls/tls.crt
     - --tls-key-file=/var/run/weightroll-tls/tls.key
     {{- end }}
+    {{- if $w.trainerNetworks }}
+    # Trainers authenticate with their own Secret; the operator's token never opens their routes.
+    - --trainer-token-file=/var/run/weightroll-trainer/token
+    {{- end }}
     {{- range $w.agent.extraArgs }}
     - {{ . | quote }}
     {{- end }}
@@ -225,6 +263,14 @@ readinessGates:
       valueFrom:
         fieldRef:
           fieldPath: status.podIP
+    # Sources and manifests must resolve (symlinks and .. followed) inside the model volume.
+    - name: WEIGHTROLL_AGENT_MODEL_DIR
+      value: {{ $w.models.mountPath | quote }}
+    {{- with $w.trainerNetworks }}
+    # Trainer pushes: only rendezvous addresses inside these networks (none: all refused).
+    - name: WEIGHTROLL_AGENT_TRAINER_NETWORKS
+      value: {{ join "," . | quote }}
+    {{- end }}
   ports:
     - name: weightroll
       containerPort: 8470
@@ -250,6 +296,11 @@ readinessGates:
     - name: weightroll-token
       mountPath: /var/run/weightroll
       readOnly: true
+    {{- if $w.trainerNetworks }}
+    - name: weightroll-trainer-token
+      mountPath: /var/run/weightroll-trainer
+      readOnly: true
+    {{- end }}
     {{- if .Values.agentTLS.enabled }}
     - name: weightroll-tls
       mountPath: /var/run/weightroll-tls
@@ -266,6 +317,8 @@ readinessGates:
     runAsUser: 65532
     capabilities:
       drop: ["ALL"]
+    seccompProfile:
+      type: RuntimeDefault
   {{- with $w.agent.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
@@ -285,6 +338,15 @@ readinessGates:
     items:
       - key: token
         path: token
+{{- if .Values.workloadExample.trainerNetworks }}
+- name: weightroll-trainer-token
+  secret:
+    secretName: {{ .Values.workloadExample.trainerTokenSecret.name }}
+    defaultMode: 0400
+    items:
+      - key: token
+        path: token
+{{- end }}
 {{- if .Values.agentTLS.enabled }}
 - name: weightroll-tls
   secret:

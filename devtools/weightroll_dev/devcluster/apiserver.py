@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,10 +110,16 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return out
 
 
-def start_apiserver(run_dir: Path) -> KubeCluster:
+def start_apiserver(run_dir: Path, extra_args: Sequence[str] = ()) -> KubeCluster:
     """Start etcd and kube-apiserver on free loopback ports with state in ``run_dir``.
 
+    Args:
+        run_dir: state, logs and kubeconfigs.
+        extra_args: appended to the kube-apiserver command line (``APISERVER_EXTRA_ARGS``),
+            e.g. the audit log flags of ``tests/harness/apiserver.py``; no spaces inside one.
+
     Raises:
+        ValueError: an argument in ``extra_args`` is empty or contains whitespace.
         RuntimeError: when the apiserver does not become ready (the message carries its log tail).
     """
     etcd, peer, metrics, api = free_ports(4)
@@ -126,6 +133,11 @@ def start_apiserver(run_dir: Path) -> KubeCluster:
         OPERATOR_NAMESPACE=OPERATOR_NAMESPACE,
         OPERATOR_SERVICEACCOUNT=OPERATOR_SERVICEACCOUNT,
     )
+    if any(not arg or any(ch.isspace() for ch in arg) for arg in extra_args):
+        # The script word-splits APISERVER_EXTRA_ARGS; a quoted argument would stay quoted.
+        raise ValueError(f"an apiserver argument is empty or holds whitespace: {extra_args!r}")
+    if extra_args:
+        env["APISERVER_EXTRA_ARGS"] = " ".join(extra_args)
     proc = subprocess.run(
         ["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, check=False
     )

@@ -37,6 +37,12 @@ SERVED_MODEL = "tiny"
 def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[str, Any]:
     """Helm values that enable the example workload on tiny bf16 models (eager, 256 tokens)."""
     return {
+        # Opt-outs of the chart's defaults, because the demo runs `weightroll operator` as a
+        # local process, not the chart's Deployment: that process watches every namespace (so
+        # the ClusterRole) and is given no agent CA (so plain HTTP; tests/e2e/test_agent_tls.py
+        # turns agentTLS back on and hands the operator the CA).
+        "operator": {"clusterWide": True},
+        "agentTLS": {"enabled": False},
         "rbac": {"agentTokenSecretNames": [TOKEN_SECRET]},
         # The dev cluster routes no Service traffic (no kube-proxy, no endpoints): the API
         # server could not reach the chart's webhook Service. The cluster tests register the

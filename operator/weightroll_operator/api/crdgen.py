@@ -86,6 +86,11 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "rule": "!has(self.baseVersion) || (has(self.mode) && self.mode == 'sparse')",
             "message": "spec.source.baseVersion is only allowed when spec.source.mode is sparse",
         },
+        {
+            "rule": "!has(self.manifestDigest) || has(self.manifest)",
+            "message": "spec.source.manifestDigest pins a manifest: spec.source.manifest is "
+            "required",
+        },
     ],
     "strategy": [
         {

@@ -35,7 +35,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from engine_agent.protocol import VERSION_PATTERN
+from engine_agent.protocol import MANIFEST_DIGEST_PATTERN, VERSION_PATTERN
+from weightroll_operator.api.names import ObjectName, SecretKey
 
 __all__ = [
     "API_VERSION",
@@ -187,6 +188,11 @@ class SourceSpec(Model):
     manifest: str | None = None
     """Checkpoint manifest (`weightroll manifest`), path or `file://` URI; every byte each rank
     reads is checked against it before it reaches a live tensor."""
+    manifest_digest: str | None = Field(default=None, pattern=MANIFEST_DIGEST_PATTERN)
+    """Pin of the manifest: `sha256:` and 64 lower-case hex digits of the manifest file's exact
+    bytes, as `weightroll manifest` prints it. Requires `source.manifest`. An agent whose
+    manifest hashes otherwise fails the update before draining (nothing is written); without
+    it, whoever can write the model volume can replace checkpoint and manifest together."""
     mode: SourceMode = SourceMode.FULL
     """`full`: every tensor of the model; `sparse`: a patch against `source.baseVersion`
     (required then)."""
@@ -206,6 +212,10 @@ class SourceSpec(Model):
 
     @model_validator(mode="after")
     def _sparse_needs_base(self) -> Self:
+        if self.manifest_digest is not None and self.manifest is None:
+            raise ValueError(
+                "spec.source.manifestDigest pins a manifest: spec.source.manifest is required"
+            )
         if self.mode is SourceMode.SPARSE and self.base_version is None:
             raise ValueError("spec.source.baseVersion is required when spec.source.mode is sparse")
         if self.mode is SourceMode.FULL and self.base_version is not None:
@@ -291,10 +301,11 @@ class StrategySpec(Model):
 class SecretKeyRef(Model):
     """A key of a Secret in the WeightUpdate's namespace."""
 
-    name: str = Field(min_length=1)
-    """Name of the Secret (in the WeightUpdate's namespace)."""
-    key: str = Field(default="token", min_length=1)
-    """Key of the Secret's `data` holding the value."""
+    name: ObjectName = Field(min_length=1)
+    """Name of the Secret (in the WeightUpdate's namespace): a Kubernetes object name
+    (lower-case DNS-1123 subdomain), so it can never name a path into another namespace."""
+    key: SecretKey = Field(default="token", min_length=1)
+    """Key of the Secret's `data` holding the value (`[-._a-zA-Z0-9]`, not `.` or `..`)."""
 
 
 class AgentSpec(Model):

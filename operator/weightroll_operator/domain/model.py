@@ -126,11 +126,14 @@ class SourceRef:
 
     uri: str
     manifest: str | None = None
+    #: ``spec.source.manifestDigest``: a load checked against this pin is other evidence than
+    #: one without it (or with another), so a changed pin counts as a new source.
+    manifest_digest: str | None = None
 
     def same_files(self, other: SourceRef | None) -> bool:
         """``other`` names the same files: ``file://`` and redundant slashes are spelling only,
         any other difference (or an unknown source) is other weights."""
-        if other is None:
+        if other is None or self.manifest_digest != other.manifest_digest:
             return False
         if self.uri == other.uri and self.manifest == other.manifest:
             return True  # the common case, asked for every pod every pass: no normalizing
@@ -220,11 +223,20 @@ class WeightState:
 
 
 def _source_json(source: SourceRef | None) -> dict[str, str | None] | None:
-    return None if source is None else {"uri": source.uri, "manifest": source.manifest}
+    if source is None:
+        return None
+    data = {"uri": source.uri, "manifest": source.manifest}
+    if source.manifest_digest is not None:  # absent unless pinned: older annotations unchanged
+        data["manifestDigest"] = source.manifest_digest
+    return data
 
 
 def _source_of(data: Any) -> SourceRef | None:
-    return None if not data else SourceRef(uri=data["uri"], manifest=data.get("manifest"))
+    if not data:
+        return None
+    return SourceRef(
+        uri=data["uri"], manifest=data.get("manifest"), manifest_digest=data.get("manifestDigest")
+    )
 
 
 @dataclass(frozen=True, slots=True)

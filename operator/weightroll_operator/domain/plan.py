@@ -226,7 +226,11 @@ _WANTING = frozenset({PodClass.PENDING, PodClass.UNKNOWN})
 
 def target_source(spec: WeightUpdateSpec) -> SourceRef:
     """The files ``spec.version`` is loaded from: what a verdict at the version must vouch for."""
-    return SourceRef(uri=spec.source.uri, manifest=spec.source.manifest)
+    return SourceRef(
+        uri=spec.source.uri,
+        manifest=spec.source.manifest,
+        manifest_digest=spec.source.manifest_digest,
+    )
 
 
 def queries(
@@ -288,7 +292,8 @@ def _serves(agent: AgentView | None, version: str, source: SourceRef) -> bool:
 def _spelled(source: SourceRef | None) -> str:
     if source is None:
         return "unrecorded files"
-    return source.uri if source.manifest is None else f"{source.uri} (manifest {source.manifest})"
+    text = source.uri if source.manifest is None else f"{source.uri} (manifest {source.manifest})"
+    return text if source.manifest_digest is None else f"{text} pinned {source.manifest_digest}"
 
 
 def _retried(st: WeightState, retried_at: str | None) -> bool:
@@ -388,7 +393,11 @@ def build_request(
         return UpdateRequest(
             id=st.update_id,
             version=st.version,
-            source=WireSourceSpec(uri=st.previous_source.uri, manifest=st.previous_source.manifest),
+            source=WireSourceSpec(
+                uri=st.previous_source.uri,
+                manifest=st.previous_source.manifest,
+                manifest_digest=st.previous_source.manifest_digest,
+            ),
             mode=UpdateMode.FULL,
             drain=drain,
         )
@@ -396,7 +405,11 @@ def build_request(
     return UpdateRequest(
         id=st.update_id,
         version=st.version,
-        source=WireSourceSpec(uri=spec.source.uri, manifest=spec.source.manifest),
+        source=WireSourceSpec(
+            uri=spec.source.uri,
+            manifest=spec.source.manifest,
+            manifest_digest=spec.source.manifest_digest,
+        ),
         mode=UpdateMode.SPARSE if sparse else UpdateMode.FULL,
         base_version=spec.source.base_version if sparse else None,
         drain=drain,

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from weightroll_operator.api.names import check_secret_key, path_segment
 from weightroll_operator.api.v1alpha1 import GROUP, PLURAL, VERSION
 from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY, LABEL_AGENT_TOKEN
 from weightroll_operator.errors import InvalidSpec, KubeUnavailable, kube_error
@@ -173,8 +174,11 @@ class KubeApi:
             headers["Authorization"] = f"Bearer {token}"
         try:
             async with session.request(
-                method, path, json=body, headers=headers, params=params
+                method, path, json=body, headers=headers, params=params, allow_redirects=False
             ) as resp:
+                if 300 <= resp.status < 400:
+                    # Never followed: the token would go to wherever Location points.
+                    raise KubeUnavailable(resp.status, f"{method} {path}: redirect not followed")
                 text = await resp.text() if resp.content_length != 0 else ""
                 try:
                     data: Any = json.loads(text) if text else None
@@ -196,7 +200,7 @@ class KubeApi:
 
     async def list_pods(self, namespace: str, label_selector: str | None = None) -> list[Any]:
         params = {"labelSelector": label_selector} if label_selector else None
-        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/pods", params=params)
+        data = await self._call("GET", f"/api/v1/namespaces/{_ns(namespace)}/pods", params=params)
         return list((data or {}).get("items") or [])
 
     async def patch_pod_condition(
@@ -222,7 +226,7 @@ class KubeApi:
             body["metadata"] = {"resourceVersion": resource_version}
         data = await self._call(
             "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+            f"/api/v1/namespaces/{_ns(namespace)}/pods/{_name(name)}/status",
             body=body,
             content_type=SMP,
             kind="pod-status",
@@ -255,7 +259,7 @@ class KubeApi:
             meta["resourceVersion"] = resource_version
         data = await self._call(
             "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            f"/api/v1/namespaces/{_ns(namespace)}/pods/{_name(name)}",
             body={"metadata": meta},
             content_type=MERGE,
             kind="pod-metadata",
@@ -265,8 +269,8 @@ class KubeApi:
     # ---- WeightUpdates ------------------------------------------------------------------------
 
     def _wu_path(self, namespace: str, name: str | None = None) -> str:
-        base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
-        return base if name is None else f"{base}/{name}"
+        base = f"/apis/{GROUP}/{VERSION}/namespaces/{_ns(namespace)}/{PLURAL}"
+        return base if name is None else f"{base}/{_name(name)}"
 
     async def get_weightupdate(self, namespace: str, name: str) -> Any:
         return await self._call("GET", self._wu_path(namespace, name))
@@ -322,8 +326,8 @@ class KubeApi:
     # ---- leader election (k8s/lease.py) -------------------------------------------------------
 
     def _lease_path(self, namespace: str, name: str | None = None) -> str:
-        base = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
-        return base if name is None else f"{base}/{name}"
+        base = f"/apis/coordination.k8s.io/v1/namespaces/{_ns(namespace)}/leases"
+        return base if name is None else f"{base}/{_name(name)}"
 
     async def get_lease(self, namespace: str, name: str) -> Any:
         return await self._call("GET", self._lease_path(namespace, name))
@@ -348,7 +352,12 @@ class KubeApi:
             InvalidSpec: the Secret lacks the opt-in label or the key is empty (names the field).
             KubeError: by status code (``KubeNotFound`` for a missing Secret or key).
         """
-        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        try:
+            check_secret_key(key)
+            path = f"/api/v1/namespaces/{_ns(namespace)}/secrets/{_name(name)}"
+        except ValueError as e:
+            raise InvalidSpec(f"spec.agent.tokenSecretRef: {e}") from None
+        data = await self._call("GET", path)
         labels = ((data or {}).get("metadata") or {}).get("labels") or {}
         if labels.get(LABEL_AGENT_TOKEN) != "true":
             raise InvalidSpec(
@@ -370,7 +379,8 @@ class KubeApi:
         involved = body.get("involvedObject", {}).get("name", "weightroll")
         stamp = f"{time.time_ns():x}{next(self._event_seq):x}"
         body.setdefault("metadata", {"name": f"{involved}.{stamp}", "namespace": namespace})
-        await self._call("POST", f"/api/v1/namespaces/{namespace}/events", body=body, kind="event")
+        path = f"/api/v1/namespaces/{_ns(namespace)}/events"
+        await self._call("POST", path, body=body, kind="event")
 
     async def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         """Merge-patch an Event the operator posted (``count``/``lastTimestamp`` of a repeat).
@@ -380,7 +390,7 @@ class KubeApi:
         """
         await self._call(
             "PATCH",
-            f"/api/v1/namespaces/{namespace}/events/{name}",
+            f"/api/v1/namespaces/{_ns(namespace)}/events/{_name(name)}",
             body=dict(patch),
             content_type=MERGE,
             kind="event",
@@ -388,9 +398,20 @@ class KubeApi:
 
     async def list_events(self, namespace: str, involved_name: str) -> list[Any]:
         params = {"fieldSelector": f"involvedObject.name={involved_name}"}
-        data = await self._call("GET", f"/api/v1/namespaces/{namespace}/events", params=params)
+        path = f"/api/v1/namespaces/{_ns(namespace)}/events"
+        data = await self._call("GET", path, params=params)
         items = (data or {}).get("items") or []
         return [e for e in items if (e.get("involvedObject") or {}).get("name") == involved_name]
+
+
+def _ns(namespace: str) -> str:
+    """A namespace as one path segment (``ValueError`` when it is not a namespace name)."""
+    return path_segment(namespace, namespace=True)
+
+
+def _name(name: str) -> str:
+    """An object name as one path segment (``ValueError`` when it is not an object name)."""
+    return path_segment(name)
 
 
 def _resource_version(data: Any) -> str | None:

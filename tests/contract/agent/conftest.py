@@ -94,7 +94,8 @@ class AgentHarness:
             await asyncio.sleep(0.02)
 
     async def readyz(self) -> tuple[int, dict[str, Any]]:
-        response = await self.http.get(self.url + "/readyz")
+        # with the token: an anonymous /readyz (the kubelet's) does not say why
+        response = await self.http.get(self.url + "/readyz", headers=self.headers())
         return response.status, await response.json()
 
     async def wait_ready(self, want: bool = True, timeout: float = 10) -> dict[str, Any]:

@@ -5,11 +5,12 @@ WeightAgentTokenUnavailable, and nothing drained until the token can be read."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import pytest
 from weightroll_operator.api.v1alpha1 import SecretKeyRef
 from weightroll_operator.credentials import SECRET_FORBIDDEN, token_problem
-from weightroll_operator.errors import KubeError, WeightrollError
+from weightroll_operator.errors import InvalidSpec, KubeError, WeightrollError
 
 from tests.contract.rollout.harness import NS, Harness
 
@@ -75,3 +76,29 @@ def test_forbidden_secret_names_the_rbac_value() -> None:
     assert problem is not None and problem.reason == SECRET_FORBIDDEN
     assert "rbac.agentTokenSecretNames" in problem.message
     assert token_problem(KubeError(503, "unavailable"), NS, SecretKeyRef(name="tok")) is None
+
+
+@pytest.mark.asyncio
+async def test_a_secret_that_loses_its_opt_in_label_is_not_sent_from_the_next_pass(
+    h: Harness, tmp_path: Path
+) -> None:
+    """Issue 28 item 8: removing ``weightroll.io/agent-token`` used to take up to the token
+    cache's 60 s to take effect; the Secret is now read once per pass (the shipped default)."""
+    agents = await h.add_pods(2)
+    logs = [tmp_path / f"{a.pod}.log" for a in agents]
+    for agent, log in zip(agents, logs, strict=True):
+        agent.request_log = log
+    await h.create_wu("wu", "v2")
+    await h.tick("wu")
+    assert any(log.exists() and log.read_text() for log in logs), "no agent was asked"
+
+    headers = {"Content-Type": "application/merge-patch+json"}
+    unlabel = {"metadata": {"labels": {"weightroll.io/agent-token": None}}}
+    path = f"/api/v1/namespaces/{NS}/secrets/agent-token"
+    async with h.http.patch(path, json=unlabel, headers=headers) as r:
+        assert r.status < 400
+    for log in logs:
+        log.unlink(missing_ok=True)
+    with pytest.raises(InvalidSpec, match=r"spec\.agent\.tokenSecretRef"):
+        await h.tick("wu")
+    assert not any(log.exists() for log in logs), "the token went to an agent after opt-out"

@@ -9,7 +9,14 @@ recording stand-in takes its place so the backend's wiring can be checked in iso
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import os
+import pickle
+import socket
+import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,16 +43,24 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 import engine_agent.transfer as transfer
 from engine_agent.trainer import AgentSyncClient, PushRejected, push_fleet
 from engine_agent.transfer.backend import Feeder, same_metadata
-from engine_agent.transfer.cuda import WeightrollIPCEngine, WeightrollNCCLEngine
+from engine_agent.transfer.cuda import WeightrollIPCEngine, WeightrollNCCLEngine, nccl_unique_id
 from engine_agent.transfer.gloo import (
     GlooTrainerInitInfo,
     GlooTrainerWeightTransferEngine,
     GlooWeightTransferEngine,
     free_port,
 )
+from engine_agent.transfer.rendezvous import RendezvousRefused
 from engine_agent.transfer.verified import TransferRefused, describe
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def trainer_networks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' allow-list (the vLLM container's ``WEIGHTROLL_TRAINER_NETWORKS``): the
+    in-process Gloo peers rendezvous on loopback."""
+    monkeypatch.setenv("WEIGHTROLL_TRAINER_NETWORKS", "127.0.0.1/32")
 
 
 class Recorder:
@@ -135,6 +150,127 @@ def test_a_failed_update_poisons_the_rank_before_vllm_drops_the_session() -> Non
         engine.update_weights(info)  # no NCCL group: the receive raises
     assert recorder.calls[0] == "start"
     assert recorder.calls[1].startswith("poison:update_weights failed: RuntimeError")
+
+
+class Payload:
+    """A pickle that runs ``touch <marker>`` when unpickled: what a hostile peer publishes."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A listening socket: whoever connects to it shows up in ``accept``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        sock.setblocking(False)
+        yield sock
+
+
+def _nobody_connected(sock: socket.socket) -> bool:
+    with contextlib.suppress(BlockingIOError):
+        sock.accept()[0].close()
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("networks", "code"),
+    [
+        (None, "trainer_push_disabled"),  # the vLLM container does not set the variable
+        ("", "trainer_push_disabled"),
+        ("10.0.0.0/8", "rendezvous_not_allowed"),
+    ],
+)
+def test_worker_backends_refuse_a_rendezvous_outside_their_networks_before_connecting(
+    monkeypatch: pytest.MonkeyPatch, listener: socket.socket, networks: str | None, code: str
+) -> None:
+    """Defence in depth (issue 28, item 2): a caller that reaches vLLM's loopback routes
+    directly still cannot point a worker at a host outside ``WEIGHTROLL_TRAINER_NETWORKS``."""
+    if networks is None:
+        monkeypatch.delenv("WEIGHTROLL_TRAINER_NETWORKS")
+    else:
+        monkeypatch.setenv("WEIGHTROLL_TRAINER_NETWORKS", networks)
+    port = listener.getsockname()[1]
+    rendezvous = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
+    gloo = GlooWeightTransferEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+    nccl = WeightrollNCCLEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+    ipc = WeightrollIPCEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+    refusing: list[tuple[Any, dict[str, Any]]] = [
+        (gloo, {**rendezvous, "timeout_s": 2}),
+        (nccl, {**rendezvous, "rank_offset": 1}),
+    ]
+    if networks:
+        ipc.init_transfer_engine(ipc.parse_init_info({}))  # no peer to check
+    else:
+        refusing.append((ipc, {}))  # no peer, but no trainer network: every push refused
+    for engine, info in refusing:
+        with pytest.raises(RendezvousRefused) as refused:
+            engine.init_transfer_engine(engine.parse_init_info(info))
+        assert refused.value.code == code, (type(engine).__name__, refused.value)
+        assert "WEIGHTROLL_TRAINER_NETWORKS" in str(refused.value)
+    assert _nobody_connected(listener)
+
+
+def test_the_nccl_worker_never_unpickles_what_the_trainer_publishes(tmp_path: Path) -> None:
+    """vLLM's stock NCCL worker joins through ``StatelessProcessGroup.broadcast_obj``, which
+    unpickles whatever the store at ``master_address`` holds; weightroll's reads the unique id
+    itself and admits nothing but a ``ncclUniqueId``'s bytes."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
+
+    marker = tmp_path / "ran"
+    store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store.set("broadcast_from/0/0", pickle.dumps(Payload(marker)))
+    engine = WeightrollNCCLEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+    info = engine.parse_init_info(
+        {
+            "master_address": "127.0.0.1",
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": 2,
+        }
+    )
+    with pytest.raises(RendezvousRefused, match=r"may not name posix\.system"):
+        engine.init_transfer_engine(info)
+    assert not marker.exists()
+    # What a stock NCCLTrainerWeightTransferEngine publishes still decodes, byte for byte.
+    unique_id = ncclUniqueId()
+    for i in range(128):
+        unique_id.internal[i] = (i * 37) % 128
+    assert nccl_unique_id(pickle.dumps(unique_id)) == bytes(unique_id.internal)
+    for other in (pickle.dumps(b"x" * 128), pickle.dumps({"internal": 1}), b"not a pickle"):
+        with pytest.raises(RendezvousRefused):
+            nccl_unique_id(other)
+    # NCCL's pre-shared unique id embeds a bootstrap address nobody can check: refused.
+    uid = base64.b64encode(bytes(128)).decode()
+    with pytest.raises(RendezvousRefused, match="nccl_unique_id_b64"):
+        engine.init_transfer_engine(
+            engine.parse_init_info({"nccl_unique_id_b64": uid, "rank_offset": 1, "world_size": 2})
+        )
+
+
+def test_ipc_refuses_pickled_handles_even_where_vllm_would_unpickle_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    marker = tmp_path / "ran"
+    pickled = base64.b64encode(pickle.dumps(Payload(marker))).decode()
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
+    engine = WeightrollIPCEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+    recorder = Recorder()
+    engine._weightroll_receiver = recorder  # type: ignore[assignment]
+    with pytest.raises(RendezvousRefused, match="ipc_handles_pickled"):
+        engine.parse_update_info({**update, "ipc_handles_pickled": pickled})
+    with pytest.raises(RendezvousRefused, match="ipc_handles_pickled"):
+        engine.update_weights({**update, "ipc_handles_pickled": pickled})
+    assert not marker.exists()
+    assert recorder.calls[-1].startswith("poison:update_weights failed: RendezvousRefused")
 
 
 def test_the_feeder_keeps_draining_after_a_refusal_and_raises_at_the_end() -> None:
@@ -247,6 +383,28 @@ def test_describe_names_the_missing_and_duplicated_shards() -> None:
         "rank dp0:pp0:tp1:ep0: coverage_incomplete: 2 required shard(s) never arrived; "
         "missing l0.qkv_proj.weight[k], l0.qkv_proj.weight[v]; duplicate l0.qkv_proj.weight[q]"
     )
+
+
+class Refusing(LocalClient):
+    """An agent that refuses the rendezvous (its trainer networks) as soon as it is posted."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        error = {"code": "rendezvous_not_allowed", "message": "outside the trainer networks"}
+        raise PushRejected("/init_weight_transfer_engine", 403, error)
+
+
+def test_a_refused_rendezvous_reaches_the_trainer_at_once_not_after_the_group_timeout() -> None:
+    worker = GlooWeightTransferEngine(SimpleNamespace(), _config(), torch.device("cpu"), None)
+    model = torch.nn.Linear(4, 2)
+    info = GlooTrainerInitInfo(
+        master_address="127.0.0.1", master_port=free_port(), world_size=2, timeout_s=60, rank=0
+    )
+    started = time.monotonic()
+    with pytest.raises(PushRejected, match="rendezvous_not_allowed"):
+        WeightTransferTrainerFactory.trainer_init(
+            info, client=Refusing(worker), source=ModuleSource(model)
+        )
+    assert time.monotonic() - started < 30
 
 
 class Replica(LocalClient):

@@ -10,6 +10,7 @@ killed and restarted mid-push) is ``test_vllm_restarted_mid_push`` in
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -181,7 +182,8 @@ async def test_a_push_starting_refuses_a_file_update_before_its_first_await() ->
     from engine_agent.sidecar.agent import UpdateConflict
 
     vllm = ScriptedVllm(RESTARTED, world_gate=asyncio.Event())
-    agent = Agent(AgentConfig(), client=cast(VllmClient, vllm))
+    trainers = (ipaddress.ip_network("127.0.0.1/32"),)  # pushes are refused without any
+    agent = Agent(AgentConfig(trainer_networks=trainers), client=cast(VllmClient, vllm))
     agent._recovered.set()
     coordinator = TransferCoordinator(agent)
     starting = asyncio.create_task(coordinator.start())
