@@ -12,11 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import socket
 import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,52 +24,12 @@ from aiohttp import ClientError, ClientSession, TCPConnector
 from engine_agent.protocol import ErrorBody
 from engine_agent.sidecar.main import listen_host
 from tests.contract.agent.conftest import TOKEN, make_checkpoint, update_body
+from tests.harness.agent_process import AgentProcesses, agent_env, free_port
 from tests.harness.fake_vllm import FakeVllm
 
-ROOT = Path(__file__).resolve().parents[3]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: Generous bound for anything that a 1 s timeout must end (a loaded CI machine included).
 BOUND = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _agent_env(**settings: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTROLL_AGENT_")}
-    env["PYTHONPATH"] = str(ROOT)
-    env.update({f"WEIGHTROLL_AGENT_{name.upper()}": value for name, value in settings.items()})
-    return env
-
-
-@dataclass
-class AgentProcess:
-    process: asyncio.subprocess.Process
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return path
-
-
-@pytest_asyncio.fixture
-async def fake() -> AsyncIterator[FakeVllm]:
-    server = FakeVllm.tp(1)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 Spawn = Callable[..., Any]
@@ -81,51 +38,9 @@ Spawn = Callable[..., Any]
 @pytest_asyncio.fixture
 async def spawn(fake: FakeVllm, token_file: Path, tmp_path: Path) -> AsyncIterator[Spawn]:
     """Start the real agent, configured by environment variables; wait until it is ready."""
-    started: list[AgentProcess] = []
-
-    async def start(**settings: str) -> AgentProcess:
-        port = _free_port()
-        log = tmp_path / f"agent-{port}.log"
-        env = _agent_env(
-            host="127.0.0.1",
-            port=str(port),
-            vllm_url=fake.url,
-            token_file=str(token_file),
-            state_dir=str(tmp_path / f"state-{port}"),
-            watch_interval="0.1",
-            **settings,
-        )
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine_agent.sidecar.main", env=env, stdout=out, stderr=out
-            )
-        agent = AgentProcess(process, port, log)
-        started.append(agent)
-        await _until_ready(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        if agent.process.returncode is None:
-            agent.process.terminate()
-            try:
-                await asyncio.wait_for(agent.process.wait(), 20)
-            except TimeoutError:
-                agent.process.kill()
-                await agent.process.wait()
-
-
-async def _until_ready(agent: AgentProcess) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 60
-    async with ClientSession(connector=TCPConnector(force_close=True)) as http:
-        while True:
-            assert agent.process.returncode is None, agent.log.read_text()
-            with contextlib.suppress(ClientError):
-                if (await http.get(f"{agent.url}/readyz")).status == 200:
-                    return
-            assert loop.time() < end, f"the agent never became ready: {agent.log.read_text()}"
-            await asyncio.sleep(0.1)
+    agents = AgentProcesses(fake.url, token_file, tmp_path)
+    yield agents.start
+    await agents.stop()
 
 
 async def _closed_by_server(reader: asyncio.StreamReader) -> bytes:
@@ -285,9 +200,7 @@ WILDCARDS = [
 async def test_agent_process_refuses_every_spelling_of_the_wildcard(
     host: str, fake: FakeVllm, token_file: Path, tmp_path: Path
 ) -> None:
-    env = _agent_env(
-        host=host, port=str(_free_port()), vllm_url=fake.url, token_file=str(token_file)
-    )
+    env = agent_env(host=host, port=str(free_port()), vllm_url=fake.url, token_file=str(token_file))
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -25,11 +23,12 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
-from aiohttp import ClientError, ClientSession
+from aiohttp import ClientSession
 from safetensors.numpy import save_file
 
 from engine_agent.manifest import build_manifest, manifest_file_digest, write_manifest
 from tests.contract.agent.conftest import TOKEN, update_body
+from tests.harness.agent_process import AgentProcesses
 from tests.harness.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.asyncio
@@ -68,55 +67,16 @@ class AgentProcess:
         return response.status, await response.json()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest_asyncio.fixture
 async def agent(fake: FakeVllm, token_file: Path, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    port = _free_port()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "engine_agent.sidecar.main",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--vllm-url",
-        fake.url,
-        "--token-file",
-        str(token_file),
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--watch-interval",
-        "0.1",
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    agents = AgentProcesses(fake.url, token_file, tmp_path, ready_headers=AUTH)
     try:
+        # ready, not just listening: updates before recovery are 409
+        started = await agents.start()
         async with ClientSession() as http:
-            running = AgentProcess(f"http://127.0.0.1:{port}", http, fake)
-            loop = asyncio.get_running_loop()
-            end = loop.time() + 60
-            while True:  # ready, not just listening: updates before recovery are 409
-                try:
-                    if (await running.readyz())[0] == 200:
-                        break
-                except ClientError:
-                    pass
-                assert process.returncode is None, "the agent exited"
-                assert loop.time() < end, "the agent never became ready"
-                await asyncio.sleep(0.1)
-            yield running
+            yield AgentProcess(started.url, http, fake)
     finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            await process.wait()
+        await agents.stop()
 
 
 def _swap_checkpoint(directory: Path, seed: int) -> None:

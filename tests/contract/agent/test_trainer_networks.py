@@ -14,27 +14,23 @@ without unpickling) are in ``tests/unit/engine_agent/test_transfer.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import socket
-import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiohttp import ClientError, ClientSession, TCPConnector
+from aiohttp import ClientSession
 
 from engine_agent.protocol import ErrorBody
 from tests.contract.agent.conftest import TOKEN
+from tests.harness.agent_process import AgentProcess as RunningAgent
+from tests.harness.agent_process import AgentProcesses
 from tests.harness.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.asyncio
 
-ROOT = Path(__file__).resolve().parents[3]
 #: The operator's token (``--token-file``): ``/v1`` only.
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: The trainers' token (``--trainer-token-file``, a second Secret): the trainer routes only.
@@ -43,33 +39,12 @@ TRAINER_AUTH = {"Authorization": f"Bearer {TRAINER_TOKEN}"}
 SETTING = "WEIGHTROLL_AGENT_TRAINER_NETWORKS"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@dataclass
-class RunningAgent:
-    process: asyncio.subprocess.Process
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
 Spawn = Callable[..., Any]
 
 
-@pytest_asyncio.fixture
-async def fake() -> AsyncIterator[FakeVllm]:
-    server = FakeVllm.tp(2)
-    await server.start()
-    yield server
-    await server.stop()
+@pytest.fixture
+def fake_ranks() -> int:
+    return 2  # every rank runs the worker-side check
 
 
 @pytest_asyncio.fixture
@@ -79,56 +54,14 @@ async def spawn(fake: FakeVllm, tmp_path: Path) -> AsyncIterator[Spawn]:
     token.write_text(TOKEN + "\n")
     trainer_token = tmp_path / "trainer-token"
     trainer_token.write_text(TRAINER_TOKEN + "\n")
-    started: list[RunningAgent] = []
+    agents = AgentProcesses(fake.url, token, tmp_path, ready_headers=AUTH)
 
     async def start(*, ready: bool = True, **settings: str) -> RunningAgent:
-        port = _free_port()
-        log = tmp_path / f"agent-{port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTROLL_AGENT_")}
-        env["PYTHONPATH"] = str(ROOT)
-        wanted = {
-            "host": "127.0.0.1",
-            "port": str(port),
-            "vllm_url": fake.url,
-            "token_file": str(token),
-            "trainer_token_file": str(trainer_token),
-            "watch_interval": "0.2",
-            **settings,
-        }
-        env.update({f"WEIGHTROLL_AGENT_{k.upper()}": v for k, v in wanted.items() if v})
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine_agent.sidecar.main", env=env, stdout=out, stderr=out
-            )
-        agent = RunningAgent(process, port, log)
-        started.append(agent)
-        if ready:
-            await _until_ready(agent)
-        return agent
+        wanted = {"trainer_token_file": str(trainer_token), "watch_interval": "0.2", **settings}
+        return await agents.start(ready=ready, **wanted)
 
     yield start
-    for agent in started:
-        if agent.process.returncode is None:
-            agent.process.terminate()
-            try:
-                await asyncio.wait_for(agent.process.wait(), 20)
-            except TimeoutError:
-                agent.process.kill()
-                await agent.process.wait()
-
-
-async def _until_ready(agent: RunningAgent) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 60
-    async with ClientSession(connector=TCPConnector(force_close=True)) as http:
-        while True:
-            assert agent.process.returncode is None, agent.log.read_text()
-            with contextlib.suppress(ClientError):
-                response = await http.get(f"{agent.url}/readyz", headers=AUTH)
-                if response.status == 200:
-                    return
-            assert loop.time() < end, f"the agent never became ready: {agent.log.read_text()}"
-            await asyncio.sleep(0.1)
+    await agents.stop()
 
 
 async def _post(
