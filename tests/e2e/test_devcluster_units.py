@@ -77,6 +77,8 @@ def test_env_is_rewritten_except_pod_view_uris() -> None:
             "env": [
                 {"name": "URL", "value": "http://localhost:1"},
                 {"name": "WEIGHTROLL_AGENT_INITIAL_SOURCE", "value": "/models/v1"},
+                # the jail of sources: pod view, resolved under --source-root by the agent
+                {"name": "WEIGHTROLL_AGENT_MODEL_DIR", "value": "/models"},
                 {"name": "P", "value": "/models/x"},
             ]
         },
@@ -89,6 +91,7 @@ def test_env_is_rewritten_except_pod_view_uris() -> None:
         "A": "1",
         "URL": f"http://{IP}:1",
         "WEIGHTROLL_AGENT_INITIAL_SOURCE": "/models/v1",
+        "WEIGHTROLL_AGENT_MODEL_DIR": "/models",
         "P": f"{ROOT}/models/x",
     }
 

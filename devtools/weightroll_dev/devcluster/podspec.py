@@ -17,9 +17,10 @@ network or mount namespaces):
 * **Files.** Each container sees its ``volumeMounts`` under its own root directory
   ``<pod dir>/rootfs/<container>`` (a symlink per mount path, to the pod's volume directory).
   Absolute paths in ``args`` and ``env`` values that lie under a mount path (also as ``file://``
-  URIs) are rewritten to that root. The agent's ``--initial-source`` (and its env var) is a
-  *pod-view* URI reported back to the operator, so it is left as is; instead ``weightroll agent``
-  gets ``--source-root=<its root>`` and resolves every weight source under it.
+  URIs) are rewritten to that root. The agent's ``--initial-source`` (a *pod-view* URI reported
+  back to the operator) and ``--model-dir`` (the pod-view directory sources must stay in), and
+  their env vars, are left as they are; instead ``weightroll agent`` gets
+  ``--source-root=<its root>`` and resolves every weight source (and the model dir) under it.
 
 Status follows kubelet: ``Ready`` is True only when every container is ready **and** every
 ``spec.readinessGates`` condition is True on the pod (a missing condition counts as False);
@@ -51,10 +52,10 @@ __all__ = [
     "status_differs",
 ]
 
-#: Flags whose values are pod-view URIs the process reports to others (never rewritten).
-POD_VIEW_FLAGS = ("--initial-source",)
-#: Environment variables holding pod-view URIs (never rewritten).
-POD_VIEW_ENV = ("WEIGHTROLL_AGENT_INITIAL_SOURCE",)
+#: Flags whose values are pod-view paths or URIs (never rewritten).
+POD_VIEW_FLAGS = ("--initial-source", "--model-dir")
+#: Environment variables holding pod-view paths or URIs (never rewritten).
+POD_VIEW_ENV = ("WEIGHTROLL_AGENT_INITIAL_SOURCE", "WEIGHTROLL_AGENT_MODEL_DIR")
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 _HOST_LITERAL = re.compile(r"(?<![\w.])(127\.0\.0\.1|0\.0\.0\.0|localhost)(?![\w.])")
 
