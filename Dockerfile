@@ -14,8 +14,9 @@
 # packages come only from the hash-locked files in requirements/ (`scripts/lock.sh`
 # regenerates them and the SBOMs): `pip install --require-hashes --no-deps`, then the weightroll
 # wheel with `--no-deps`, so the operator image gets the `operator` extra (no torch, no vLLM)
-# and the agent image the `agent` extra (no kopf, no kubernetes client). Each image carries its
-# CycloneDX SBOM at /usr/share/doc/weightroll/sbom.cdx.json (sbom/<target>.cdx.json).
+# and the agent image the `agent` and `signing` extras (no kopf, no kubernetes client). Each
+# image carries its CycloneDX SBOM at /usr/share/doc/weightroll/sbom.cdx.json
+# (sbom/<target>.cdx.json).
 #
 # With a registry:
 #   docker build --target operator -t weightroll-operator .
@@ -102,8 +103,8 @@ COPY requirements/agent.lock /src/requirements/agent.lock
 COPY sbom/agent.cdx.json /usr/share/doc/weightroll/sbom.cdx.json
 # Into the base image's own Python, next to vLLM (its workers import the extension); deliberate,
 # hence PIP_BREAK_SYSTEM_PACKAGES for bases whose Python is marked externally managed. The lock
-# holds the `agent` extra at the versions vLLM itself uses, so nothing vLLM pinned moves; the
-# engine extra is not installed: the base image provides vLLM and torch.
+# holds the `agent` and `signing` extras at the versions vLLM itself uses, so nothing vLLM
+# pinned moves; the engine extra is not installed: the base image provides vLLM and torch.
 ENV PIP_BREAK_SYSTEM_PACKAGES=1
 RUN python3 -m pip install --no-cache-dir --require-hashes --no-deps \
         -r /src/requirements/agent.lock \

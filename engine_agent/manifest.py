@@ -10,7 +10,8 @@ manifest together. ``weightroll manifest`` therefore prints the manifest file's 
 ``sha256:<hex>`` of its exact bytes (:func:`manifest_file_digest`); a WeightUpdate that carries
 it in ``spec.source.manifestDigest`` makes the sidecar refuse any other manifest
 (:class:`ManifestDigestMismatch`, checked by :func:`load_manifest` on the bytes it parses)
-before draining, so before anything is written to the engine.
+before draining, so before anything is written to the engine. An agent given a public key also
+requires a signature over those same bytes (``engine_agent.sidecar.signing``).
 
 Format (JSON, ``weightroll.manifest/v2``; ``v1`` is still read)::
 
@@ -59,7 +60,7 @@ import os
 import re
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Final, Literal, Self
 
@@ -506,16 +507,23 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     return (json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n").encode()
 
 
-def load_manifest(path: str | os.PathLike[str], *, pinned: str | None = None) -> Manifest:
-    """Read and validate a manifest file; with ``pinned``, check its bytes first.
+def load_manifest(
+    path: str | os.PathLike[str],
+    *,
+    pinned: str | None = None,
+    check: Callable[[bytes], None] | None = None,
+) -> Manifest:
+    """Read and validate a manifest file; with ``pinned`` or ``check``, check its bytes first.
 
-    The file is read once: the bytes hashed against ``pinned`` are the bytes parsed, so a
-    manifest replaced between a check and a read cannot slip through.
+    The file is read once: the bytes hashed against ``pinned`` (and given to ``check``) are the
+    bytes parsed, so a manifest replaced between a check and a read cannot slip through.
 
     Args:
         path: the manifest file.
         pinned: ``sha256:<hex>`` the file must hash to (:func:`manifest_file_digest`); the
             update's ``source.manifestDigest``.
+        check: called with the bytes after the pin, before parsing (the sidecar's signature
+            check); what it raises propagates.
 
     Raises:
         ManifestDigestMismatch: the bytes do not hash to ``pinned`` (checked before parsing).
@@ -536,6 +544,8 @@ def load_manifest(path: str | os.PathLike[str], *, pinned: str | None = None) ->
                 f"(spec.source.manifestDigest of the WeightUpdate) pins {pinned}: the manifest "
                 "is not the one the update was written for; nothing was loaded"
             )
+    if check is not None:
+        check(raw)
     try:
         document = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

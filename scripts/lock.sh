@@ -4,9 +4,9 @@
 #   requirements/build.lock     setuptools + wheel, to build weightroll's wheel without isolation
 #   requirements/operator.lock  weightroll's base + `operator` extra, for the operator image's
 #                               Python (3.11, linux x86_64)
-#   requirements/agent.lock     weightroll's base + `agent` extra at the versions vLLM itself
-#                               resolves to (the agent installs into the vLLM image's Python,
-#                               3.12), so installing it never moves a package vLLM pinned
+#   requirements/agent.lock     weightroll's base + `agent` and `signing` extras at the versions
+#                               vLLM itself resolves to (the agent installs into the vLLM image's
+#                               Python, 3.12), so installing it never moves a package vLLM pinned
 #   sbom/{operator,agent}.cdx.json  CycloneDX 1.5 from each lock (scripts/sbom.py)
 #
 # The Dockerfile installs each lock with `pip install --require-hashes --no-deps`, then the
@@ -27,9 +27,9 @@ trap 'rm -rf "$tmp"' EXIT
 
 # vLLM's whole environment (not installed: resolved only), then the agent's closure inside it.
 echo "vllm==${VLLM_VERSION}" > "$tmp/vllm.in"
-"$UV" pip compile pyproject.toml "$tmp/vllm.in" --extra agent --no-header --no-annotate \
+"$UV" pip compile pyproject.toml "$tmp/vllm.in" --extra agent --extra signing --no-header --no-annotate \
   --python-version 3.12 --python-platform "$PLATFORM" -o "$tmp/vllm-env.txt"
-"$UV" pip compile pyproject.toml --extra agent --generate-hashes --no-header \
+"$UV" pip compile pyproject.toml --extra agent --extra signing --generate-hashes --no-header \
   --python-version 3.12 --python-platform "$PLATFORM" -c "$tmp/vllm-env.txt" \
   -o requirements/agent.lock
 sed -i "s|$tmp/vllm-env.txt|vllm==${VLLM_VERSION} (its environment, resolved, not installed)|" \

@@ -2,7 +2,7 @@
 
 Update flow (one at a time, driven by ``POST /v1/updates``)::
 
-    Pending    world size; manifest loaded and checked (pin, digest, version, base version)
+    Pending    world size; manifest loaded and checked (pin, signature, digest, version, base)
     Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
     Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
     Verifying  weightroll_finish() on every rank → all-rank agreement (ranks.check_commit)
@@ -80,6 +80,12 @@ from engine_agent.sidecar.ranks import (
     collect_states,
     committed_problems,
 )
+from engine_agent.sidecar.signing import (
+    ManifestSignatureInvalid,
+    ManifestVerifier,
+    signature_source,
+    unsigned_update,
+)
 from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 
 __all__ = ["Agent", "AgentConfig", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
@@ -144,6 +150,9 @@ class AgentConfig:
     #: which every update's ``source.uri`` and ``source.manifest`` must resolve, symlinks and
     #: ``..`` followed; ``None``: inside ``source_root`` when that is set, else anywhere.
     model_dir: str | None = None
+    #: PEM public key (EC) every update's manifest must be signed with (``<manifest>.sig``, an
+    #: OpenSSF model-signing bundle; :mod:`engine_agent.sidecar.signing`); ``None``: unsigned.
+    manifest_public_key: Path | None = None
 
     def local_path(self, path: str) -> str:
         """Where this process reads a source path (``path`` itself without ``source_root``)."""
@@ -745,6 +754,27 @@ class Agent:
             )
         return problems
 
+    async def _load_manifest(
+        self, request: UpdateRequest, manifest_path: str
+    ) -> tuple[Manifest, str | None]:
+        """Load the update's manifest (and, with a public key, verify its signature).
+
+        Returns:
+            The manifest and the pin the ranks check their own read against.
+        """
+        local, pin = self.config.local_path(manifest_path), request.source.manifest_digest
+        key = self.config.manifest_public_key
+        if key is None:
+            return await asyncio.to_thread(load_manifest, local, pinned=pin), pin
+        try:  # the .sig must stay in the model directory too
+            self.config.check_source(signature_source(request.source))
+        except SourceRefused as e:
+            raise ManifestSignatureInvalid(str(e)) from e
+        verifier = ManifestVerifier(key)
+        return await asyncio.to_thread(
+            verifier.load_manifest, local, version=request.version, pinned=pin
+        )
+
     async def _run(self, record: UpdateRecord) -> None:
         request = record.request
         started = self._monotonic()
@@ -770,17 +800,20 @@ class Agent:
             manifest_digest: str | None = None
             manifest: Manifest | None = None
             manifest_path = request.source.manifest_path
-            if manifest_path is not None:
-                try:
-                    # With source.manifestDigest the bytes parsed are the bytes hashed against
-                    # the pin, all before the drain: a swapped manifest writes nothing.
-                    manifest = await asyncio.to_thread(
-                        load_manifest,
-                        self.config.local_path(manifest_path),
-                        pinned=request.source.manifest_digest,
-                    )
-                except ManifestError as e:
-                    raise _Failed([Problem(e.code, str(e))]) from e
+            # The pin the ranks check the manifest they read against: the update's, or (signed)
+            # that of the bytes whose signature verified.
+            rank_pin = request.source.manifest_digest
+            try:
+                # With source.manifestDigest the bytes parsed are the bytes hashed against the
+                # pin (and whose signature is checked), all before the drain: a swapped manifest
+                # writes nothing.
+                if manifest_path is not None:
+                    manifest, rank_pin = await self._load_manifest(request, manifest_path)
+                elif self.config.manifest_public_key is not None:
+                    raise unsigned_update(self.config.manifest_public_key)
+            except ManifestError as e:
+                raise _Failed([Problem(e.code, str(e))]) from e
+            if manifest is not None:
                 problems = self._check_manifest(request, manifest)
                 if problems:
                     raise _Failed(problems)
@@ -810,7 +843,7 @@ class Agent:
             source = LoadSource(
                 path=self.config.local_path(request.source.path),
                 manifest=None if manifest_path is None else self.config.local_path(manifest_path),
-                manifest_digest=request.source.manifest_digest,
+                manifest_digest=rank_pin,
             )
             arg = source.model_dump_json(by_alias=True)
             load = check_session(

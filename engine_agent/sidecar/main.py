@@ -14,6 +14,10 @@ must arrive within ``--header-timeout``, a body within ``--body-timeout``, and a
 Trainer pushes (the native weight-transfer routes) need two more settings, both empty by
 default, which keeps them refused: ``--trainer-networks`` (where a rendezvous peer may be) and
 ``--trainer-token-file`` (the trainers' own tokens, sharing none with ``--token-file``).
+
+``--manifest-public-key`` makes every update's manifest carry a signature by that key
+(``engine_agent.sidecar.signing``); a key that cannot be read or used, or a missing
+``model-signing`` package, stops the agent at start.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from engine_agent.protocol import SourceSpec
 from engine_agent.sidecar.agent import Agent, AgentConfig
 from engine_agent.sidecar.app import HttpLimits, TokenFile, create_app
 from engine_agent.sidecar.engine import require_loopback
+from engine_agent.sidecar.signing import ManifestVerifier
 from engine_agent.transfer.rendezvous import Network, parse_networks
 
 __all__ = ["DEFAULT_PORT", "ReloadingTLS", "build_config", "listen_host", "main", "tls_context"]
@@ -171,18 +176,13 @@ def _parser() -> argparse.ArgumentParser:
         help="directory (the model volume's mount path) every update source and manifest must "
         "lie in, symlinks resolved [MODEL_DIR]",
     )
+    add(
+        "--manifest-public-key",
+        default=_env("MANIFEST_PUBLIC_KEY"),
+        help="PEM public key (EC) every update's manifest must be signed with: <manifest>.sig, "
+        "an OpenSSF model-signing bundle; needs the model-signing package [MANIFEST_PUBLIC_KEY]",
+    )
     limits = HttpLimits()
-    for name, help_text in (
-        ("header_timeout", "seconds a connection may take to send a request head"),
-        ("body_timeout", "seconds a request may take to send its body"),
-    ):
-        env = name.upper()
-        add(
-            f"--{name.replace('_', '-')}",
-            type=_positive_seconds(env),
-            default=_env(env) or str(getattr(limits, name)),
-            help=f"{help_text} [{env}]",
-        )
     add(
         "--max-connections",
         type=_positive_int("MAX_CONNECTIONS"),
@@ -204,20 +204,23 @@ def _parser() -> argparse.ArgumentParser:
         "(init_info.master_address) may lie in; empty refuses every trainer push "
         "[TRAINER_NETWORKS]",
     )
-    for name, help_text in (
-        ("begin_timeout", "seconds for weightroll_begin"),
-        ("load_timeout", "seconds for weightroll_load"),
-        ("finish_timeout", "seconds for weightroll_finish"),
-        ("control_timeout", "seconds for weightroll_state/abort"),
-        ("abort_pause_timeout", "seconds for /pause?mode=abort"),
-        ("watch_interval", "seconds between guard passes"),
-        ("push_idle_timeout", "seconds a trainer push may stay open without a trainer call"),
-    ):
+    seconds: tuple[tuple[object, str, str], ...] = (
+        (limits, "header_timeout", "seconds a connection may take to send a request head"),
+        (limits, "body_timeout", "seconds a request may take to send its body"),
+        (defaults, "begin_timeout", "seconds for weightroll_begin"),
+        (defaults, "load_timeout", "seconds for weightroll_load"),
+        (defaults, "finish_timeout", "seconds for weightroll_finish"),
+        (defaults, "control_timeout", "seconds for weightroll_state/abort"),
+        (defaults, "abort_pause_timeout", "seconds for /pause?mode=abort"),
+        (defaults, "watch_interval", "seconds between guard passes"),
+        (defaults, "push_idle_timeout", "seconds a trainer push may stay open without a call"),
+    )
+    for owner, name, help_text in seconds:
         env = name.upper()
         add(
             f"--{name.replace('_', '-')}",
             type=_positive_seconds(env),
-            default=_env(env) or str(getattr(defaults, name)),
+            default=_env(env) or str(getattr(owner, name)),
             help=f"{help_text} [{env}]",
         )
     add("--log-level", default=_env("LOG_LEVEL", "INFO"), help="logging level [LOG_LEVEL]")
@@ -252,6 +255,7 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
         model_dir=args.model_dir or None,
         trainer_networks=args.trainer_networks,
         trainer_token_file=Path(args.trainer_token_file) if args.trainer_token_file else None,
+        manifest_public_key=Path(args.manifest_public_key) if args.manifest_public_key else None,
     )
 
 
@@ -273,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = TokenFile(args.token_file)
         if config.trainer_token_file is not None:
             _separate_tokens(args.token_file, config.trainer_token_file)
+        if config.manifest_public_key is not None:
+            ManifestVerifier.load(config.manifest_public_key)  # SigningUnavailable: exit 2
     except ValueError as e:
         print(f"weightroll agent: {e}", file=sys.stderr)
         return 2

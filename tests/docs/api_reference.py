@@ -221,7 +221,11 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
         ),
         "version": "Version the replica serves after the commit.",
         "source.uri": "Absolute path or `file://` URI; other schemes → 422.",
-        "source.manifest": "Manifest (`weightroll manifest`); checked before the drain.",
+        "source.manifest": (
+            "Manifest (`weightroll manifest`); checked before the drain. Required when the agent "
+            "has `--manifest-public-key`: `<manifest>.sig` must then verify against that key, "
+            "for this `version`, else the update fails `manifest_signature_invalid`."
+        ),
         "source.manifestDigest": (
             "`sha256:<hex>` of the manifest file's bytes (needs `source.manifest`); any other "
             "manifest fails the update `manifest_digest_mismatch` before the drain."

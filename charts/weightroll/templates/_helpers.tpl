@@ -235,7 +235,8 @@ readinessGates:
 3. weightroll.workload.agentContainer: the agent sidecar on port 8470 (name `weightroll`, the
    only port the operator calls); its /readyz is the pod's readiness probe (it fails while the
    engine is paused, dirty or poisoned). It listens on the pod IP (POD_IP from the downward API),
-   never on 0.0.0.0, and serves TLS with the mounted certificate when agentTLS.enabled.
+   never on 0.0.0.0, and serves TLS with the mounted certificate when agentTLS.enabled. With
+   agent.manifestPublicKey.configMap it loads only manifests signed by that key's holder.
 */}}
 {{- define "weightroll.workload.agentContainer" -}}
 {{- $w := .Values.workloadExample -}}
@@ -270,6 +271,11 @@ readinessGates:
     # Trainer pushes: only rendezvous addresses inside these networks (none: all refused).
     - name: WEIGHTROLL_AGENT_TRAINER_NETWORKS
       value: {{ join "," . | quote }}
+    {{- end }}
+    {{- if $w.agent.manifestPublicKey.configMap }}
+    # Signed manifests: every update's manifest needs <manifest>.sig by this key's holder.
+    - name: WEIGHTROLL_AGENT_MANIFEST_PUBLIC_KEY
+      value: /var/run/weightroll-manifest-key/public.pem
     {{- end }}
   ports:
     - name: weightroll
@@ -306,6 +312,11 @@ readinessGates:
       mountPath: /var/run/weightroll-tls
       readOnly: true
     {{- end }}
+    {{- if $w.agent.manifestPublicKey.configMap }}
+    - name: weightroll-manifest-key
+      mountPath: /var/run/weightroll-manifest-key
+      readOnly: true
+    {{- end }}
     - name: weightroll-state
       mountPath: /var/lib/weightroll
     - name: models
@@ -328,7 +339,8 @@ readinessGates:
 {{/*
 4. weightroll.workload.volumes: the agent token Secret (key `token`) as a file, the agent's state
    directory (survives agent restarts within the pod) and the checkpoints, which vLLM's ranks read
-   (`spec.source.uri` of a WeightUpdate is a path under this mount).
+   (`spec.source.uri` of a WeightUpdate is a path under this mount); the manifest-signing public
+   key (a ConfigMap) when configured.
 */}}
 {{- define "weightroll.workload.volumes" -}}
 - name: weightroll-token
@@ -357,6 +369,16 @@ readinessGates:
         path: tls.crt
       - key: tls.key
         path: tls.key
+{{- end }}
+{{- with .Values.workloadExample.agent.manifestPublicKey }}
+{{- if .configMap }}
+- name: weightroll-manifest-key
+  configMap:
+    name: {{ .configMap }}
+    items:
+      - key: {{ .key }}
+        path: public.pem
+{{- end }}
 {{- end }}
 - name: weightroll-state
   emptyDir: {}
