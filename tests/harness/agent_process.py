@@ -15,10 +15,11 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import ClientError, ClientSession, TCPConnector
 
-__all__ = ["AgentProcess", "AgentProcesses", "agent_env", "free_port"]
+__all__ = ["AgentHttp", "AgentProcess", "AgentProcesses", "agent_env", "free_port"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,3 +113,34 @@ class AgentProcesses:
                 except TimeoutError:
                     agent.process.kill()
                     await agent.process.wait()
+
+
+@dataclass
+class AgentHttp:
+    """An HTTP client of one agent, sending ``headers`` (the token) with every call."""
+
+    url: str
+    http: ClientSession
+    headers: dict[str, str]
+
+    async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        response = await self.http.request(method, self.url + path, json=body, headers=self.headers)
+        return response.status, await response.json()
+
+    async def run_update(self, body: dict[str, Any], timeout: float = 20) -> dict[str, Any]:
+        """POST the update (must be accepted, 202) and poll it until it ends."""
+        status, answer = await self.request("POST", "/v1/updates", body)
+        assert status == 202, answer
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            _, answer = await self.request("GET", f"/v1/updates/{body['id']}")
+            if answer["phase"] in ("Committed", "Failed", "Aborted"):
+                return answer  # type: ignore[no-any-return]
+            assert loop.time() < end, f"update stuck: {answer}"
+            await asyncio.sleep(0.05)
+
+    async def readyz(self) -> tuple[int, Any]:
+        # reasons are named only to a token holder (they can carry paths)
+        response = await self.http.get(self.url + "/readyz", headers=self.headers)
+        return response.status, await response.json()

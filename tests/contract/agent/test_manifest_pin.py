@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 
 from engine_agent.manifest import build_manifest, manifest_file_digest, write_manifest
 from tests.contract.agent.conftest import TOKEN, update_body
-from tests.harness.agent_process import AgentProcesses
+from tests.harness.agent_process import AgentHttp, AgentProcesses
 from tests.harness.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.asyncio
@@ -38,33 +38,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @dataclass
-class AgentProcess:
-    """The agent running as its own process, and an HTTP client for it."""
+class AgentProcess(AgentHttp):
+    """The agent running as its own process, an HTTP client for it, and the fake behind it."""
 
-    url: str
-    http: ClientSession
-    fake: FakeVllm
-
-    async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        response = await self.http.request(method, self.url + path, json=body, headers=AUTH)
-        return response.status, await response.json()
-
-    async def run_update(self, body: dict[str, Any], timeout: float = 20) -> dict[str, Any]:
-        status, answer = await self.request("POST", "/v1/updates", body)
-        assert status == 202, answer
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while True:
-            _, answer = await self.request("GET", f"/v1/updates/{body['id']}")
-            if answer["phase"] in ("Committed", "Failed", "Aborted"):
-                return answer  # type: ignore[no-any-return]
-            assert loop.time() < end, f"update stuck: {answer}"
-            await asyncio.sleep(0.05)
-
-    async def readyz(self) -> tuple[int, Any]:
-        # reasons are named only to a token holder (they can carry paths)
-        response = await self.http.get(self.url + "/readyz", headers=AUTH)
-        return response.status, await response.json()
+    fake: FakeVllm = field(kw_only=True)
 
 
 @pytest_asyncio.fixture
@@ -74,7 +51,7 @@ async def agent(fake: FakeVllm, token_file: Path, tmp_path: Path) -> AsyncIterat
         # ready, not just listening: updates before recovery are 409
         started = await agents.start()
         async with ClientSession() as http:
-            yield AgentProcess(started.url, http, fake)
+            yield AgentProcess(started.url, http, AUTH, fake=fake)
     finally:
         await agents.stop()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 from engine_agent.manifest import build_manifest, write_manifest
 from tests.contract.agent.conftest import TOKEN, update_body
-from tests.harness.agent_process import AgentProcesses
+from tests.harness.agent_process import AgentHttp, AgentProcesses
 from tests.harness.fake_vllm import FakeVllm
 from tests.harness.signing_keys import sign, write_key_pair
 
@@ -41,30 +41,12 @@ CODE = "manifest_signature_invalid"
 
 
 @dataclass
-class SigningAgent:
+class SigningAgent(AgentHttp):
     """The agent process with a public key, an HTTP client for it, and the key pair."""
 
-    url: str
-    http: ClientSession
-    fake: FakeVllm
-    private_key: Path
-    public_key: Path
-
-    async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        response = await self.http.request(method, self.url + path, json=body, headers=AUTH)
-        return response.status, await response.json()
-
-    async def run_update(self, body: dict[str, Any], timeout: float = 20) -> dict[str, Any]:
-        status, answer = await self.request("POST", "/v1/updates", body)
-        assert status == 202, answer
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while True:
-            _, answer = await self.request("GET", f"/v1/updates/{body['id']}")
-            if answer["phase"] in ("Committed", "Failed", "Aborted"):
-                return answer  # type: ignore[no-any-return]
-            assert loop.time() < end, f"update stuck: {answer}"
-            await asyncio.sleep(0.05)
+    fake: FakeVllm = field(kw_only=True)
+    private_key: Path = field(kw_only=True)
+    public_key: Path = field(kw_only=True)
 
 
 @pytest_asyncio.fixture
@@ -76,7 +58,9 @@ async def agent(fake: FakeVllm, token_file: Path, tmp_path: Path) -> AsyncIterat
     try:
         started = await agents.start(manifest_public_key=str(public))
         async with ClientSession() as http:
-            yield SigningAgent(started.url, http, fake, private, public)
+            yield SigningAgent(
+                started.url, http, AUTH, fake=fake, private_key=private, public_key=public
+            )
     finally:
         await agents.stop()
 
