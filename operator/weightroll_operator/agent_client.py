@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from engine_agent.protocol import (
     UPDATE_ID_PATTERN,
+    VERSION_PATTERN,
     AgentState,
     ErrorBody,
     UpdateRequest,
@@ -220,7 +221,37 @@ def _parse(model: type[_M], data: Any, target: AgentTarget) -> _M:
         )
         problem = f"unreadable {model.__name__} ({e.error_count()} errors at {safe_text(where)})"
         raise AgentRejected(f"{target.pod}: {problem}") from None
+    for where, value, pattern in _names(parsed):
+        # Versions and ids reach status and pod labels verbatim: only our grammar is taken.
+        if value and not pattern.fullmatch(value):
+            raise AgentRejected(f"{target.pod}: unreadable {model.__name__} (invalid {where})")
     return _bounded(parsed, target.token)
+
+
+_VERSION_RE = re.compile(VERSION_PATTERN)
+
+
+_Name = tuple[str, str | None, re.Pattern[str]]
+
+
+def _names(answer: AgentState | UpdateStatus) -> list[_Name]:
+    """The versions and update ids of an answer, each with the grammar it must follow."""
+    v, u = _VERSION_RE, _UPDATE_ID_RE
+    names: list[_Name]
+    if isinstance(answer, UpdateStatus):
+        names = [("id", answer.id, u), ("version", answer.version, v)]
+        ranks = [(r.version, r.update_id) for r in answer.ranks]
+    else:
+        names = [
+            ("version", answer.version, v),
+            ("committedVersion", answer.committed_version, v),
+            ("activeUpdateId", answer.active_update_id, u),
+            ("committedUpdateId", answer.committed_update_id, u),
+        ]
+        ranks = [(r.version, r.update_id) for r in answer.ranks]
+    for version, update_id in ranks:
+        names += [("ranks[].version", version, v), ("ranks[].updateId", update_id, u)]
+    return names
 
 
 def _bounded(answer: _M, token: str | None) -> _M:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from weightroll_operator.agent_client import MAX_REASON_CHARS, AgentClient
 from weightroll_operator.errors import AgentError
@@ -151,6 +151,23 @@ def test_generated_agent_answers_leak_nothing_and_follow_nowhere() -> None:
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
     @given(answer=answers(other_port), call=st.sampled_from(sorted(calls)))
+    # Found by this generator: a version is repeated verbatim (status, labels), so a state
+    # whose version carried the token reached the caller; versions now follow our grammar.
+    @example(
+        answer=Answer(
+            body=json.dumps(
+                {
+                    "version": f"{MARK} Bearer {TOKEN}\r\n",
+                    "engineState": "clean",
+                    "ready": True,
+                    "paused": False,
+                    "message": MARK,
+                }
+            ).encode(),
+            schema=True,
+        ),
+        call="state",
+    )
     def one(answer: Answer, call: str) -> None:
         world.answer, world.pod_paths[:] = answer, []
         world.examples += 1
