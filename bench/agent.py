@@ -36,6 +36,7 @@ for extra in (ROOT, ROOT / "tests" / "server", ROOT / "devtools"):
 
 import aiohttp  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from engine_agent.manifest import build_manifest, write_manifest  # noqa: E402
 
 TOKEN = "bench-token"
@@ -194,6 +195,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     tp, args.repeats, work / f"tp{tp}", args.hidden
                 )
     report["wall_s"] = round(time.monotonic() - started, 1)
+    report["machine"] = machine()
     return report
 
 

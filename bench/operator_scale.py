@@ -84,6 +84,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from weightroll_operator.api.v1alpha1 import resolve_max_unavailable
@@ -95,7 +96,9 @@ from weightroll_operator.ports import AgentTarget
 from weightroll_operator.reconcile import Reconciler
 from weightroll_operator.settings import OperatorConfig
 
-from bench.machine import cpu_model, load_average
+# `python bench/operator_scale.py` puts bench/ on the path, not the checkout: add it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import load_average, machine
 from engine_agent.protocol import (
     AgentState,
     EngineState,
@@ -387,11 +390,7 @@ async def run(
             "p95": round(_p95(pass_cpu_ms), 2),
             "max": round(max(pass_cpu_ms), 2),
         },
-        "machine": {
-            "cpu": cpu_model(),
-            "loadAverageAtStart": load_at_start,
-            "loadAverageAtEnd": load_average(),
-        },
+        "machine": {**machine(), "loadAverageAtStart": load_at_start},
         "apiWrites": dict(kube.writes),
         "apiWritesPerPod": round(writes / pods_n, 3),
         "podWritesPerPod": round(pod_writes / pods_n, 3),

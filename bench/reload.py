@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "devtools"))  # tiny models
 
-from bench.machine import cpu_model, load_average
+from bench.machine import machine
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -170,8 +170,7 @@ def main() -> None:
         "verification": "every tensor BLAKE3-checked against a weightroll.manifest/v2 as loaded",
         "goals": {"verified_vs_vllm_reload": "<= 1.1", "structural_checks_share": "<= 0.05"},
         "engine_serves_after": bool(out_ok.tokens),
-        "cpu": cpu_model(),
-        "load_average": load_average(),
+        "machine": machine(),
     }
     text = json.dumps(report, indent=2)
     if args.out:

@@ -36,7 +36,7 @@ os.dup2(2, 1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "devtools"))  # tiny models
 
-from bench.machine import cpu_model, load_average  # noqa: E402 (after the path set-up)
+from bench.machine import machine  # noqa: E402 (after the path set-up)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -194,8 +194,7 @@ def main() -> None:
         "goals": {"verified_vs_stock": "<= 1.1"},
         "final_rank_state": {"state": state["state"], "version": state["version"]},
         "engine_serves_after": serves,
-        "cpu": cpu_model(),
-        "load_average": load_average(),
+        "machine": machine(),
     }
     text = json.dumps(report, indent=2)
     if args.out:
