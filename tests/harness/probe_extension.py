@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine_agent.vllm_extension import WeightRollExtension
+from tests.harness.census import Entry, census
 
 PACKED_GEMM_ENV = "WEIGHTROLL_TEST_PACKED_GEMM"
 MLA_COPIES_ENV = "WEIGHTROLL_TEST_MLA_COPIES"
@@ -95,6 +96,10 @@ def _own_state(kernel: Any) -> bool:
 
 
 class ProbeExtension(WeightRollExtension):
+    def probe_census(self, _args: str = "{}") -> dict[str, Entry]:
+        """Every tensor the kernels can read (:mod:`tests.harness.census`; not our index)."""
+        return census(self.model_runner.model)  # type: ignore[attr-defined]
+
     def probe_storage(self, _args: str = "{}") -> dict[str, int]:
         """data_ptr of every parameter, buffer and registered derived tensor."""
         engine = self._weightroll_engine()
