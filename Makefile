@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-engine test lint unit engine venv clean vllm-surface
+.PHONY: demo demo-engine test lint unit engine venv clean vllm-surface gpu-check
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -37,6 +37,10 @@ unit: venv
 
 engine: venv
 	$(PY) -m pytest tests/engine
+
+## The prepared GPU check (bench/gpu_check.py): about 8 minutes on one GPU; DRY_RUN=1 on a CPU.
+gpu-check: venv
+	$(PY) bench/gpu_check.py $(if $(DRY_RUN),--dry-run)
 
 ## vLLM's internals weightroll touches, checked statically against the releases we claim (the
 ## CUDA wheels are downloaded, ~600 MB, never installed): writes docs/vllm-surface.md.

@@ -96,6 +96,43 @@ def _own_state(kernel: Any) -> bool:
 
 
 class ProbeExtension(WeightRollExtension):
+    def probe_stray_write(self, args: str = "{}") -> str:
+        """Add 1 to the first element of the named parameter in place (a stray write)."""
+        import json
+
+        name = json.loads(args)["name"]
+        model: Any = self.model_runner.model  # type: ignore[attr-defined]
+        param = dict(model.named_parameters())[name]
+        with torch.no_grad():
+            param.view(-1)[0] += 1
+        return name
+
+    def probe_guard_cost(self, _args: str = "{}") -> dict[str, Any]:
+        """Time one still-true content check over every weight (the guard's cost per period)."""
+        import time
+
+        from engine_agent.reload.guard import DEFAULT_PERIOD_S, StillTrueGuard
+
+        model: Any = self.model_runner.model  # type: ignore[attr-defined]
+        tensors = {n: t for n, t in model.named_parameters() if t.numel()}
+        tensors |= {n: t for n, t in model.named_buffers() if t.numel()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+        guard = StillTrueGuard(
+            tensors=lambda: tensors,
+            kernels=self._weightroll_engine().index.kernel_snapshot,
+            period=0,
+        )
+        guard.seal()
+        started = time.perf_counter()
+        assert guard.violations() == []
+        check_s = time.perf_counter() - started
+        return {
+            "weight_bytes": nbytes,
+            "guard_check_s": round(check_s, 4),
+            "guard_share_at_default_period": round(check_s / DEFAULT_PERIOD_S, 6),
+        }
+
     def probe_census(self, _args: str = "{}") -> dict[str, Entry]:
         """Every tensor the kernels can read (:mod:`tests.harness.census`; not our index)."""
         return census(self.model_runner.model)  # type: ignore[attr-defined]
