@@ -528,6 +528,38 @@ def test_workload_example_is_prepared_for_weightroll() -> None:
     assert secrets["resourceNames"] == [secret["metadata"]["name"]]
 
 
+def _agent_env(values: dict[str, Any]) -> dict[str, str]:
+    objs = objects(render(values))
+    pod = find(objs, "Deployment", "vllm-example")["spec"]["template"]["spec"]
+    (agent,) = [c for c in pod["containers"] if c["name"] == "weightroll-agent"]
+    return {e["name"]: e.get("value", "") for e in agent["env"]}
+
+
+def test_workload_example_names_its_boot_weights() -> None:
+    """Issue 27 item 10: without --initial-source a rollback could only mark pods Failed."""
+    values = scenario_values("workload-values.yaml")
+    env = _agent_env(values)
+    model = values.get("workloadExample", {}).get("vllm", {}).get("model", "/models/current")
+    assert env["WEIGHTROLL_AGENT_INITIAL_VERSION"] == "v1"
+    assert env["WEIGHTROLL_AGENT_INITIAL_SOURCE"] == model
+    assert "WEIGHTROLL_AGENT_INITIAL_MANIFEST" not in env
+    values["workloadExample"]["initialWeights"] = {
+        "version": "base-7",
+        "source": "/models/base-7",
+        "manifest": "/models/base-7/weightroll-manifest.json",
+    }
+    env = _agent_env(values)
+    assert env["WEIGHTROLL_AGENT_INITIAL_VERSION"] == "base-7"
+    assert env["WEIGHTROLL_AGENT_INITIAL_SOURCE"] == "/models/base-7"
+    assert env["WEIGHTROLL_AGENT_INITIAL_MANIFEST"] == "/models/base-7/weightroll-manifest.json"
+    # A model named by hub id is no path to restore from: no source, the version still named.
+    values["workloadExample"]["initialWeights"] = {"version": "v1", "source": ""}
+    values["workloadExample"].setdefault("vllm", {})["model"] = "org/model"
+    env = _agent_env(values)
+    assert "WEIGHTROLL_AGENT_INITIAL_SOURCE" not in env
+    assert env["WEIGHTROLL_AGENT_INITIAL_VERSION"] == "v1"
+
+
 def test_notes_explain_workload_preparation() -> None:
     notes = render()["weightroll/templates/NOTES.txt"]
     for needle in (

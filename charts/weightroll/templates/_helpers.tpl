@@ -267,6 +267,22 @@ readinessGates:
     # Sources and manifests must resolve (symlinks and .. followed) inside the model volume.
     - name: WEIGHTROLL_AGENT_MODEL_DIR
       value: {{ $w.models.mountPath | quote }}
+    {{- with $w.initialWeights }}
+    # The boot weights: what a booted pod serves and what a rollback restores.
+    {{- if .version }}
+    - name: WEIGHTROLL_AGENT_INITIAL_VERSION
+      value: {{ .version | quote }}
+    {{- end }}
+    {{- $source := .source | default (hasPrefix "/" $w.vllm.model | ternary $w.vllm.model "") }}
+    {{- if $source }}
+    - name: WEIGHTROLL_AGENT_INITIAL_SOURCE
+      value: {{ $source | quote }}
+    {{- end }}
+    {{- if .manifest }}
+    - name: WEIGHTROLL_AGENT_INITIAL_MANIFEST
+      value: {{ .manifest | quote }}
+    {{- end }}
+    {{- end }}
     {{- with $w.trainerNetworks }}
     # Trainer pushes: only rendezvous addresses inside these networks (none: all refused).
     - name: WEIGHTROLL_AGENT_TRAINER_NETWORKS
