@@ -18,7 +18,8 @@ and ``promote``, of the status subresource (the persisted halt intents) for ``ab
 * ``abort``: ``status.abortedAt: <now>``, ``status.abortReason: AbortedByUser``. Like any halt:
   units in flight finish, nothing new starts, phase ``Failed`` — or, with ``onFailure:
   Rollback``, the touched pods roll back.
-* ``retry``: ``status.abortedAt``/``abortReason`` cleared and ``status.retriedAt: <now>``. Resumes
+* ``retry``: ``status.abortedAt``/``abortReason`` cleared and ``status.retriedAt: <now>`` (the API
+  server's time, from its ``Date`` header, so a skewed CLI clock does not matter). Resumes
   after every kind of halt (``FailureBudgetExceeded``, ``ProgressDeadlineExceeded``,
   ``CanaryFailed``, ``AbortedByUser``, a finished rollback): pods whose attempt failed (or was
   rolled back) before ``retriedAt`` are tried again by fresh attempts, and the progress clock
@@ -280,7 +281,8 @@ def decide(
         verb: the subcommand.
         body: the WeightUpdate object, status included, as the API server returned it.
         force: ``--force`` (``promote``): lift the hold even when the status does not show it.
-        now: the time written by ``abort`` and ``retry`` (default: the current time).
+        now: the time written by ``abort`` and ``retry``: the API server's (default: this
+            machine's current time).
 
     Returns:
         The outcome: a patch and the line saying what changed, no patch and a line saying
@@ -304,7 +306,10 @@ def decide(
 async def _steer(api: KubeApi, verb: Verb, namespace: str, name: str, *, force: bool) -> Outcome:
     try:
         body = await api.get_weightupdate(namespace, name)
-        outcome = decide(verb, body, force=force)
+        # abort/retry stamp the API server's time, not this machine's: the operator compares
+        # retriedAt with the start of attempts it stamped itself (a CLI clock minutes behind
+        # would leave the failed pods failed; minutes ahead, retry later attempts too)
+        outcome = decide(verb, body, force=force, now=api.server_date)
         if outcome.patch is not None:
             await api.patch_weightupdate_spec(
                 namespace, name, outcome.patch, resource_version=outcome.resource_version

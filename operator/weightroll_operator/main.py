@@ -178,6 +178,8 @@ async def _serve(
         if elector is not None:
             async with _standby_health(config.health_port):
                 await elector.acquire()
+            # writes stop when the Lease may be lost, not when kopf's shutdown gets there
+            kube.fence = elector.acting_for
             holding = asyncio.create_task(elector.hold())
             holding.add_done_callback(lambda _: stop.set())
         on_acting()

@@ -194,13 +194,19 @@ class Metrics:
         deadline_seconds: int,
         last_progress: float | None,
     ) -> None:
-        for p in Phase:
-            self.update_phase.labels(namespace, name, p.value).set(1 if p is phase else 0)
+        self.observe_phase(namespace, name, phase)
         for state, value in counts.model_dump().items():
             self.replicas.labels(namespace, name, state).set(value)
         self.progress_deadline.labels(namespace, name).set(deadline_seconds)
         if last_progress is not None:
             self.last_progress.labels(namespace, name).set(last_progress)
+
+    def observe_phase(self, namespace: str, name: str, phase: Phase) -> None:
+        """The phase gauge alone: also for a WeightUpdate whose spec is invalid (phase
+        ``Failed``, ``InvalidSpec``), which has no plan and no counts, but must raise the
+        ``WeightUpdateFailed`` alert like any other failure."""
+        for p in Phase:
+            self.update_phase.labels(namespace, name, p.value).set(1 if p is phase else 0)
 
     def observe_transition(
         self, namespace: str, name: str, old: Phase | None, new: Phase, duration: float | None

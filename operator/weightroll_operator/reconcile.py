@@ -556,8 +556,9 @@ class Reconciler:
             self._selections.pop(owner, None)
             self._units.pop(owner, None)
             self._asked.pop(owner, None)
-            status = invalid_status(old_status, str(e), generation, now)
-            await self._write_status(namespace, name, raw_status, status)
+            await self._report_invalid(
+                namespace, name, raw_status, old_status, str(e), generation, now
+            )
             raise InvalidSpec(str(e)) from e
 
         self._sweep_left_drained(namespace, pods)
@@ -569,8 +570,9 @@ class Reconciler:
             await self._token_unavailable(namespace, name, spec, raw_status, old_status, e, now)
             raise
         except InvalidSpec as e:
-            status = invalid_status(old_status, str(e), generation, now)
-            await self._write_status(namespace, name, raw_status, status)
+            await self._report_invalid(
+                namespace, name, raw_status, old_status, str(e), generation, now
+            )
             raise
         persisted = Persisted.from_status(old_status, spec.version)
         persisted = replace(persisted, clock_floor=timestamp(self.started or now))
@@ -1129,6 +1131,23 @@ class Reconciler:
             return False
         await self.kube.patch_weightupdate_status(namespace, name, patch)
         return True
+
+    async def _report_invalid(
+        self,
+        namespace: str,
+        name: str,
+        raw_status: Mapping[str, Any],
+        old_status: WeightUpdateStatus | None,
+        message: str,
+        generation: int | None,
+        now: datetime,
+    ) -> None:
+        """Status ``Failed`` with ``InvalidSpec``, and the phase gauge with it: without the
+        gauge the ``WeightUpdateFailed`` alert never fired for an invalid spec."""
+        status = invalid_status(old_status, message, generation, now)
+        await self._write_status(namespace, name, raw_status, status)
+        if self.metrics is not None:
+            self.metrics.observe_phase(namespace, name, status.phase)
 
     async def _phase_event(
         self, ctx: ApplyContext, old: WeightUpdateStatus | None, new: WeightUpdateStatus

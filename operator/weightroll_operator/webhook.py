@@ -10,9 +10,13 @@ its update id with ``v2-1``) used to be accepted by the API server and found lat
 
 * ``spec.source`` is immutable while ``spec.version`` is unchanged: the same version from
   another checkpoint would make "verified at v" ambiguous (roll a new version instead);
-* ``progressDeadlineSeconds`` is at least ``updateTimeoutSeconds``: otherwise one slow unit
-  fails the whole rollout before its own timeout. The operator still runs such a spec stored
-  before the webhook existed (the deadline then fires first).
+* ``progressDeadlineSeconds`` is greater than ``updateTimeoutSeconds``: otherwise one slow unit
+  fails the whole rollout before its own timeout (the deadline counts from the claim, the
+  unit's timer from the agent's acceptance). The operator still runs such a spec stored before
+  the webhook existed (the deadline then fires first);
+* ``maxFailedReplicas`` is less than a numeric ``maxUnavailable``: tolerated failed units stay
+  drained and use the budget, so that many would stop the rollout (the operator halts such a
+  rollout at once, ``domain/halts.py``).
 
 An UPDATE that leaves ``spec`` as it was is always allowed, so an object stored before the
 webhook existed (or before a rule was added) can still get its finalizer removed and be deleted.
@@ -39,6 +43,7 @@ from typing import Any
 from aiohttp import web
 
 from weightroll_operator.api.v1alpha1 import parse_spec
+from weightroll_operator.domain.halts import budget_problem, deadline_problem
 from weightroll_operator.domain.plan import check_wire
 
 __all__ = ["WEBHOOK_PATH", "WebhookServer", "review", "validate"]
@@ -65,13 +70,10 @@ def validate(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> str | Non
         check_wire(parsed, str((new.get("metadata") or {}).get("name") or "new"))
     except ValueError as e:
         return str(e)
-    strategy = parsed.strategy
-    if strategy.progress_deadline_seconds < strategy.update_timeout_seconds:
-        return (
-            f"spec.strategy.progressDeadlineSeconds ({strategy.progress_deadline_seconds}) must be "
-            f"at least spec.strategy.updateTimeoutSeconds ({strategy.update_timeout_seconds}): "
-            "one unit may take that long without a transition"
-        )
+    # specs that fail by construction (``domain/halts.py``)
+    problem = deadline_problem(parsed.strategy) or budget_problem(parsed.strategy)
+    if problem is not None:
+        return problem
     same_version = isinstance(old_spec, Mapping) and old_spec.get("version") == parsed.version
     if same_version and (old_spec or {}).get("source") != (spec or {}).get("source"):
         return (

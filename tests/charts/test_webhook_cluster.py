@@ -151,7 +151,7 @@ BAD = [
     ({"source": {"uri": "s3://bucket/v2"}}, "spec.source.uri"),
     (
         {"strategy": {"updateTimeoutSeconds": 600, "progressDeadlineSeconds": 60}},
-        "spec.strategy.progressDeadlineSeconds (60) must be at least "
+        "spec.strategy.progressDeadlineSeconds (60) must be greater than "
         "spec.strategy.updateTimeoutSeconds (600)",
     ),
     # The next two, and the URI above, are refused by the CRD's OpenAPI schema already

@@ -8,7 +8,9 @@ pod IP + one agent port exactly like a real cluster.
 
 Scripts per version decide what an update does: ``succeed`` (Draining -> Loading -> Verifying ->
 Committed), ``fail`` (-> Failed with a reason, stays paused), ``hang`` (stays Loading until
-aborted), ``reject`` (the POST gets a 422 naming ``source.uri``). :meth:`FakeAgent.disappear`
+aborted), ``reject`` (the POST gets a 422 naming ``source.uri``), ``race`` (hangs like
+``hang``, but the commit wins the race with the operator's abort: the abort commits the update
+first, then answers 409 like an abort of a committed update). :meth:`FakeAgent.disappear`
 stops the server (connection refused) and :meth:`FakeAgent.appear` brings it back with the same
 state.
 
@@ -61,7 +63,7 @@ from engine_agent.protocol import (
 
 __all__ = ["FakeAgent", "FakeFleetAgents", "Script", "free_port"]
 
-Script = Literal["succeed", "fail", "hang", "reject"]
+Script = Literal["succeed", "fail", "hang", "reject", "race"]
 
 
 _ATTEMPT = re.compile(r"-[0-9a-f]{8}(?=-g\d+-a\d+)|-g\d+(?=-a\d+)")
@@ -310,9 +312,17 @@ class FakeAgent:
         uid = request.match_info["id"]
         if uid not in self.updates:
             return self._error(404, "not_found", f"no update {uid}")
+        task = self._tasks.get(uid)
+        record = self.updates[uid]
+        if self.scripts.get(record.version) == "race" and not record.phase.terminal:
+            if task is not None:
+                task.cancel()
+            req = self.requests[uid]  # committed just before the abort arrived
+            self.version = req.version
+            self.source, self.manifest = req.source.uri, req.source.manifest
+            self._finish(uid, UpdatePhase.COMMITTED, [])
         if self.updates[uid].phase is UpdatePhase.COMMITTED:
             return self._error(409, "conflict", f"update {uid!r} already committed; roll back")
-        task = self._tasks.get(uid)
         if task is not None and not task.done():
             task.cancel()
             self._finish(uid, UpdatePhase.ABORTED, ["aborted by the operator"])
@@ -347,7 +357,7 @@ class FakeAgent:
         self._set(uid, UpdatePhase.LOADING)
         self.engine = EngineState.DIRTY
         await asyncio.sleep(self.step)
-        if script == "hang":
+        if script in ("hang", "race"):
             await asyncio.Event().wait()
         self._set(uid, UpdatePhase.VERIFYING)
         await asyncio.sleep(self.step)

@@ -12,7 +12,7 @@ default lives in exactly one place). Descriptions are the models' attribute docs
 
 Cross-field rules are CEL rules (``x-kubernetes-validations``, :data:`CEL_RULES`), checked by
 API servers >= 1.25: a non-empty selector, values matching the operator of each
-``matchExpressions`` entry, ``sparse`` needs ``baseVersion``, ``progressDeadlineSeconds`` >=
+``matchExpressions`` entry, ``sparse`` needs ``baseVersion``, ``progressDeadlineSeconds`` >
 ``updateTimeoutSeconds``, and ``spec.source`` immutable while ``spec.version`` is unchanged (a
 transition rule). The same rules are enforced, with the same field names in the messages, by
 the operator's admission webhook (``webhook.py``) on every version, and the tests evaluate the
@@ -95,10 +95,10 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     "strategy": [
         {
             "rule": "(has(self.progressDeadlineSeconds) ? self.progressDeadlineSeconds : "
-            f"{api.StrategySpec.model_fields['progress_deadline_seconds'].default}) >= "
+            f"{api.StrategySpec.model_fields['progress_deadline_seconds'].default}) > "
             "(has(self.updateTimeoutSeconds) ? self.updateTimeoutSeconds : "
             f"{api.StrategySpec.model_fields['update_timeout_seconds'].default})",
-            "message": "spec.strategy.progressDeadlineSeconds must be at least "
+            "message": "spec.strategy.progressDeadlineSeconds must be greater than "
             "spec.strategy.updateTimeoutSeconds",
         }
     ],

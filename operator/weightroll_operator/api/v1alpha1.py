@@ -273,14 +273,22 @@ class StrategySpec(Model):
     aborted and the unit fails (it stays drained)."""
     progress_deadline_seconds: int = Field(default=1800, ge=1)
     """No unit transition for this long (seconds) while work is left: phase `Failed` (reason
-    `ProgressDeadlineExceeded`). Not counted while paused."""
+    `ProgressDeadlineExceeded`). Must be greater than `updateTimeoutSeconds`. Counts the
+    current attempt only: not while paused or `Blocked`, not before a retry, and not at all
+    once the rollout completed (pods joining later are converged and reported, never a
+    halt)."""
     on_failure: OnFailure = OnFailure.HALT
-    """When more than `maxFailedReplicas` units have failed: `Halt` stops starting units
-    (failed units stay drained); `Rollback` reloads every touched unit in place to the version
-    and source it served before."""
+    """When the rollout halts (more than `maxFailedReplicas` units failed, a failed canary,
+    the progress deadline): `Halt` stops starting units (failed units stay drained);
+    `Rollback` reloads every touched unit in place to the version and source it served
+    before. A completed rollout never halts: a pod failing after completion is reported
+    (`Failed`, condition `Degraded`) and the verified pods are left alone."""
     max_failed_replicas: int = Field(default=0, ge=0)
-    """Failed units tolerated before `onFailure` applies. Failed units stay drained and count
-    as unavailable."""
+    """Failed units tolerated: they stay drained and reported (condition `Degraded`), and the
+    rollout goes on and completes (phase `Succeeded`, `Degraded=True`). One more failure halts
+    it (`onFailure`). Tolerated failed units use the `maxUnavailable` budget, so this must be
+    less than a numeric `maxUnavailable`; when they hold all of it while units still wait,
+    the rollout halts at once (`FailureBudgetExceeded`)."""
 
     @field_validator("max_unavailable")
     @classmethod

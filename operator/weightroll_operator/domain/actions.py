@@ -100,7 +100,7 @@ class Emit:
     warning: bool = False
     #: The pods whose actions of this pass the Event reports (empty: it reports none).
     pods: tuple[str, ...] = ()
-    #: An aggregate's parts, one per unit (``plan.aggregate_emits``): apply leaves out a part
+    #: An aggregate's parts, one per unit (``events.aggregate_emits``): apply leaves out a part
     #: whose pods' actions failed and words the rest anew.
     parts: tuple[Emit, ...] = ()
 

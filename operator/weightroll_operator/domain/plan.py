@@ -37,7 +37,7 @@ Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -67,7 +67,9 @@ from weightroll_operator.domain.actions import (
     StartUpdate,
 )
 from weightroll_operator.domain.conditions import Reason, timestamp
+from weightroll_operator.domain.events import aggregate_emits, aggregate_events, emit_holding
 from weightroll_operator.domain.fleet import Unit, group_units
+from weightroll_operator.domain.halts import halt_verdict, progress_clock
 from weightroll_operator.domain.model import (
     LABEL_WEIGHT_VERSION,
     AgentView,
@@ -80,6 +82,7 @@ from weightroll_operator.domain.model import (
     attempt_id,
     make_update_id,
 )
+from weightroll_operator.domain.unit_timeout import ABORT_GRACE_SECONDS, aborted_reason, on_timeout
 
 __all__ = [
     "Fleet",
@@ -128,6 +131,10 @@ class Persisted:
     #: progress clock, so time on hold or blocked never counts against
     #: ``progressDeadlineSeconds``.
     held: bool = False
+    #: The previous pass found the rollout finished with nothing to do (phase ``Succeeded``):
+    #: the pass that finds work again (a new or restarted pod) starts the progress clock, so
+    #: the convergence's progress is measured, not the time since completion (``halts``).
+    idle: bool = False
     #: Persisted intent of ``weightroll retry``: settled failures (and rollbacks) of attempts
     #: that started before this time are tried again by fresh attempts.
     retried_at: str | None = None
@@ -149,6 +156,7 @@ class Persisted:
             aborted_at=status.aborted_at,
             abort_reason=status.abort_reason,
             held=status.phase is Phase.PAUSED or blocked,
+            idle=status.phase is Phase.SUCCEEDED,
             retried_at=status.retried_at,
         )
 
@@ -216,6 +224,8 @@ class Query:
 #: The most common query (frozen, so one instance serves every pod).
 _ASK_STATE = Query(state=True)
 _FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
+#: The classes of a completed rollout: failed within the tolerance (else it halted) or done.
+_DONE = frozenset({PodClass.UPDATED, PodClass.FOREIGN, PodClass.FAILED})
 #: The classes :func:`_notes` may say something about.
 _NOTED = frozenset({PodClass.UNKNOWN, PodClass.PENDING, PodClass.IN_FLIGHT})
 #: A unit is pending (still to start) when its pods are only in these classes ...
@@ -590,7 +600,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             return _fail_unit(b, unit, flying, "DrainTimeout: the pods were not observed NotReady")
         return True
 
-    def timed_out(pod: PodView) -> bool:
+    def timed_out(pod: PodView, grace: float = 0.0) -> bool:
         # The update timer starts when the agent accepted the update (its record's startedAt);
         # before that (not accepted yet), at the claim.
         agent = agents.get(pod.name)
@@ -598,7 +608,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         accepted = parse_time(update.started_at) if update is not None else None
         if accepted is not None and floor is not None and floor > accepted:
             accepted = floor
-        return now >= (accepted or claimed_at) + timeout
+        return now >= (accepted or claimed_at) + timeout + timedelta(seconds=grace)
 
     running: list[PodView] = []
     failed: dict[str, str] = {}
@@ -615,20 +625,12 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             update is None
             and not rollback
             and agent.active_update_id != st.update_id
-            and (st.version != spec.version or not target_source(spec).same_files(st.source))
+            and _outdated(spec, st)
         ):
             # spec.version (or with it the source) changed before this pod's update started:
-            # retarget it (keeping the recorded previous weights) instead of sending the old
-            # version with the new source, or recording the old source for the new files.
-            retarget = st.evolve(
-                version=spec.version,
-                source=target_source(spec),
-                update_id=b.fleet.attempt_id(spec.version, st.attempt + 1),
-                attempt=st.attempt + 1,
-                started_at=timestamp(now),
-            )
-            b.actions.append(Claim(pod, owner, retarget))
-            b.progressed = True
+            # retarget it instead of sending the old version with the new source, or recording
+            # the old source for the new files.
+            _retarget(b, pod, st)
             running.append(pod)
         elif update is None:
             if agent.active_update_id != st.update_id and b.take_steps(1):
@@ -651,24 +653,48 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             b.actions.append(Claim(pod, owner, again))
             b.progressed = True
             running.append(pod)
+        elif update.phase is UpdatePhase.ABORTED:
+            why = "; ".join(update.reasons) or update.phase.value
+            failed[pod.name] = aborted_reason(why, timed_out=timed_out(pod))
         elif update.phase.terminal:
             why = "; ".join(update.reasons) or update.phase.value
             failed[pod.name] = f"Update{update.phase.value}: {why}"
         else:
             running.append(pod)
+    # past the timeout: the verdict is the agent's answer to our abort (``unit_timeout``)
+    aborts_after: list[PodView] = []
     if running and any(timed_out(p) for p in running):
+        waiting = []
         for pod in running:
             assert pod.state is not None
-            b.actions.append(AbortUpdate(pod, pod.state.update_id))
-            failed[pod.name] = "UpdateTimeout: no verdict within updateTimeoutSeconds"
-        running = []
+            step = on_timeout(agents.get(pod.name), overdue=timed_out(pod, ABORT_GRACE_SECONDS))
+            if step.reason is None:
+                b.actions.append(AbortUpdate(pod, pod.state.update_id))
+                waiting.append(pod)
+                continue
+            failed[pod.name] = step.reason
+            if step.abort:
+                aborts_after.append(pod)
+        running = waiting
     if running:
         return True
     if failed:
         reason = "; ".join(
             why if len(flying) == 1 else f"{name}: {why}" for name, why in sorted(failed.items())
         )
-        return _fail_unit(b, unit, flying, reason)
+        _fail_unit(b, unit, flying, reason)
+        # after the Settle: a failed abort call must not hold the recorded verdict back
+        b.actions.extend(AbortUpdate(p, p.state.update_id) for p in aborts_after if p.state)
+        return False
+    if not rollback and any(p.state is not None and _outdated(spec, p.state) for p in flying):
+        # Committed a version the spec no longer wants (spec.version reverted mid-load, issue
+        # 27 item 8): never restored at it; a fresh attempt at the spec's version, drained.
+        for pod in flying:
+            assert pod.state is not None
+            if pod.gate is not False:
+                b.actions.append(GateOff(pod, message=f"Draining for weights {spec.version}"))
+            _retarget(b, pod, pod.state)
+        return True
     if not b.take_steps(len(flying)):
         return True  # completed next pass (still drained: in flight until then)
     # Every pod of the unit committed at the version its state names: restore traffic.
@@ -701,6 +727,27 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         b.durations[unit.key] = d
     b.progressed = True
     return False
+
+
+def _outdated(spec: WeightUpdateSpec, st: WeightState) -> bool:
+    """The attempt ``st`` loads what the spec no longer wants (another version, other files):
+    a unit's target is the spec's until the unit is back in traffic."""
+    return st.version != spec.version or not target_source(spec).same_files(st.source)
+
+
+def _retarget(b: _Builder, pod: PodView, st: WeightState) -> None:
+    """A fresh attempt at the spec's version for an in-flight pod, keeping the previous weights
+    it recorded (what a rollback returns to)."""
+    spec = b.spec
+    retarget = st.evolve(
+        version=spec.version,
+        source=target_source(spec),
+        update_id=b.fleet.attempt_id(spec.version, st.attempt + 1),
+        attempt=st.attempt + 1,
+        started_at=timestamp(b.now),
+    )
+    b.actions.append(Claim(pod, b.fleet.owner, retarget))
+    b.progressed = True
 
 
 def _fail_unit(b: _Builder, unit: Unit, flying: list[PodView], reason: str) -> bool:
@@ -799,67 +846,6 @@ def _claim(b: _Builder, unit: Unit, *, rollback_of: str | None = None) -> None:
     b.progressed = True
 
 
-#: Unit-transition Events are aggregated per reason and pass (one Event per batch, not per pod),
-#: which keeps API writes per pod bounded; each message still names every unit (up to a limit).
-_AGGREGATED = {
-    Reason.UNIT_DRAINING,
-    Reason.UNIT_VERIFIED,
-    Reason.UNIT_FAILED,
-    Reason.UNIT_ROLLING_BACK,
-    Reason.UNIT_ROLLED_BACK,
-    Reason.UNIT_RESTORED,
-}
-_MAX_LISTED = 20
-
-
-def _aggregate_events(actions: list[Action]) -> tuple[Action, ...]:
-    """The actions with each aggregated reason's Events made one (:func:`aggregate_emits`), at
-    the place of the first."""
-    grouped: dict[str, list[Emit]] = {}
-    out: list[Action] = []
-    for action in actions:
-        if isinstance(action, Emit) and action.reason in _AGGREGATED:
-            if action.reason not in grouped:
-                grouped[action.reason] = []
-                out.append(action)  # placeholder, replaced below
-            grouped[action.reason].append(action)
-        else:
-            out.append(action)
-    for i, action in enumerate(out):
-        if isinstance(action, Emit) and action.reason in grouped:
-            merged = aggregate_emits(grouped[action.reason])
-            assert merged is not None
-            out[i] = merged
-    return tuple(out)
-
-
-def aggregate_emits(emits: Sequence[Emit]) -> Emit | None:
-    """One Event for ``emits`` of one reason ("3 units: ..."), keeping each as a part; ``None``
-    for none. The message names up to ``_MAX_LISTED`` units."""
-    if len(emits) <= 1:
-        return emits[0] if emits else None
-    first = emits[0]
-    listed = "; ".join(e.message for e in emits[:_MAX_LISTED])
-    more = f"; and {len(emits) - _MAX_LISTED} more" if len(emits) > _MAX_LISTED else ""
-    return Emit(
-        first.reason,
-        f"{len(emits)} units: {listed}{more}"[:2000],
-        any(e.warning for e in emits),
-        pods=tuple(name for e in emits for name in e.pods),
-        parts=tuple(emits),
-    )
-
-
-def emit_holding(emit: Emit, unwritten: frozenset[str]) -> Emit | None:
-    """``emit`` as far as it is still true when the actions of the pods ``unwritten`` failed:
-    an Event reporting one of them is left out, an aggregate keeps its other parts."""
-    if not unwritten or unwritten.isdisjoint(emit.pods):
-        return emit
-    if not emit.parts:
-        return None
-    return aggregate_emits([e for e in emit.parts if unwritten.isdisjoint(e.pods)])
-
-
 @dataclass(frozen=True, slots=True)
 class Seen:
     """Step 1, :func:`classify_fleet`: what the pass sees, before it does anything."""
@@ -935,7 +921,8 @@ class Halt:
     aborted_at: str | None
     abort_reason: str | None
     paused_reason: str | None
-    #: A hold (pause, canary, Blocked) ended this pass: the progress clock restarts now.
+    #: A hold (pause, canary, Blocked) ended this pass, or a finished rollout found work
+    #: again: the progress clock restarts now.
     hold_released: bool
     #: Units that still need this version and are not in flight.
     pending: tuple[Unit, ...]
@@ -1014,51 +1001,30 @@ def deadlines(b: _Builder, seen: Seen, persisted: Persisted, flying: frozenset[s
     )
     # A failed canary halts whatever maxFailedReplicas tolerates: the canary is the test.
     canary_failed = sorted(u.key for u in touched if failed(u)) if canary_phase else []
-    if aborted_at is None and canary_failed:
-        aborted_at, abort_reason = timestamp(now), Reason.CANARY_FAILED
-        b.emit(
-            Reason.CANARY_FAILED,
-            f"Halted: canary unit {', '.join(canary_failed)} failed",
-            warning=True,
-        )
-    failed_units = sum(
-        1
-        for u in units
-        if PodClass.FAILED in by_unit[u.key] or (finished and finished.get(u.key) == "failed")
+    hold_released = (persisted.held and paused_reason is None and not seen.blocked_by) or (
+        persisted.idle and bool(flying or pending)
     )
-    if aborted_at is None and failed_units > spec.strategy.max_failed_replicas:
-        aborted_at, abort_reason = timestamp(now), Reason.FAILURE_BUDGET_EXCEEDED
-        b.emit(
-            Reason.FAILURE_BUDGET_EXCEEDED,
-            f"Halted: {failed_units} failed units exceed maxFailedReplicas "
-            f"{spec.strategy.max_failed_replicas}",
-            warning=True,
-        )
-    hold_released = persisted.held and paused_reason is None and not seen.blocked_by
-    last = (
-        now
-        if hold_released
-        else parse_time(persisted.last_progress_time) or parse_time(persisted.start_time)
+    clock = progress_clock(
+        parse_time(persisted.last_progress_time) or parse_time(persisted.start_time),
+        (parse_time(persisted.clock_floor), parse_time(persisted.retried_at)),
+        hold_released=hold_released,
+        now=now,
     )
-    for floor in (parse_time(persisted.clock_floor), parse_time(persisted.retried_at)):
-        # the operator was down before its start, or a retry restarted the clock
-        if last is not None and floor is not None and floor > last:
-            last = floor
-    if (
-        aborted_at is None
-        and paused_reason is None
-        and not seen.blocked_by
-        and bool(flying or pending)
-        and last is not None
-        and not b.progressed
-        and now - last > timedelta(seconds=spec.strategy.progress_deadline_seconds)
-    ):
-        aborted_at, abort_reason = timestamp(now), Reason.PROGRESS_DEADLINE_EXCEEDED
-        b.emit(
-            Reason.PROGRESS_DEADLINE_EXCEEDED,
-            f"Halted: no progress for {spec.strategy.progress_deadline_seconds}s",
-            warning=True,
-        )
+    verdict = halt_verdict(
+        spec.strategy,
+        finished=persisted.completion_time is not None,
+        canary_failed=canary_failed,
+        failed_units=sum(1 for u in units if failed(u)),
+        max_unavailable=seen.max_unavailable,
+        waiting_for_slot=sum(1 for u in pending if u.ready),
+        working=bool(flying or pending) and paused_reason is None and not seen.blocked_by,
+        progressed=b.progressed,
+        clock=clock,
+        now=now,
+    )
+    if aborted_at is None and verdict is not None:
+        aborted_at, abort_reason = timestamp(now), verdict.reason
+        b.emit(verdict.reason, verdict.message, warning=True)
     return Halt(
         aborted_at, abort_reason, paused_reason, hold_released, pending, touched, canary_done
     )
@@ -1357,7 +1323,10 @@ def settle(
     all_done = (
         bool(seen.units)
         and halt.aborted_at is None
-        and all(c in (PodClass.UPDATED, PodClass.FOREIGN) for c in classes.values())
+        # failed units within maxFailedReplicas are tolerated (``halts``): reported, not waited
+        # for; a fleet of failures alone is no completion
+        and all(c in _DONE for c in classes.values())
+        and PodClass.UPDATED in classes.values()
         and all(
             p.gate is True or p.name in restored
             for p in fleet.pods
@@ -1377,7 +1346,7 @@ def settle(
     )
     pods = {p.name: p for p in fleet.pods}
     return Plan(
-        actions=_aggregate_events(b.actions),
+        actions=aggregate_events(b.actions),
         persisted=new_persisted,
         classes=classes,
         pods=pods,

@@ -6,7 +6,7 @@ its update failed and why. They are derived from the pod actions that *succeeded
 (:func:`pod_event`), so an Event never claims what did not happen: no "Verified" unless the gate
 write that restored traffic went through.
 
-Aggregation, as the WeightUpdate's Events are aggregated per pass (``plan._aggregate_events``):
+Aggregation, as the WeightUpdate's Events are aggregated per pass (``events.aggregate_events``):
 one pass posts at most one Event per pod and reason (:func:`aggregate`); across passes an
 identical Event (same pod, reason, message) raises the count of the Event already posted
 instead of adding one (``apply.py``, as client-go's event correlator does, in memory).

@@ -127,7 +127,10 @@ def _conditions(
     elif p.aborted_at is not None:
         prog = (False, p.abort_reason or "Halted", f"Halted at {p.aborted_at}")
     elif phase is Phase.SUCCEEDED:
-        prog = (True, Reason.ROLLOUT_COMPLETE, f"All selected pods serve {spec.version}")
+        done = f"All selected pods serve {spec.version}"
+        if counts.failed:  # tolerated (maxFailedReplicas), or stragglers after completion
+            done = f"Rollout complete at {spec.version}; {counts.failed} failed pods (Degraded)"
+        prog = (True, Reason.ROLLOUT_COMPLETE, done)
     elif phase is Phase.PAUSED:
         prog = (None, plan.paused_reason or Reason.PAUSED_BY_SPEC, "Paused")
     elif phase is Phase.PENDING:

@@ -27,8 +27,10 @@ import os
 import ssl
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,10 @@ log = logging.getLogger(__name__)
 SMP = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 _SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+#: The Lease API: the elector's own writes are never fenced.
+_LEASES = "/apis/coordination.k8s.io/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,15 @@ class KubeApi:
         self._event_seq = itertools.count()
         self._token_stamp: tuple[int, int, int] | None = None
         self._token = config.token
+        #: The API server's clock at its last answer (the ``Date`` header), ``None`` before one.
+        #: ``weightroll abort|retry`` stamp the status with it: the operator compares those
+        #: stamps with its own times, and the CLI machine's clock may be far off (issue 27).
+        self.server_date: datetime | None = None
+        #: Seconds this process may still write (the leader's write fence,
+        #: ``LeaderElector.acting_for``); ``None``: no leader election, always. Once it reaches
+        #: zero every write but the Lease's own is refused unsent, and a write's timeout never
+        #: outlasts it (issue 27 item 12: an old leader wrote status after losing the Lease).
+        self.fence: Callable[[], float] | None = None
 
     def current_token(self) -> str | None:
         """The bearer token to send now: the token file's content, re-read when its inode, size
@@ -165,6 +180,7 @@ class KubeApi:
         params: Mapping[str, str] | None = None,
         kind: str | None = None,
     ) -> Any:
+        timeout = self._fenced(method, path)
         session = await self._sess()
         if kind is not None:
             self.writes[kind] += 1
@@ -174,8 +190,15 @@ class KubeApi:
             headers["Authorization"] = f"Bearer {token}"
         try:
             async with session.request(
-                method, path, json=body, headers=headers, params=params, allow_redirects=False
+                method,
+                path,
+                json=body,
+                headers=headers,
+                params=params,
+                allow_redirects=False,
+                timeout=timeout,
             ) as resp:
+                self._note_date(resp.headers.get("Date"))
                 if 300 <= resp.status < 400:
                     # Never followed: the token would go to wherever Location points.
                     raise KubeUnavailable(resp.status, f"{method} {path}: redirect not followed")
@@ -195,6 +218,32 @@ class KubeApi:
                 return data
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             raise KubeUnavailable(0, f"{method} {path}: {e!r}") from e
+
+    def _fenced(self, method: str, path: str) -> aiohttp.ClientTimeout | None:
+        """The timeout of this request under the write fence (``None``: the session's).
+
+        Raises:
+            KubeUnavailable: a write once the fence is down (not sent).
+        """
+        if self.fence is None or method in ("GET", "HEAD") or path.startswith(_LEASES):
+            return None
+        left = self.fence()
+        if left <= 0:
+            raise KubeUnavailable(
+                0, f"{method} {path}: not sent: this replica no longer holds the leader Lease"
+            )
+        total = self._timeout.total
+        return aiohttp.ClientTimeout(total=left if total is None else min(total, left))
+
+    def _note_date(self, header: str | None) -> None:
+        if not header:
+            return
+        try:
+            when = parsedate_to_datetime(header)
+        except (TypeError, ValueError):
+            return  # a proxy's odd header: keep the last good one
+        if when.tzinfo is not None:
+            self.server_date = when.astimezone(UTC)
 
     # ---- pods ---------------------------------------------------------------------------------
 

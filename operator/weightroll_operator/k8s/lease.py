@@ -15,8 +15,16 @@ Rules (as client-go's ``leaderelection``):
       acting: :meth:`LeaderElector.hold` returns and the operator exits, before any other
       candidate may take the Lease.
 
-This is liveness, not fencing: a holder stalled between a renewal and a write could still write
-once after losing the Lease. The writes themselves are conditional on the ``resourceVersion``
+A holder's own writes are fenced locally (issue 27 item 12): :meth:`LeaderElector.acting_for`
+says how long it may still write, and the API client (``KubeApi.fence``) refuses every write
+but the Lease's own once that reaches zero, and bounds each write's timeout by it. So the old
+leader's last write is sent before ``renew_deadline`` ends, not whenever kopf's shutdown gets to
+it (it used to write status up to 3.5 s past the Lease, with a 5 s margin). The deadline counts
+from the *start* of the last successful renewal, which is before the standby first sees the
+renewed record, so the margin to a takeover is at least ``lease_seconds - renew_deadline``.
+
+This is still not server-side fencing: a write sent just before the deadline may land after it,
+within its (bounded) timeout. The writes themselves are conditional on the ``resourceVersion``
 of what they read (``apply.py``), so such a late write is refused when anyone else wrote the pod
 since, and never overwrites the new leader's work.
 
@@ -80,6 +88,8 @@ class LeaderElector:
     #: The last record seen (holder, renewTime, transitions) and when it was first seen.
     _observed: tuple[Any, float] | None = None
     _last_renew: float = 0.0
+    #: :meth:`hold` gave up (or :meth:`release` ran): no more writes, whatever the clock says.
+    _stopped: bool = False
 
     def _spec(self, old: dict[str, Any] | None) -> dict[str, Any]:
         now = _micro_time(self.wall())
@@ -108,6 +118,8 @@ class LeaderElector:
 
     async def try_acquire(self) -> bool:
         """One attempt to take or renew the Lease; whether this candidate holds it now."""
+        # A successful renewal counts from here: the standby sees the renewed record later.
+        attempt = self.clock()
         try:
             lease = await self.api.get_lease(self.namespace, self.name)
         except KubeNotFound:
@@ -116,7 +128,7 @@ class LeaderElector:
                 await self.api.create_lease(self.namespace, body)
             except KubeConflict:
                 return False  # another candidate created it first
-            self._last_renew = self.clock()
+            self._last_renew = attempt
             return True
         spec = dict(lease.get("spec") or {})
         record = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
@@ -135,7 +147,7 @@ class LeaderElector:
             return False  # someone wrote it since we read it: look again next time
         if holder != self.identity:
             log.info("Took the leader Lease %s/%s from %r", self.namespace, self.name, holder)
-        self._last_renew = self.clock()
+        self._last_renew = attempt
         return True
 
     async def acquire(self) -> None:
@@ -164,6 +176,7 @@ class LeaderElector:
                 held = False
             if not held and self._left() <= 0:
                 log.error("Lost the leader Lease %s/%s: stopping", self.namespace, self.name)
+                self._stopped = True
                 return
             if not held:
                 try:
@@ -174,14 +187,23 @@ class LeaderElector:
                     continue
                 if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
                     log.error("Another replica holds the leader Lease: stopping")
+                    self._stopped = True
                     return
 
     def _left(self) -> float:
         """Seconds left before a holder that could not renew must stop."""
         return max(0.0, self.renew_deadline - (self.clock() - self._last_renew))
 
+    def acting_for(self) -> float:
+        """Seconds this replica may still write (0: it must not): the write fence
+        (``KubeApi.fence``). Zero before the first acquisition and after :meth:`hold` gave up."""
+        if self._stopped or not self._last_renew:
+            return 0.0
+        return self._left()
+
     async def release(self) -> None:
         """Give the Lease up (clean shutdown), so a standby takes over at once."""
+        self._stopped = True
         try:
             lease = await self.api.get_lease(self.namespace, self.name)
             spec = dict(lease.get("spec") or {})

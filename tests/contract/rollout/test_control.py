@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import kmock
 import pytest
 from weightroll_operator.api import v1alpha1 as api
@@ -229,3 +230,46 @@ async def test_a_refused_patch_is_one_line_with_the_fix(
         argv = [verb, NAME, "-n", NS, "--kubeconfig", str(config)]
         assert await asyncio.to_thread(main, argv) == 1
         assert capsys.readouterr().err == expected
+
+
+#: The API server's clock in the test below: years before this machine's.
+_SERVER_DATE = "Tue, 04 Feb 2020 05:06:07 GMT"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("verb", "stamp"), [("retry", "retriedAt"), ("abort", "abortedAt")])
+async def test_abort_and_retry_stamp_the_api_servers_time(
+    verb: str, stamp: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27 item 12: ``retriedAt`` came from the CLI machine's clock, which the operator
+    then compared with the attempt start times it stamped with its own; a skewed laptop left
+    failed pods failed (or retried newer attempts). The stamp is the API server's ``Date``."""
+    body = make_weightupdate(NAME, "v3", namespace=NS)
+    halted = verb == "retry"
+    body["status"] = {"phase": "Failed" if halted else "Progressing", "targetVersion": "v3"}
+    if halted:
+        body["status"] |= {"abortedAt": "2020-02-04T05:00:00Z", "abortReason": "AbortedByUser"}
+    patches: list[dict[str, Any]] = []
+
+    async def get(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response(body, headers={"Date": _SERVER_DATE})
+
+    async def patch(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        patches.append(await request.json())
+        return aiohttp.web.json_response(body, headers={"Date": _SERVER_DATE})
+
+    app = aiohttp.web.Application()
+    app.router.add_get(f"{WU_PATH}/{NAME}", get)
+    app.router.add_patch(f"{WU_PATH}/{NAME}/status", patch)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        config = write_kubeconfig(tmp_path, f"http://127.0.0.1:{port}")
+        argv = [verb, NAME, "-n", NS, "--kubeconfig", str(config)]
+        assert await asyncio.to_thread(main, argv) == 0, capsys.readouterr().err
+    finally:
+        await runner.cleanup()
+    assert [p["status"][stamp] for p in patches] == ["2020-02-04T05:06:07Z"]

@@ -307,6 +307,18 @@ async def test_invalid_spec_is_reported(h: Harness) -> None:
     assert h.agents["pod-0"].executions == []
 
 
+async def test_invalid_spec_sets_the_failed_phase_metric(h: Harness) -> None:
+    """Issue 27 item 12: an invalid spec wrote phase Failed to the status but never to the
+    phase gauge, so the WeightUpdateFailed alert (``weightroll_update_phase{phase="Failed"}``)
+    stayed silent."""
+    await h.add_pods(1)
+    await h.create_wu("wu", "v2", source={"uri": "/w", "mode": "sparse"})
+    with pytest.raises(InvalidSpec):
+        await h.tick("wu")
+    text = generate_latest(h.metrics.registry).decode()
+    assert 'weightroll_update_phase{name="wu",namespace="default",phase="Failed"} 1.0' in text, text
+
+
 async def test_deletion_aborts_in_flight_and_releases(h: Harness) -> None:
     await h.add_pods(2)
     h.agents["pod-0"].scripts["v2"] = "hang"

@@ -433,3 +433,29 @@ async def test_a_release_never_judges_a_pod_from_before_the_operator_s_own_last_
     await read_pods()
     await h.rec.finalize(body, lambda: listed)
     assert await h.owner_of("pod-0") is None and await h.owner_of("pod-1") is None
+
+
+async def test_an_abort_that_loses_the_race_to_a_commit_fails_nothing(h: Harness) -> None:
+    """Issue 27 item 4: at the unit timeout the operator aborts; when the agent committed first
+    (the abort answers 409), the unit was failed anyway and the halt persisted, so under
+    ``onFailure: Rollback`` a unit that succeeded rolled the fleet back. The verdict is the
+    agent's: the committed unit is verified, nothing halts."""
+    await h.add_pods(2)
+    h.agents["pod-0"].scripts["v2"] = "race"
+    await h.create_wu(
+        "wu",
+        "v2",
+        strategy={"maxUnavailable": 1, "updateTimeoutSeconds": 60, "onFailure": "Rollback"},
+    )
+
+    async def loading() -> bool:
+        return h.agents["pod-0"].active is not None
+
+    await h.run_until(["wu"], loading)
+    h.advance(61)  # past updateTimeoutSeconds: the operator aborts, the commit wins
+    await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
+    status = await h.status("wu")
+    assert status.get("abortedAt") is None, status
+    assert status["replicas"]["failed"] == 0 and status["replicas"]["verified"] == 2, status
+    assert all("-rb" not in run for a in h.agents.agents.values() for run in a.runs)
+    h.assert_never_ready_unverified({"v2"})

@@ -50,8 +50,14 @@ CASES: list[tuple[dict[str, Any], dict[str, Any] | None, str | None]] = [
         None,
         "spec.strategy.progressDeadlineSeconds",
     ),
+    # issue 27 item 12: a deadline equal to the unit timeout fails a slow unit by construction
     (
         _with(strategy={"updateTimeoutSeconds": 60, "progressDeadlineSeconds": 60}),
+        None,
+        "spec.strategy.progressDeadlineSeconds",
+    ),
+    (
+        _with(strategy={"updateTimeoutSeconds": 60, "progressDeadlineSeconds": 61}),
         None,
         None,
     ),
@@ -66,6 +72,9 @@ WEBHOOK_ONLY: list[tuple[dict[str, Any], str]] = [
     (_with(version="V2_1"), "spec.version"),
     # what the agent's wire protocol refuses was admitted, then refused by every pass
     (_with(source={"uri": "/w\u0000/x"}), "spec.source"),
+    # issue 27 item 12: tolerated failures that would hold every maxUnavailable slot
+    (_with(strategy={"maxFailedReplicas": 1}), "spec.strategy.maxFailedReplicas"),
+    (_with(strategy={"maxUnavailable": 2, "maxFailedReplicas": 3}), "spec.strategy.maxFailed"),
 ]
 
 
@@ -114,6 +123,27 @@ def test_webhook_and_cel_rules_agree(
 def test_rules_the_schema_and_webhook_check(spec: dict[str, Any], field: str) -> None:
     problem = validate({"spec": spec}, None)
     assert problem is not None and problem.startswith(field), problem
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"maxUnavailable": 2, "maxFailedReplicas": 1},
+        {"maxUnavailable": "50%", "maxFailedReplicas": 3},
+    ],
+)
+def test_tolerated_failures_below_the_budget_are_admitted(strategy: dict[str, Any]) -> None:
+    """A percentage resolves against the fleet's size, unknown here: the rollout judges it."""
+    assert validate({"spec": _with(strategy=strategy)}, None) is None
+
+
+def test_refusals_of_specs_that_fail_by_construction_name_the_fix() -> None:
+    deadline = validate(
+        {"spec": _with(strategy={"updateTimeoutSeconds": 60, "progressDeadlineSeconds": 60})}, None
+    )
+    assert deadline is not None and "above 60" in deadline
+    budget = validate({"spec": _with(strategy={"maxFailedReplicas": 1})}, None)
+    assert budget is not None and "maxUnavailable" in budget and "at most 0" in budget
 
 
 def test_an_unchanged_invalid_spec_may_still_be_updated() -> None:

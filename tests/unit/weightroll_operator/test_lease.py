@@ -111,3 +111,44 @@ async def test_a_holder_stops_within_its_deadline_when_renewals_hang() -> None:
 
     api.get_lease = hang  # type: ignore[method-assign]
     await asyncio.wait_for(a.hold(), 5.0)  # returned: it stopped, instead of waiting forever
+
+
+@pytest.mark.asyncio
+async def test_writes_stop_at_the_renew_deadline_before_any_takeover() -> None:
+    """Issue 27 item 12: an old leader wrote status up to 3.5 s after losing the Lease (5 s
+    margin), because its writes stopped only when kopf's shutdown got to them. The write fence
+    (``acting_for``) is down from the renew deadline on, counted from the start of the last
+    renewal: before the standby may take the Lease, on the standby's own clock."""
+    api, clock = FakeLeases(), Clock()
+    a, b = _pair(api, clock)
+    assert a.acting_for() == 0.0  # not the leader yet: no writes
+    assert await a.try_acquire()
+    assert a.acting_for() == pytest.approx(10.0)  # renew_deadline (2/3 of 15 s)
+    assert not await b.try_acquire()  # the standby first sees the record now
+    clock.now += 10.0
+    assert a.acting_for() == 0.0  # the old leader's writes stop here ...
+    clock.now += 4.9
+    assert not await b.try_acquire()  # ... 5 s before the standby may take over
+    clock.now += 0.2
+    assert await b.try_acquire()
+    assert a.acting_for() == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_fenced_client_sends_no_write_but_the_leases() -> None:
+    """Once the fence is down, a status patch is refused unsent (nothing listens at the
+    address: a sent request would fail differently), and a Lease write still goes out."""
+    from weightroll_operator.errors import KubeUnavailable
+    from weightroll_operator.k8s.client import KubeApi, KubeConfig
+
+    kube = KubeApi(KubeConfig(server="http://127.0.0.1:9"), timeout=2.0)
+    kube.fence = lambda: 0.0
+    try:
+        with pytest.raises(KubeUnavailable, match="no longer holds the leader Lease"):
+            await kube.patch_weightupdate_status("ns", "wu", {"phase": "Failed"})
+        assert kube.writes == {}
+        with pytest.raises(KubeUnavailable) as lease_write:
+            await kube.replace_lease("ops", "weightroll-operator", {"metadata": {}})
+        assert "leader Lease" not in str(lease_write.value)  # sent: connection refused
+    finally:
+        await kube.close()

@@ -162,7 +162,10 @@ def test_unit_times_out_and_aborts() -> None:
     st = state(started="2026-01-01T11:00:00Z")
     pods = [pod("p0", gate=False, ready=False, st=st)]
     p = run(spec(updateTimeoutSeconds=60), pods, {"p0": agent(phase=UpdatePhase.LOADING)})
-    assert summary(p)[:2] == [("AbortUpdate", "p0"), ("Settle", "p0")]
+    # an hour past the timeout (the abort's grace included): failed, then aborted best effort
+    # (``domain/unit_timeout.py``: a failed abort call must not hold the verdict back)
+    steps = [s for s in summary(p) if s[0] in ("AbortUpdate", "Settle")]
+    assert steps == [("Settle", "p0"), ("AbortUpdate", "p0")]
     assert "UpdateTimeout" in p.reasons["p0"]
 
 
@@ -766,7 +769,8 @@ def test_update_timer_starts_when_the_agent_accepts() -> None:
         id="wu-v2", phase=UpdatePhase.LOADING, version="v2", started_at="2026-01-01T11:58:30Z"
     )
     p = run(spec(updateTimeoutSeconds=60), pods, {"p0": replace_update(running, late)})
-    assert summary(p)[:2] == [("AbortUpdate", "p0"), ("Settle", "p0")]
+    # timed out: aborted; the unit's verdict is the agent's answer (``domain/unit_timeout.py``)
+    assert summary(p) == [("AbortUpdate", "p0")]
 
 
 def replace_update(view: object, update: object) -> object:
