@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from engine_agent.protocol import AgentState, UpdateRequest, UpdateStatus
 
-__all__ = ["AgentPort", "AgentTarget", "KubePort"]
+__all__ = ["AgentPort", "AgentTarget", "KubePort", "PodReader"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,14 @@ class KubePort(Protocol):
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None: ...
 
     async def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class PodReader(Protocol):
+    """Reads one pod from the API server (not from the index): only it can tell that an
+    indexed pod is gone (``phantoms``). ``None``: no pod of that name exists."""
+
+    async def find_pod(self, namespace: str, name: str) -> Any: ...
 
 
 class AgentPort(Protocol):

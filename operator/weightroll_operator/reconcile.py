@@ -73,7 +73,7 @@ from weightroll_operator.domain.model import (
     make_update_id,
     owner_key,
 )
-from weightroll_operator.domain.ownership import blocking_peers
+from weightroll_operator.domain.ownership import precedence
 from weightroll_operator.domain.plan import (
     Fleet,
     Persisted,
@@ -98,7 +98,8 @@ from weightroll_operator.errors import (
 )
 from weightroll_operator.gc_pacing import GcPacer
 from weightroll_operator.metrics import Metrics
-from weightroll_operator.ports import AgentPort, KubePort
+from weightroll_operator.phantoms import Phantoms
+from weightroll_operator.ports import AgentPort, KubePort, PodReader
 
 __all__ = [
     "PassResult",
@@ -155,6 +156,8 @@ class ReleaseIncomplete(WeightrollError):
 #: Seconds a pod view that predates our own write to the pod is treated as stale (a no-op write
 #: leaves the resourceVersion unchanged, so the view is trusted again after this).
 _STALE_FOR = 30.0
+#: Stands for an answer where a pod's agent was not asked (nothing to confirm about it).
+_ANSWERED = AgentView(reachable=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,10 +285,14 @@ class Reconciler:
     _left_drained: dict[str, dict[str, tuple[str, float]]] = field(default_factory=dict)
     #: When this operator process started: downtime before it never counts against deadlines.
     started: datetime | None = None
+    #: Indexed pods the API server confirmed gone (``phantoms``).
+    phantoms: Phantoms = field(init=False)
 
     def __post_init__(self) -> None:
         if self.started is None:
             self.started = self.clock()
+        reader = self.kube if isinstance(self.kube, PodReader) else None
+        self.phantoms = Phantoms(reader, max(self.state_ttl, 1.0))
 
     def begin_acting(self) -> None:
         """This process starts to act now (it took the Lease): the downtime floor of every
@@ -543,7 +550,7 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec"))
             check_wire(spec, name)
-            pods = list(pods)
+            pods = self.phantoms.live(pods)
             with paused_gc():
                 selection = self._select(owner, pods, spec, namespace)
             selected = selection.views
@@ -580,15 +587,30 @@ class Reconciler:
             asked = self._queries(owner, views, spec, persisted.retried_at)
         cached: set[str] = set()
         agents = await self._observe(views, asked, token, cached)
+        gone = await self.phantoms.confirm_gone(
+            v for v in views if v.ip is not None and not agents.get(v.name, _ANSWERED).reachable
+        )
+        if gone:
+            # Left out as if their DELETED events had come: their units are released, not
+            # timed out (``phantoms``).
+            pods = self.phantoms.live(pods)
+            with paused_gc():
+                selection = self._select(owner, pods, spec, namespace)
+            views = self._mark_stale(selection.views)
+            with paused_gc():
+                asked = self._queries(owner, views, spec, persisted.retried_at)
+            cached = set()
+            agents = await self._observe(views, asked, token, cached)
         with paused_gc():
-            holding = blocking_peers(owner, persisted.start_time, views, peers)
+            ranks = precedence(owner, meta, persisted.completion_time is not None, views, peers)
             units = self._group(owner, views, spec.group_by)
             fleet = Fleet(
                 name=name,
                 owner=owner,
                 pods=views,
                 agents=agents,
-                peers=holding,
+                peers=ranks.blocked_by,
+                superseded=ranks.superseded,
                 uid=str(meta.get("uid") or ""),
                 generation=int(meta.get("generation") or 0),
                 units=units,
@@ -716,7 +738,7 @@ class Reconciler:
             views = self._mark_stale(
                 tuple(
                     pod_view(raw, group_by=None)
-                    for raw in (pods() if callable(pods) else pods)
+                    for raw in self.phantoms.live(pods() if callable(pods) else pods)
                     if (raw.get("metadata") or {}).get("namespace") == namespace
                 )
             )
@@ -755,6 +777,11 @@ class Reconciler:
             outcome = None
             for _round in range(2):
                 agents = await self._observe_for_release(remaining, token)
+                gone = await self.phantoms.confirm_gone(
+                    v for v in remaining if v.ip is not None and not agents[v.name].reachable
+                )
+                # a pod that is gone has nothing left to release (``phantoms``)
+                remaining = [v for v in remaining if v.name not in gone]
                 outcome = release(
                     remaining,
                     agents,

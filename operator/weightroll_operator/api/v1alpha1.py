@@ -256,8 +256,10 @@ class StrategySpec(Model):
 
     max_unavailable: int | str = 1
     """Units (pods, or groups with `groupBy`) unavailable at once: an integer >= 1 or `"N%"`
-    with 0 < N <= 100 (rounded down, at least 1), **counting units already not ready**.
-    Starting a unit that is already not ready is free."""
+    with 0 < N <= 100 (rounded down, at least 1), **counting units already not ready**. The
+    rollout itself keeps at most this many units out of traffic: claiming a unit NotReady for
+    another reason (a readiness blip) takes a slot too, as it stays out for the whole reload;
+    only a unit our gate already holds out (a new pod) is free."""
     canary: int | None = Field(default=None, ge=1)
     """Units updated first; the rest waits until every canary unit has a verdict."""
     pause_after_canary: bool = False

@@ -300,7 +300,15 @@ def trim_weightupdate(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "deletionTimestamp") if k in meta},
+        "metadata": {
+            k: meta[k]
+            for k in ("name", "namespace", "creationTimestamp", "deletionTimestamp")
+            if k in meta
+        },
         "spec": dict(body.get("spec") or {}),
-        "status": {k: status.get(k) for k in ("phase", "startTime") if k in status},
+        "status": {
+            k: status.get(k)
+            for k in ("phase", "startTime", "completionTime", "targetVersion")
+            if k in status
+        },
     }

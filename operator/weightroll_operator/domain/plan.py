@@ -24,7 +24,9 @@ Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
       or, for a pod not verified by this WeightUpdate, whose agent is ready at the target.
     * At most ``maxUnavailable`` units are unavailable after the pass, counting units that were
       not ready before the operator touched them, and units seen in a view older than the
-      operator's own last write; starting an already-unready unit is free.
+      operator's own last write; a claim is free only for a unit our gate holds out of
+      traffic, and the units the rollout keeps out never exceed ``maxUnavailable``
+      (``domain.availability``).
     * A pod owned by another WeightUpdate is never touched, and no new unit starts while any
       selected pod is owned by another WeightUpdate (condition Blocked).
     * An attempt never runs twice and never takes another's verdict: an in-flight unit is
@@ -66,6 +68,7 @@ from weightroll_operator.domain.actions import (
     Settle,
     StartUpdate,
 )
+from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.events import aggregate_emits, aggregate_events, emit_holding
 from weightroll_operator.domain.fleet import Unit, group_units
@@ -82,6 +85,7 @@ from weightroll_operator.domain.model import (
     attempt_id,
     make_update_id,
 )
+from weightroll_operator.domain.standing import contradicts
 from weightroll_operator.domain.unit_timeout import ABORT_GRACE_SECONDS, aborted_reason, on_timeout
 
 __all__ = [
@@ -170,8 +174,11 @@ class Fleet:
     pods: tuple[PodView, ...]
     #: Agent observations by pod name (only the pods :func:`queries` asked for).
     agents: Mapping[str, AgentView] = field(default_factory=dict)
-    #: Other active WeightUpdates holding these pods (``domain.ownership.blocking_peers``).
+    #: Older, unfinished WeightUpdates selecting these pods (``domain.ownership``): no start.
     peers: tuple[str, ...] = ()
+    #: Pods a younger WeightUpdate selects after this one finished (``domain.ownership``):
+    #: left to it, reported ``Superseded``.
+    superseded: frozenset[str] = frozenset()
     #: The WeightUpdate's ``metadata.uid`` and ``generation``: part of every attempt id.
     uid: str = ""
     generation: int = 0
@@ -259,10 +266,10 @@ def queries(
         if st is not None and st.by == owner and pod.owner == owner and st.state.in_flight:
             result[pod.name] = Query(state=False, update_id=st.update_id)
         elif _verified_at(st, version, source):
-            # A verified pod whose containers are not ready (vLLM or the agent restarted under
-            # it) may serve boot weights again: ask its agent, so it is re-updated, not counted.
-            if pod.gate is not True or not pod.ready:
-                result[pod.name] = _ASK_STATE
+            # A verdict stands only while the agent still says so (``domain.standing``): a
+            # verified pod is asked too; one in traffic is answered from the reconciler's
+            # cache for at most its state TTL.
+            result[pod.name] = _ASK_STATE
         elif st is not None and st.by == owner and _settled_here(st, version, retried_at):
             continue
         else:
@@ -357,7 +364,7 @@ def classify(
     # or serving it from other files, no longer vouches for the verdict: updated again.
     if not reachable and _verified_at(st, version, source, legacy=True):
         return PodClass.UPDATED
-    if _serves(agent, version, source):
+    if _serves(agent, version, source) and not contradicts(st, agent, owner):
         return PodClass.UPDATED
     if st is not None and st.by != owner and completed:
         return PodClass.FOREIGN
@@ -876,6 +883,8 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
     frozen: set[str] = set()
     for p in fleet.pods:
         cls = classify(p, agents.get(p.name), owner, version, source, completed, retried_at)
+        if p.name in fleet.superseded and cls in _YIELDED and (cls, p.gate) != _SERVING:
+            cls = PodClass.FOREIGN
         classes[p.name] = cls
         if cls in _FAILED_CLASSES and p.state is not None:
             reasons[p.name] = p.state.reason
@@ -899,6 +908,10 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
     )
 
 
+#: A pod a younger WeightUpdate selects after this one finished is no work of this one
+#: (``domain.ownership``), unless it already serves this version in traffic.
+_YIELDED = frozenset({PodClass.PENDING, PodClass.UNKNOWN, PodClass.UPDATED})
+_SERVING = (PodClass.UPDATED, True)
 #: The class set of a one-pod unit (most units): built once, not once per unit and pass.
 _ONE_CLASS = {c: frozenset((c,)) for c in PodClass}
 
@@ -1060,7 +1073,17 @@ def budget(
     return seen.max_unavailable - len(down) - len(leaving)
 
 
-def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> int:
+def _held(seen: Seen, flying: frozenset[str], unit: Unit) -> bool:
+    """The rollout keeps ``unit`` out of traffic (``domain.availability``)."""
+    return (
+        unit.key in flying
+        or unit.key in seen.frozen
+        or not seen.by_unit[unit.key].isdisjoint(_FAILED_CLASSES)
+        or any(p.has_gate and p.gate is not True for p in unit.pods)
+    )
+
+
+def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: Slots) -> int:
     """Step 5a (halted with ``onFailure: Rollback``): roll back every touched, settled unit in
     place, within the budget; return how many units are still to roll back."""
     owner, version = b.fleet.owner, b.spec.version
@@ -1112,18 +1135,18 @@ def roll_back(b: _Builder, seen: Seen, flying: frozenset[str], slots: int) -> in
             message = f"Cannot roll back {_unit_label(unit)}: {why}"
             b.emit(Reason.UNIT_FAILED, message, True, pods=needs)
             continue
-        if unit.ready and slots <= 0:
+        if not slots.affords(unit):
             continue
         if not b.take_steps(len(unit.pods)):
             continue
-        if unit.ready:
-            slots -= 1
+        slots.take(unit)
         _claim(b, unit, rollback_of=version)
     return remaining
 
 
-def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slots: int) -> None:
-    """Step 5b: start new units, already-unready ones first (free), then while slots remain.
+def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slots: Slots) -> None:
+    """Step 5b: start new units, those held out of traffic by our gate first (free), then
+    while slots remain (what each claim costs: ``domain.availability``).
 
     The canary goes first; units never touched wait until every canary unit has a verdict
     that stands (``Halt.canary_done``), while touched units that want the version again (a
@@ -1148,9 +1171,10 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
             )
         )
 
-    # Unready units first, each group by key; the test is evaluated lazily, so a pass that
-    # may start a few units does not examine every pending one (the loop stops early).
-    order = sorted(halt.pending, key=lambda u: (u.ready, u.key))
+    # Free units first, then NotReady ones, then Ready ones, each group by key; the test is
+    # evaluated lazily, so a pass that may start a few units does not examine every pending
+    # one (the loop stops early).
+    order = sorted(halt.pending, key=lambda u: (slots.cost(u), u.key))
     # touched units still to visit: once none is left, a spent limit ends the loop
     again = sum(1 for u in order if u.key in touched) if limit is not None else 0
     for unit in order:
@@ -1160,16 +1184,17 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
             if again <= 0:
                 break
             continue
+        if not slots.affords(unit):
+            if slots.cost(unit) == 2 or slots.rollout <= 0:
+                break  # no later unit is cheaper
+            continue
         if not startable(unit):
             continue
-        if unit.ready and slots <= 0:
-            break
         if not b.take_steps(len(unit.pods)):
             break
         if fresh and limit is not None:
             limit -= 1
-        if unit.ready:
-            slots -= 1
+        slots.take(unit)
         # A claim records what the pod serves (the rollback target) and that it runs no
         # update: only an answer from this pass may say so, never a cached one (a trainer push
         # changes both without touching the pod). The caller asks afresh, then applies this
@@ -1445,7 +1470,11 @@ def plan(
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(b, seen)
     halt = deadlines(b, seen, persisted, flying)
-    slots = budget(seen, flying, fleet.terminating, now)
+    slots = Slots.of(
+        seen.max_unavailable,
+        budget(seen, flying, fleet.terminating, now),
+        (u for u in seen.units if _held(seen, flying, u)),
+    )
     rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
     remaining = 0
     if rollback:

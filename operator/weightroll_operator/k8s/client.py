@@ -252,6 +252,14 @@ class KubeApi:
         data = await self._call("GET", f"/api/v1/namespaces/{_ns(namespace)}/pods", params=params)
         return list((data or {}).get("items") or [])
 
+    async def find_pod(self, namespace: str, name: str) -> Any:
+        """The pod named ``name``, or ``None``: a list narrowed by a field selector (the chart's
+        RBAC grants ``list`` on pods, not ``get``)."""
+        params = {"fieldSelector": f"metadata.name={_name(name)}"}
+        data = await self._call("GET", f"/api/v1/namespaces/{_ns(namespace)}/pods", params=params)
+        items = (data or {}).get("items") or []
+        return next((p for p in items if (p.get("metadata") or {}).get("name") == name), None)
+
     async def patch_pod_condition(
         self,
         namespace: str,

@@ -1,9 +1,11 @@
 """Optimistic concurrency of the operator's pod writes (issue 11 finding 6), against kmock.
 
-Two passes that planned from the same observation of the fleet — two WeightUpdates created in
-the same second, or two operator replicas overlapping during a failover — must never both claim
-or drain one pod: every pod write is conditional on the ``resourceVersion`` the pass read, so the
-second writer gets 409, stops that pod's chain and re-plans on its next pass.
+Two passes that planned from the same observation of the fleet — two operator replicas
+overlapping during a failover — must never both claim or drain one pod: every pod write is
+conditional on the ``resourceVersion`` the pass read, so the second writer gets 409, stops that
+pod's chain and re-plans on its next pass. (Two WeightUpdates created in the same second never
+get that far: precedence decides before any drain, ``domain/ownership.py``, see
+``test_fleet_noise.py``.)
 """
 
 from __future__ import annotations
@@ -36,16 +38,15 @@ def _drains(h: Harness) -> Counter[str]:
     return Counter(w.pod for w in h.emu.status_writes if w.gate() == "False")
 
 
-async def test_two_weightupdates_from_one_observation_never_share_a_pod(h: Harness) -> None:
+async def test_two_replicas_from_one_observation_never_share_a_pod(h: Harness) -> None:
     await _versioned_pods(h, 4)
     await h.create_wu("a", "v2", strategy={"maxUnavailable": 2})
-    await h.create_wu("b", "v3", strategy={"maxUnavailable": 2})
     pods, peers = await h.pods(), await h.kube.list_weightupdates(NS)
-    wu_a, wu_b = await h.wu("a"), await h.wu("b")
-    rec_b = h.new_reconciler()  # a second operator replica, or just a second pass
+    wu_a = await h.wu("a")
+    rec_b = h.new_reconciler()  # a second operator replica during a failover
 
     first_a, first_b = await asyncio.gather(
-        h.rec.reconcile(wu_a, pods, peers), rec_b.reconcile(wu_b, pods, peers)
+        h.rec.reconcile(wu_a, pods, peers), rec_b.reconcile(wu_a, pods, peers)
     )
 
     # Each pod was drained at most once, by the WeightUpdate that owns it now.
@@ -59,12 +60,13 @@ async def test_two_weightupdates_from_one_observation_never_share_a_pod(h: Harne
     conflicts = [r for r in (*first_a.errors, *first_b.errors) if isinstance(r.error, KubeConflict)]
     assert conflicts, "both passes claimed the same pods and neither was refused"
 
-    # Later passes re-read and re-plan: both rollouts finish, nothing was ever marked ready
-    # unverified.
-    await h.run_until(["a", "b"], h.phase_is("b", "Succeeded"), timeout=30)
-    status_b = await h.status("b")
-    assert status_b["replicas"]["verified"] == 4
-    h.assert_never_ready_unverified({"v1", "v2", "v3"})
+    # Later passes re-read and re-plan: the rollout finishes, nothing was ever marked ready
+    # unverified, and the budget held across both replicas.
+    await h.run_until(["a"], h.phase_is("a", "Succeeded"), timeout=30)
+    status_a = await h.status("a")
+    assert status_a["replicas"]["verified"] == 4
+    h.assert_never_ready_unverified({"v1", "v2"})
+    assert h.max_drained_at_once() <= 2
 
 
 async def test_a_stale_observation_cannot_undo_a_newer_write(h: Harness) -> None:

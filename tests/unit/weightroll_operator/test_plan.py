@@ -40,6 +40,10 @@ from tests.unit.weightroll_operator.builders import (
 FRESH = {f"p{i}": agent("v1") for i in range(10)}
 
 
+#: The agent of a pod verified at v2 by ``wu-v2`` (the builders' attempt id), still saying so.
+SERVING_V2 = agent("v2", committed_update_id="wu-v2")
+
+
 def claimed(p: object) -> list[str]:
     return [a.pod.name for a in p.actions if isinstance(a, Claim)]  # type: ignore[attr-defined]
 
@@ -57,10 +61,11 @@ def claimed(p: object) -> list[str]:
         ("40%", set(), ["p0", "p1"]),
         ("100%", set(), ["p0", "p1", "p2", "p3", "p4"]),
         ("1%", set(), ["p0"]),  # rounds down, but at least one
-        # an unready pod counts against the budget, and starting it is free
+        # a NotReady pod counts against the budget, and goes first (it is down anyway)
         (2, {"p3"}, ["p3", "p0"]),
-        # more unready pods than the budget: only they start (they are down anyway)
-        (1, {"p2", "p4"}, ["p2", "p4"]),
+        # more NotReady pods than the budget: claiming one keeps it out for the whole reload,
+        # so each claim takes a slot (issue 27 item 2: they were all claimed, for free)
+        (1, {"p2", "p4"}, ["p2"]),
     ],
 )
 def test_batching_respects_max_unavailable(
@@ -190,11 +195,12 @@ def test_canary_goes_first_then_pauses() -> None:
     assert claimed(run(s, pods, FRESH)) == ["p0"]
     # canary verified: hold, Paused with CanaryComplete
     pods[0] = pod("p0", st=state(UnitState.VERIFIED))
-    p = run(s, pods, FRESH)
+    agents = {**FRESH, "p0": agent("v2", committed_update_id="wu-v2")}
+    p = run(s, pods, agents)
     assert claimed(p) == []
     assert p.paused_reason == Reason.CANARY_COMPLETE
     # promote: pauseAfterCanary false -> the rest goes, 3 at a time
-    p = run(spec(maxUnavailable=3, canary=1), pods, FRESH)
+    p = run(spec(maxUnavailable=3, canary=1), pods, agents)
     assert claimed(p) == ["p1", "p2", "p3"]
 
 
@@ -400,7 +406,9 @@ def test_queries_only_unsettled_pods() -> None:
         pod("blocked", owner=OTHER),
     )
     q = queries(pods, ME, "v2", V2_SRC)
-    assert set(q) == {"flying", "fresh"}
+    # a verified pod is asked again (its verdict stands only while its agent says so; the
+    # reconciler answers it from its cache within the state TTL): issue 27 item 6
+    assert set(q) == {"done", "flying", "fresh"}
     assert q["flying"].update_id == "wu-v2" and not q["flying"].state
     assert q["fresh"].state
 
@@ -475,10 +483,18 @@ def test_restart_between_gate_on_and_settle_finishes_without_draining_again() ->
     assert summary(p) == [("Settle", "p0"), ("Emit", Reason.UNIT_VERIFIED)]
 
 
-def _peer(name: str, phase: str | None, start: str | None, app: str = "llm") -> dict[str, object]:
-    status = {k: v for k, v in (("phase", phase), ("startTime", start)) if v is not None}
+def _peer(
+    name: str,
+    phase: str | None,
+    created: str = "2026-01-01T10:00:00Z",
+    app: str = "llm",
+    done: bool = False,
+) -> dict[str, object]:
+    status: dict[str, object] = {"phase": phase} if phase is not None else {}
+    if done:
+        status |= {"completionTime": "2026-01-01T11:00:00Z", "targetVersion": "v9"}
     return {
-        "metadata": {"name": name, "namespace": "ns"},
+        "metadata": {"name": name, "namespace": "ns", "creationTimestamp": created},
         "spec": {
             "selector": {"matchLabels": {"app": app}},
             "version": "v9",
@@ -488,37 +504,67 @@ def _peer(name: str, phase: str | None, start: str | None, app: str = "llm") -> 
     }
 
 
+#: My own creation: ``ns/wu`` created at 10:00:00.
+MINE = {"name": "wu", "namespace": "ns", "creationTimestamp": "2026-01-01T10:00:00Z"}
+EARLIER, LATER = "2026-01-01T09:00:00Z", "2026-01-01T11:00:00Z"
+
+
 @pytest.mark.parametrize(
-    ("peer", "my_start", "blocked"),
+    ("peer", "finished", "blocked", "superseded"),
     [
-        (_peer("a", "Progressing", "2026-01-01T10:00:00Z"), None, True),
-        (_peer("a", "Progressing", "2026-01-01T10:00:00Z"), "2026-01-01T09:00:00Z", False),
-        (_peer("a", "Paused", "2026-01-01T10:00:00Z"), "2026-01-01T11:00:00Z", True),
-        (_peer("a", "RollingBack", "2026-01-01T10:00:00Z"), None, True),
-        (_peer("a", "Succeeded", "2026-01-01T10:00:00Z"), None, False),
-        (_peer("a", "Failed", "2026-01-01T10:00:00Z"), None, False),
-        (_peer("a", "Pending", None), None, False),  # not started: no claim on the fleet
-        (_peer("a", "Progressing", "2026-01-01T10:00:00Z", app="other"), None, False),
-        # same start second: the smaller name wins ("ns/a" < "ns/wu")
-        (_peer("a", "Progressing", "2026-01-01T10:00:00Z"), "2026-01-01T10:00:00Z", True),
-        (_peer("zz", "Progressing", "2026-01-01T10:00:00Z"), "2026-01-01T10:00:00Z", False),
-        (_peer("wu", "Progressing", "2026-01-01T10:00:00Z"), None, False),  # itself
+        # an older, unfinished WeightUpdate goes first, started or not (item 3: two created
+        # together both drained in their first passes, before either had a status)
+        (_peer("a", None, EARLIER), False, True, False),
+        (_peer("a", "Pending", EARLIER), False, True, False),
+        (_peer("a", "Progressing", EARLIER), False, True, False),
+        (_peer("a", "Paused", EARLIER), False, True, False),
+        (_peer("a", "RollingBack", EARLIER), False, True, False),
+        # ... but not once it finished, or halted
+        (_peer("a", "Succeeded", EARLIER, done=True), False, False, False),
+        (_peer("a", "Progressing", EARLIER, done=True), False, False, False),  # converging
+        (_peer("a", "Failed", EARLIER), False, False, False),
+        (_peer("a", "Progressing", EARLIER, app="other"), False, False, False),
+        # a younger one waits for me while I am unfinished
+        (_peer("b", "Progressing", LATER), False, False, False),
+        (_peer("b", None, LATER), False, False, False),
+        # once I finished, a younger one that selects the pods is the newer intent (item 11)
+        (_peer("b", "Succeeded", LATER, done=True), True, False, True),
+        (_peer("b", None, LATER), True, False, True),
+        (_peer("b", "Failed", LATER), True, False, False),  # halted: converges nothing
+        (_peer("b", None, LATER, app="other"), True, False, False),
+        # created in the same second: the smaller name is the older ("ns/a" < "ns/wu")
+        (_peer("a", None), False, True, False),
+        (_peer("zz", None), False, False, False),
+        (_peer("wu", "Progressing", EARLIER), False, False, False),  # itself
     ],
 )
 def test_fleet_level_ownership(
-    peer: dict[str, object], my_start: str | None, blocked: bool
+    peer: dict[str, object], finished: bool, blocked: bool, superseded: bool
 ) -> None:
-    from weightroll_operator.domain.ownership import blocking_peers
+    from weightroll_operator.domain.ownership import precedence
 
-    holders = blocking_peers(ME, my_start, (pod("p0"),), [peer])
-    assert bool(holders) is blocked
-    if blocked:
-        # and the planner then starts nothing, naming the holder
-        from weightroll_operator.domain.plan import Fleet, plan
+    ranks = precedence(ME, MINE, finished, (pod("p0"),), [peer])
+    assert bool(ranks.blocked_by) is blocked
+    assert (ranks.superseded == {"p0"}) is superseded
+    from weightroll_operator.domain.plan import Fleet, plan
 
-        fleet = Fleet(name="wu", owner=ME, pods=(pod("p0"),), agents=FRESH, peers=holders)
-        p = plan(spec(), fleet, Persisted(target_version="v2"), NOW)
-        assert claimed(p) == [] and p.blocked_by == holders
+    fleet = Fleet(
+        name="wu",
+        owner=ME,
+        pods=(pod("p0"),),
+        agents=FRESH,
+        peers=ranks.blocked_by,
+        superseded=ranks.superseded,
+    )
+    persisted = Persisted(
+        target_version="v2", completion_time="2026-01-01T10:30:00Z" if finished else None
+    )
+    p = plan(spec(), fleet, persisted, NOW)
+    # blocked or superseded, the planner starts nothing; superseded pods are no work of mine
+    assert (claimed(p) == []) is (blocked or superseded)
+    assert p.blocked_by == ranks.blocked_by
+    if superseded:
+        assert p.classes["p0"] is PodClass.FOREIGN and p.completed
 
 
 def test_version_change_retargets_units_not_yet_started() -> None:
@@ -569,7 +615,8 @@ def test_verified_pod_whose_containers_restarted_is_asked_again_and_re_updated()
     """
     settled = pod("p0", st=state(UnitState.VERIFIED))
     restarted = pod("p0", st=state(UnitState.VERIFIED), ready=False)
-    assert queries((settled,), ME, "v2", V2_SRC) == {}
+    # both are asked (a verified pod in traffic from the reconciler's cache, within its TTL)
+    assert "p0" in queries((settled,), ME, "v2", V2_SRC)
     assert "p0" in queries((restarted,), ME, "v2", V2_SRC)
     p = run(spec(), [restarted], {"p0": agent("boot", ready=False)}, DONE)
     assert claimed(p) == ["p0"]
@@ -589,7 +636,7 @@ def test_time_on_hold_does_not_count_against_the_progress_deadline(
     persisted = Persisted(target_version="v2", last_progress_time=long_ago, held=held)
     pods = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1")]
     s = spec(progressDeadlineSeconds=60, canary=1)  # promoted: pauseAfterCanary now false
-    p = run(s, pods, FRESH, persisted)
+    p = run(s, pods, {**FRESH, "p0": SERVING_V2}, persisted)
     assert (p.persisted.abort_reason == Reason.PROGRESS_DEADLINE_EXCEEDED) is halted
     if not halted:
         assert claimed(p) == ["p1"]
@@ -731,7 +778,8 @@ def test_stale_view_is_unavailable_and_untouched() -> None:
     restored = pod("p0", gate=True, ready=False, st=state(UnitState.VERIFIED))
     p = run(spec(maxUnavailable=1), [restored, pod("p1")], {"p1": agent("v1")})
     assert claimed(p) == []
-    p = run(spec(maxUnavailable=1), [pod("p0", st=state(UnitState.VERIFIED)), pod("p1")], FRESH)
+    verified = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1")]
+    p = run(spec(maxUnavailable=1), verified, {**FRESH, "p0": SERVING_V2})
     assert claimed(p) == ["p1"]
 
 

@@ -153,3 +153,27 @@ def test_deadlines(
     halt = deadlines(b, seen, persisted, frozenset())
     assert halt.abort_reason == reason
     assert (halt.aborted_at is not None) is (reason is not None)
+
+
+@pytest.mark.parametrize(
+    ("unit_pods", "cost"),
+    [
+        ([pod("p0")], 2),  # Ready: one more unit out of traffic
+        ([pod("p0", ready=False)], 1),  # a blip: only the rollout's own budget
+        ([pod("p0", gate=False, ready=False)], 0),  # held out by our gate: free
+        ([pod("p0", gate=None, ready=False)], 0),  # a new pod, not admitted yet: free
+        # a group with one member in traffic: its claim drains that member
+        ([pod("a", unit="g", gate=False, ready=False), pod("b", unit="g", ready=False)], 1),
+    ],
+)
+def test_what_a_claim_costs(unit_pods: list[PodView], cost: int) -> None:
+    """``domain.availability``: a claim keeps its unit out for the whole reload (item 2)."""
+    from weightroll_operator.domain.availability import Slots
+    from weightroll_operator.domain.fleet import Unit
+
+    unit = Unit(unit_pods[0].unit, tuple(unit_pods))
+    assert Slots(fleet=0, rollout=1).cost(unit) == cost
+    # no slot of the rollout's own: only a free claim goes
+    assert Slots(fleet=5, rollout=0).affords(unit) is (cost == 0)
+    # fleet budget spent by units down for other reasons: a Ready unit waits, a blip does not
+    assert Slots(fleet=0, rollout=1).affords(unit) is (cost < 2)
