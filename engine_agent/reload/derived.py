@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from engine_agent.reload.inventory import _RUNTIME_ATTRS
+
 __all__ = ["DerivedRefresher", "MLARefresher", "find_refreshers"]
 
 
@@ -35,12 +37,20 @@ class DerivedRefresher(Protocol):
         ...
 
     def refresh(self, act_dtype: torch.dtype) -> list[str]:
-        """Recompute the derived tensors in place; return their names."""
+        """Recompute the derived tensors in place; return the names of those it rebuilt."""
         ...
 
 
 def _tensor_attrs(obj: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place write counter (``None`` for an inference tensor, which keeps none)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
 
 
 class MLARefresher:
@@ -49,6 +59,12 @@ class MLARefresher:
     Runs the layer's own ``process_weights_after_loading`` — the code that built the derived
     tensors at first load — then copies every tensor it replaced back into the storage the
     kernels captured, so the result is bit-identical to a cold load at the same address.
+
+    It claims, and reports as refreshed, only what that step rebuilds: the layer's runtime state
+    (KV cache, attention scales; :data:`~engine_agent.reload.inventory._RUNTIME_ATTRS`) is not
+    derived from ``kv_b_proj``, and a tensor counts as rebuilt only if the step replaced it or
+    wrote into it (its version counter moved). A claimed tensor it did neither to stays
+    unlisted, and the inventory then refuses the commit (derived state not rebuilt).
     """
 
     def __init__(self, name: str, layer: nn.Module) -> None:
@@ -68,19 +84,23 @@ class MLARefresher:
         }
         for prefix, holder in self._holders().items():
             out |= {f"{prefix}.{k}": v for k, v in _tensor_attrs(holder).items()}
-        return out
+        return {k: v for k, v in out.items() if k.rsplit(".", 1)[-1] not in _RUNTIME_ATTRS}
 
     def refresh(self, act_dtype: torch.dtype) -> list[str]:
         from engine_agent.errors import IdentityChanged
 
         params_before = {k: v for k, v in self.layer._parameters.items() if v is not None}
         attrs_before = {p: _tensor_attrs(h) for p, h in self._holders().items()}
+        claimed = self.tensors()
+        versions = {qualified: _version(tensor) for qualified, tensor in claimed.items()}
         self.layer.process_weights_after_loading(act_dtype)  # type: ignore[operator]
         refreshed: list[str] = []
 
         def keep_storage(qualified: str, old: torch.Tensor, new: torch.Tensor | None) -> None:
             if new is None or new is old:
-                refreshed.append(qualified)  # rebuilt in place by the layer itself
+                before = versions.get(qualified)
+                if new is old and before is not None and _version(old) != before:
+                    refreshed.append(qualified)  # rebuilt in place by the layer itself
                 return
             if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
                 raise IdentityChanged(
@@ -89,7 +109,8 @@ class MLARefresher:
                     field=qualified,
                 )
             old.data.copy_(new.data)
-            refreshed.append(qualified)
+            if qualified in claimed:
+                refreshed.append(qualified)
 
         slots: dict[str, Any] = self.layer._parameters
         for key, old_param in params_before.items():

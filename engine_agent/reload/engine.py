@@ -42,6 +42,7 @@ from engine_agent.errors import (
     DerivedStateUnsupported,
     IdentityChanged,
     InvalidRequest,
+    ManifestMismatch,
     WrongState,
 )
 from engine_agent.protocol import (
@@ -57,6 +58,7 @@ from engine_agent.protocol import (
 from engine_agent.reload import failpoints, session
 from engine_agent.reload.coverage import CoverageLedger
 from engine_agent.reload.digest import VerifyPool, rank_digest, tensor_digest
+from engine_agent.reload.guard import DEFAULT_PERIOD_S, StillTrueGuard, kernel_probes
 from engine_agent.reload.identity import StorageRecord, compare_kernels, compare_storage
 from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.modelwise import LoadRouter, ModelIndex, build_index
@@ -115,6 +117,7 @@ class RankEngine:
         act_dtype: torch.dtype,
         rank: RankId,
         boot_version: str,
+        guard_period: float = DEFAULT_PERIOD_S,
     ) -> None:
         self.model = model
         self.device = device
@@ -123,6 +126,14 @@ class RankEngine:
         self.state = session.initial(boot_version)
         self._index: ModelIndex | None = None
         self._session: _Session | None = None
+        #: "Still true now": sealed at each commit (and for the boot weights at the first state
+        #: answer), re-checked on every state answer (:mod:`.guard`).
+        self.guard = StillTrueGuard(
+            tensors=self._kernel_visible,
+            kernels=lambda: self.index.kernel_snapshot(),
+            observations=lambda: kernel_probes(self.model),
+            period=guard_period,
+        )
 
     # -- public calls (one per RPC) --------------------------------------------------------
 
@@ -152,6 +163,7 @@ class RankEngine:
         return self._call("abort", lambda: self._abort(_parse(AbortArgs, args_json, "args")))
 
     def status(self) -> dict[str, Any]:
+        self._check_still_true()
         return RankStatus(
             rank=self.rank,
             state=self.state.state,
@@ -163,6 +175,46 @@ class RankEngine:
         ).to_wire()
 
     # -- implementation ------------------------------------------------------------------
+
+    def _kernel_visible(self) -> dict[str, torch.Tensor]:
+        """Every tensor a kernel reads, by name: parameters, buffers, registered derived ones."""
+        tensors: dict[str, torch.Tensor] = {
+            n: t
+            for n, t in self.model.named_parameters(remove_duplicate=False)
+            if t.device.type != "meta"
+        }
+        tensors |= {
+            n: t
+            for n, t in self.model.named_buffers(remove_duplicate=False)
+            if t.device.type != "meta"
+        }
+        for refreshers in self.index.refreshers.values():
+            for refresher in refreshers:
+                tensors |= refresher.tensors()
+        return tensors
+
+    def _check_still_true(self, *, force_content: bool = False) -> None:
+        """Poison the rank if what its kernels read is no longer what it committed.
+
+        Only a clean rank outside a session claims anything; one that was never sealed (the boot
+        weights, or a session aborted before any write) is sealed now. A guard that cannot check
+        fails closed.
+        """
+        if not self.state.serving_safe or self._session is not None:
+            return
+        try:
+            if not self.guard.sealed:
+                self.guard.seal()
+                return
+            problems = self.guard.violations(force_content=force_content)
+        except Exception as e:  # fail closed: an unknown state is not a clean one
+            logger.exception("Still-true check failed on rank %s", self.rank.key)
+            problems = [f"the check itself failed ({type(e).__name__})"]
+        if problems:
+            reason = StillTrueGuard.describe(problems)
+            logger.error("Rank %s no longer serves its commit: %s", self.rank.key, reason)
+            self.state = session.poison(self.state, reason)
+            self.guard.unseal()
 
     def _call(self, call: str, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         started = time.perf_counter()
@@ -195,13 +247,20 @@ class RankEngine:
         return self._index
 
     def _begin(self, spec: UpdateSpec) -> dict[str, Any]:
-        if self.state.in_session and self.state.update_id == spec.update_id:
-            return self._report("begin", ok=True)  # idempotent re-begin of the same session
+        if self.state.in_session:
+            # A retried begin of the open session (same id, same spec) is acknowledged; any
+            # other begin, a same id with another spec included, is a conflict (issue 26, 8).
+            session.begin(self.state, spec)
+            return self._report("begin", ok=True)
         if callable(getattr(self.model, "process_weights_after_loading", None)):
             raise WrongState(
                 f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
                 "replayed per module; in-place updates are refused for this model"
             )
+        if spec.mode is not UpdateMode.FULL:
+            # A delta builds on the live bytes: they must still be the commit it names.
+            self._check_still_true(force_content=True)
+        self.guard.unseal()
         new_state = session.begin(self.state, spec)
         index = self.index
         if spec.mode is UpdateMode.PARTIAL:
@@ -274,13 +333,13 @@ class RankEngine:
         active = self._require_session()
         manifest = None
         if source.manifest is not None:
-            from engine_agent.errors import ManifestMismatch
             from engine_agent.manifest import ManifestError, load_manifest
 
             try:
                 manifest = load_manifest(source.manifest, pinned=source.manifest_digest)
             except (ManifestError, OSError) as e:
                 raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
+            _check_manifest_versions(manifest, active.spec, source.manifest)
         with _timed(active.timings, "read_headers"):
             # Headers are checked against the manifest here; content hashes on the very bytes
             # the loaders consume, while they consume them (sources.py): one read, no window.
@@ -411,6 +470,11 @@ class RankEngine:
             **self._progress_fields(),
         ).to_wire()
         self.state, self._session = committed, None
+        try:
+            self.guard.seal()  # what "still true now" is checked against from here on
+        except Exception as e:  # a commit that cannot be guarded is not served
+            self.state = session.poison(self.state, f"the commit could not be sealed: {e!r:.200}")
+            raise
         logger.info(
             "Committed weight update on rank %s: version %s", self.rank.key, committed.version
         )
@@ -484,6 +548,30 @@ class RankEngine:
             identity_problems=identity_problems,
             **fields,
         ).to_wire()
+
+
+def _check_manifest_versions(manifest: Any, spec: UpdateSpec, path: str) -> None:
+    """Refuse a manifest written for another version (or, for a sparse patch, another base).
+
+    The agent checks this too; the rank checks it again on the manifest it read itself, so a
+    caller that skips the agent (or a manifest replaced after the agent read it, when no digest
+    pins it) cannot commit bytes under a version their manifest does not name.
+
+    Raises:
+        ManifestMismatch: naming both versions.
+    """
+    if manifest.version is not None and manifest.version != spec.version:
+        raise ManifestMismatch(
+            f"manifest {path} is for version {manifest.version!r} but this update commits "
+            f"{spec.version!r}; nothing was loaded",
+            field="manifest",
+        )
+    if spec.mode is UpdateMode.SPARSE and manifest.base_version != spec.base_version:
+        raise ManifestMismatch(
+            f"manifest {path} applies to base version {manifest.base_version!r} but this "
+            f"update declares baseVersion {spec.base_version!r}; nothing was loaded",
+            field="manifest",
+        )
 
 
 def _parse(model: Any, raw: str, field: str) -> Any:

@@ -45,7 +45,7 @@ from engine_agent.reload.identity import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_PERIOD_S", "Seal", "StillTrueGuard"]
+__all__ = ["DEFAULT_PERIOD_S", "Seal", "StillTrueGuard", "kernel_probes"]
 
 #: Seconds between content checks by default (issue 26 E: detection within 30 s).
 DEFAULT_PERIOD_S: Final = 30.0
@@ -144,3 +144,34 @@ class StillTrueGuard:
         named = "; ".join(problems[:_MAX_NAMED])
         more = f" (and {len(problems) - _MAX_NAMED} more)" if len(problems) > _MAX_NAMED else ""
         return f"still_true_violated: {named}{more}"
+
+
+#: Seed of the fixed probe input every kernel observation uses (the same on every check).
+_PROBE_SEED: Final = 20261206
+
+
+def kernel_probes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What each CPU GEMM kernel with a private weight copy computes on a fixed probe input.
+
+    vLLM's oneDNN path (AVX-512/AMX CPUs) packs a linear's weight behind an opaque handle and
+    leaves the parameter empty, so no tensor shows those bytes; the kernel's output on a fixed
+    input is the view of them the guard compares. A kernel without captured state (the fallback
+    that reads the live parameter) is covered by the parameter itself and skipped.
+    """
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        kernel = module.__dict__.get("cpu_linear")
+        weight = module._parameters.get("weight")
+        if kernel is None or weight is None or not getattr(kernel, "__closure__", None):
+            continue
+        width = int(weight.shape[1]) if weight.ndim == 2 and weight.numel() else 0
+        width = width or int(getattr(module, "input_size_per_partition", 0) or 0)
+        if not width:
+            continue
+        generator = torch.Generator().manual_seed(_PROBE_SEED + width)
+        probe = torch.randn(1, width, generator=generator).to(weight.dtype).to(weight.device)
+        with torch.no_grad():
+            out[f"{name}.cpu_linear(probe)"] = kernel(probe, weight, None)
+    return out

@@ -29,15 +29,20 @@ Limitations:
     1. Models with a model-level ``process_weights_after_loading`` hook are refused at begin.
     2. Deferred attention layers that read other modules' weights are supported only where a
        refresher is registered (:mod:`engine_agent.reload.derived`); others fail closed.
-    3. A parameter held by several modules (tied embeddings) is indexed once, under the first
-       module that holds it; every other holder is a *sharer* whose own post-load step is
-       re-run after the owner's bytes changed (its kernel may keep its own packed copy).
+    3. A parameter held by several modules (tied embeddings; the routing bias of MiniMax-M2's
+       block or DeepSeek-V3's gate, also held by the experts) is indexed once, under the first
+       module that holds it; every other holder is a *sharer*. A sharer with no checkpoint
+       parameter of its own (the tied LM head) re-runs its post-load step after the owner's
+       bytes changed (its kernel may keep its own packed copy); an indexed sharer is processed
+       after the owner, from its own staging, and must therefore be reloaded with it (else
+       refused at begin, and sparse patches of the shared parameter are refused).
     4. Sparse patches are accepted only for parameters whose live layout is the checkpoint
        layout (norms, embeddings, and linears whose kernel reads the live weight); everything
        else is refused with the module named. Checkpoint-coordinate indices are mapped through
        the parameter's own weight loader (its real TP shard layout), so each rank applies
        exactly the elements it holds, at their local positions; this needs one temporary
-       int64 tensor of the checkpoint tensor's size.
+       int64 tensor of the checkpoint tensor's size, and a probe of its dtype. A loader that
+       computes what it stores (``x + offset``) makes the patch refused, not transformed.
 """
 
 from __future__ import annotations
@@ -168,6 +173,14 @@ class ModelIndex:
     #: holding one of the owner's parameter objects (tied embeddings: ``lm_head``).
     sharers: dict[str, list[tuple[str, nn.Module, str]]] = field(default_factory=dict)
 
+    def owners_of(self, name: str) -> set[str]:
+        """Indexed modules owning a parameter that module ``name`` also holds."""
+        return {
+            owner
+            for owner, holders in self.sharers.items()
+            if any(holder == name for holder, _module, _param in holders)
+        }
+
     def holders(self) -> dict[int, str]:
         """``id(live parameter) -> owner module name`` for every checkpoint parameter."""
         out: dict[int, str] = {}
@@ -274,6 +287,20 @@ def _local_experts(module: nn.Module) -> frozenset[int]:
 
 
 def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpoint parameters of ``module``: every parameter it held when the model was built.
+
+    vLLM records the parameters of every module right after the model is built, before the
+    checkpoint is loaded (``record_metadata_for_reloading``), so what it recorded is what a
+    cold load fills. Its recorder leaves out some names on purpose (``SKIP_TENSORS``: a
+    ``bias`` is built after ``create_weights``, the routing ``e_score_correction_bias`` is
+    read in place, the expert maps are never loaded); those parameters exist from the start
+    and the checkpoint writes them all the same — through their own ``weight_loader`` or,
+    without one, the model's default loader. Undoing that filter, instead of asking for a
+    ``weight_loader`` attribute, is what makes a loader-less parameter (a LayerNorm's bias,
+    DeepSeek-V3's score correction bias) a checkpoint parameter and not derived state with no
+    refresher (issue 26, items 6 and 7). Parameters created later, by post-load processing,
+    are in neither set: they are derived state.
+    """
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
@@ -284,14 +311,22 @@ def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
         for name, meta in restore_params.items()
         if name not in _NEVER_LOADED
     }
-    # Parameters created after the weights (e.g. ``bias``) are not in the restore metadata;
-    # they stay in checkpoint layout and carry their own loader.
+    unrecorded = _unrecorded_at_build()
     for name, live in module._parameters.items():
-        if name in templates or live is None or name in _NEVER_LOADED:
+        if name in templates or live is None or name in _NEVER_LOADED or live.numel() == 0:
             continue
-        if hasattr(live, "weight_loader") and live.numel() > 0:
+        if name in unrecorded or hasattr(live, "weight_loader"):
             templates[name] = to_meta_tensor(live)
     return templates
+
+
+def _unrecorded_at_build() -> frozenset[str]:
+    """Parameter names vLLM's build-time recorder leaves out although the model has them."""
+    try:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    except ImportError:  # a vLLM without the set: the names 0.32.0 skips
+        return frozenset({"bias", "e_score_correction_bias"})
+    return frozenset(SKIP_TENSORS)
 
 
 def _has_quant_method(module: nn.Module) -> bool:
@@ -395,6 +430,8 @@ class LoadRouter:
         self._coords: dict[tuple[str, str], torch.Tensor] | None = None
         self._staging: dict[str, dict[str, torch.Tensor]] = {}
         self.processed: set[str] = set()
+        #: complete modules waiting for the owner of a parameter they share (:meth:`_complete`).
+        self._deferred: dict[str, ModuleEntry] = {}
         self.derived_refreshed: list[str] = []
         self.module_digests: dict[str, str] = {}
         self.bytes_loaded = 0
@@ -403,6 +440,8 @@ class LoadRouter:
         self.timings: dict[str, float] = {}
         #: module name -> its live parameters while templates are installed.
         self._live: dict[str, dict[str, Any]] = {}
+        for name in sorted(ledger.modules):
+            self._refuse_stale_sharers(name)
 
     @contextmanager
     def _timed(self, step: str) -> Iterator[None]:
@@ -439,8 +478,17 @@ class LoadRouter:
             self._call_load_weights(weights)
 
     def _call_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # The tensor the loaders were handed last: a loader's own error (often a bare
+        # ``assert``) names neither the tensor nor its shape, so the refusal does (issue 26, 9).
+        current: list[tuple[str, torch.Tensor]] = []
+
+        def handed_out() -> Iterator[tuple[str, torch.Tensor]]:
+            for pair in weights:
+                current[:] = [pair]
+                yield pair
+
         try:
-            self.index.model.load_weights(iter(weights))  # type: ignore[operator]
+            self.index.model.load_weights(handed_out())  # type: ignore[operator]
         except KeyError as e:
             raise UnknownTensor(
                 f"checkpoint tensor {e.args[0]!r} maps to no parameter of this model",
@@ -453,7 +501,14 @@ class LoadRouter:
                 raise UnknownTensor(
                     f"a checkpoint tensor maps to no parameter of this model: {e}"
                 ) from e
-            raise ShapeMismatch(f"the model's weight loader rejected a tensor: {e}") from e
+            if not current:
+                raise ShapeMismatch(f"the model's weight loader rejected a tensor: {e}") from e
+            name, tensor = current[0]
+            raise ShapeMismatch(
+                f"{name}: the model's weight loader rejected it ({tensor.dtype} "
+                f"{list(tensor.shape)}): {str(e) or type(e).__name__}",
+                field=name,
+            ) from e
 
     # -- installation of templates ------------------------------------------------------
 
@@ -505,7 +560,8 @@ class LoadRouter:
             bound.apply_defaults()
             loaded = bound.arguments.get("loaded_weight")
             if self._coords is not None:  # sparse coordinate pass: where each element lands
-                positions = torch.zeros(template.shape, dtype=torch.int64, device="cpu")
+                like = loaded.dtype if isinstance(loaded, torch.Tensor) else torch.int64
+                positions = torch.zeros(template.shape, dtype=like, device="cpu")
                 positions.__class__ = template.__class__
                 positions.__dict__ = template.__dict__.copy()
                 bound.arguments["param"] = positions
@@ -542,7 +598,7 @@ class LoadRouter:
                 self.ledger.record(key)
             if keys and self.ledger.is_complete(entry.name):
                 self._failpoint("load.staged")
-                self.process(entry)
+                self._complete(entry)
             return result
 
         proxy.weight_loader = weightroll_loader  # type: ignore[attr-defined]
@@ -575,6 +631,7 @@ class LoadRouter:
             )
         staged = self._staging.pop(entry.name, {})
         module = entry.module
+        installed = dict(module._parameters)
         live_params = {
             k: v for k, v in self._live.get(entry.name, module._parameters).items() if v is not None
         }
@@ -584,6 +641,13 @@ class LoadRouter:
         # here on, whatever fails next (issue 10, item 3).
         self._mark_dirty()
         try:
+            # Post-load runs as at a cold load: on the module's real parameters (one it shares
+            # with another module, as MiniMax-M2's experts share the block's routing bias, or
+            # derived ones), with the staged checkpoint parameters in their slots. Left at the
+            # load's meta guards, a shared parameter reached the copy back as a meta tensor and
+            # every full update crashed after live writes (issue 26, item 5).
+            module._parameters.clear()
+            module._parameters.update(live_params)
             for pname, tensor in staged.items():
                 _slots(module)[pname] = tensor
             try:
@@ -613,13 +677,49 @@ class LoadRouter:
                 self._copy_into_live(entry, live_params, _present(module._parameters))
                 self._copy_into_live(entry, live_buffers, _present(module._buffers))
         finally:
+            # Back to what the load installed: a later tensor of this batch for this module
+            # must meet the accounting (a duplicate), never the live parameter's own loader.
             module._parameters.clear()
-            module._parameters.update(live_params)
+            module._parameters.update(installed)
             for name, buffer in live_buffers.items():
                 module._buffers[name] = buffer
         self._failpoint("copy.after")
-        self._reprocess_sharers(entry)
         self.processed.add(entry.name)
+        self._reprocess_sharers(entry)
+
+    def _complete(self, entry: ModuleEntry) -> None:
+        """Process a module whose staging covers its required shards, or hold it back.
+
+        A module holding a parameter another module owns (MiniMax-M2's and DeepSeek-V3's
+        experts hold the routing bias of their block or gate) is processed after that owner
+        when the owner is updated in this session too, so its post-load step sees the new
+        value — as at a cold load, where every module is processed after every load.
+        """
+        waiting = [
+            owner
+            for owner in self.index.owners_of(entry.name)
+            if owner in self.ledger.modules and owner not in self.processed
+        ]
+        if waiting:
+            self._deferred[entry.name] = entry
+            return
+        self.process(entry)
+
+    def _refuse_stale_sharers(self, owner: str) -> None:
+        """Refuse, at begin, to update a parameter an unreloaded module also holds.
+
+        Only a module that is itself reloaded here can re-run its post-load step on checkpoint
+        layout: re-running it on its live, already kernel-formatted weights (packed experts)
+        would process them twice. Tied embeddings are not affected (the LM head has no
+        checkpoint parameter of its own, and its post-load step reads the shared one).
+        """
+        for holder_name, _holder, pname in self.index.sharers.get(owner, []):
+            if holder_name in self.index.entries and holder_name not in self.ledger.modules:
+                raise DerivedStateUnsupported(
+                    f"{owner}: its parameter {pname} is also held by {holder_name}, which "
+                    f"this update does not reload; include {holder_name} in the update",
+                    field=f"{holder_name}.{pname}",
+                )
 
     def _mark_dirty(self) -> None:
         if not self._wrote_live:
@@ -651,8 +751,15 @@ class LoadRouter:
 
         Tied embeddings: ``lm_head.weight is embed_tokens.weight``, and on CPU the LM head's
         GEMM kernel keeps its own packed copy of it, so updating the embedding must rebuild it.
+        A holder that is itself reloaded in this session is processed from its own staging
+        instead (:meth:`_complete`): now, if it was waiting for this owner, else when complete.
         """
         for holder_name, holder, pname in self.index.sharers.get(entry.name, []):
+            if holder_name in self.index.entries and holder_name in self.ledger.modules:
+                held = self._deferred.pop(holder_name, None)
+                if held is not None:
+                    self._complete(held)
+                continue
             self._mark_dirty()
             with self._real_parameters(holder):
                 shared = holder._parameters.get(pname)
@@ -759,7 +866,7 @@ class LoadRouter:
                 )
             key = keys[0]
             entry = self.index.entries[key.module]
-            reason = entry.sparse_refusal(key.param)
+            reason = entry.sparse_refusal(key.param) or self._sparse_sharer_refusal(entry)
             stale = self.inventory.unsupported({entry.name})
             if reason is None and stale:
                 reason = f"{stale[0].name} is derived from it and nothing rebuilds it"
@@ -792,7 +899,8 @@ class LoadRouter:
                     f"{name}: a patch index repeats; each element may be patched once",
                     field=name,
                 )
-            local = self._local_positions(name, shape, entry, key.param, live)[indices]
+            local = self._local_positions(name, shape, entry, key.param, live, indices, values)
+            local = local[indices]
             mine = local >= 0
             plan.append((entry, key.param, local[mine], values[mine]))
             all_keys.append(key)
@@ -810,8 +918,27 @@ class LoadRouter:
             self._rebuild_in_place(entry)
         return all_keys
 
+    def _sparse_sharer_refusal(self, entry: ModuleEntry) -> str | None:
+        """Why a patch of ``entry`` would leave a module sharing its parameter stale (None: it
+        would not). Such a module (experts holding their block's routing bias) has kernel-format
+        weights its post-load step cannot be re-run on (:meth:`_refuse_stale_sharers`)."""
+        for holder_name, _holder, pname in self.index.sharers.get(entry.name, []):
+            if holder_name in self.index.entries:
+                return (
+                    f"its parameter {pname} is also held by {holder_name}, whose kernel-format "
+                    "weights cannot be processed again in place"
+                )
+        return None
+
     def _local_positions(
-        self, name: str, shape: torch.Size, entry: ModuleEntry, pname: str, live: torch.Tensor
+        self,
+        name: str,
+        shape: torch.Size,
+        entry: ModuleEntry,
+        pname: str,
+        live: torch.Tensor,
+        indices: torch.Tensor,
+        values: torch.Tensor,
     ) -> torch.Tensor:
         """For every flat checkpoint index of ``name``: where this rank holds it, or -1.
 
@@ -820,18 +947,21 @@ class LoadRouter:
         and padding are exactly the loader's. A position two local elements claim cannot be
         patched one-to-one and is refused.
 
+        The mapping is only a mapping if the loader moves values without changing them; some
+        loaders compute (Plamo3 norms ``x + offset``, LongCat-Flash ``x * scale``, Mamba2
+        ``A = -exp(x)``), and a cold engine holds what they compute, not the checkpoint value.
+        So positions must land as positions, and a probe of the parameter's dtype — the patch's
+        own values at its indices, values of every magnitude elsewhere — loaded the same way,
+        must land bit for bit where the positions say. Otherwise the patch is refused, naming
+        the loader, before anything is written (issue 26, item 1).
+
         Raises:
-            SparseRefused: the mapping is not one-to-one or the loader wrote no positions.
+            SparseRefused: the mapping is not one-to-one, the loader wrote no positions, or the
+                loader transforms the values it loads.
         """
         numel = math.prod(shape)
-        self._coords = {}
-        try:
-            positions = torch.arange(1, numel + 1, dtype=torch.int64).reshape(shape)
-            with self._installed(dry=False):
-                self._call_load_weights([(name, positions)])
-            landed = self._coords.get((entry.name, pname))
-        finally:
-            self._coords = None
+        positions = torch.arange(1, numel + 1, dtype=torch.int64).reshape(shape)
+        landed = self._land(name, entry, pname, positions)
         if landed is None or landed.numel() != live.numel():
             raise SparseRefused(
                 f"cannot patch {name} in place: its weight loader did not map it onto "
@@ -839,8 +969,19 @@ class LoadRouter:
                 field=name,
             )
         flat = landed.reshape(-1) - 1
+        # -1: an element no checkpoint position reaches (padding the loader leaves); anything
+        # else outside [0, numel) was computed, not moved.
+        if flat.numel() and (int(flat.min()) < -1 or int(flat.max()) >= numel):
+            raise self._transforming(name, entry, pname)
         held = flat >= 0
         source = flat[held]
+        generator = torch.Generator().manual_seed(numel)
+        scale = torch.exp2(torch.randint(-24, 24, (numel,), generator=generator).float())
+        probe = (torch.randn(numel, generator=generator) * scale).to(live.dtype)
+        probe[indices] = values.to(live.dtype)
+        probed = self._land(name, entry, pname, probe.reshape(shape))
+        if probed is None or not torch.equal(_raw(probed.reshape(-1)[held]), _raw(probe[source])):
+            raise self._transforming(name, entry, pname)
         if torch.unique(source).numel() != source.numel():
             raise SparseRefused(
                 f"cannot patch {name} in place: this rank holds some of its elements more than "
@@ -850,6 +991,31 @@ class LoadRouter:
         lookup = torch.full((numel,), -1, dtype=torch.int64)
         lookup[source] = torch.nonzero(held).reshape(-1)
         return lookup
+
+    def _land(
+        self, name: str, entry: ModuleEntry, pname: str, tensor: torch.Tensor
+    ) -> torch.Tensor | None:
+        """What the model's ``load_weights`` writes into a CPU stand-in of ``entry.pname`` when
+        fed ``tensor`` as checkpoint tensor ``name`` (None: it wrote nothing there)."""
+        self._coords = {}
+        try:
+            with self._installed(dry=False):
+                self._call_load_weights([(name, tensor)])
+            return self._coords.get((entry.name, pname))
+        finally:
+            self._coords = None
+
+    @staticmethod
+    def _transforming(name: str, entry: ModuleEntry, pname: str) -> SparseRefused:
+        loader = getattr(entry.templates[pname], "weight_loader", None)
+        qualname = getattr(loader, "__qualname__", None) or type(loader).__name__
+        label = f"{getattr(loader, '__module__', None) or '?'}.{qualname}"
+        return SparseRefused(
+            f"cannot patch {name} in place: the weight loader of {entry.name}.{pname} "
+            f"({label}) transforms the values it loads, so a checkpoint value is not what a "
+            "cold engine holds; send a full or partial update for it instead",
+            field=name,
+        )
 
     def _rebuild_in_place(self, entry: ModuleEntry) -> None:
         """Re-derive kernel state from a module's (patched) live weights."""
@@ -868,12 +1034,18 @@ class LoadRouter:
     def discard(self) -> None:
         """Drop every staging tensor (abort or failure): live storage is left as it is."""
         self._staging.clear()
+        self._deferred.clear()
 
 
 def _slots(module: nn.Module) -> dict[str, Any]:
     """A module's parameter slots, typed loosely: staging tensors are swapped in and out."""
     slots: dict[str, Any] = module._parameters
     return slots
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (bit-for-bit comparison: NaN equals NaN, -0.0 is not 0.0)."""
+    return tensor.contiguous().view(torch.uint8)
 
 
 def _present(tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:

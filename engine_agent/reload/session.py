@@ -21,6 +21,9 @@ Invariants (gap 1 of the mission):
       the boot weights): a vLLM restarted onto boot weights labelled like that commit is not
       its base.
     * ``serving_safe`` is true in ``CLEAN`` only.
+    * A session is its update id *and* its spec: a repeated begin of the open session with the
+      same spec is acknowledged (a retried call), with another spec it is a conflict, open or
+      dirty — acknowledging it would let the caller believe the rank writes what it asked.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class WeightState:
     #: weights). Lives in the rank process, so a vLLM restarted onto boot weights labelled like
     #: the last commit is still told apart from that commit (the label alone cannot).
     committed_by: str | None = None
+    #: The spec the open session began with (a repeated begin must repeat it exactly).
+    spec: UpdateSpec | None = None
 
     @property
     def serving_safe(self) -> bool:
@@ -76,14 +81,22 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
     """Open a session for ``spec``.
 
     Raises:
-        UpdateConflict: another session is open (a repeated begin of the same, still
-            untouched session is accepted and returns ``ws`` unchanged).
+        UpdateConflict: another session is open, or the open one began with another spec (a
+            repeated begin of the open session with the same spec is accepted and returns
+            ``ws`` unchanged).
         WrongState: the engine is poisoned and the update is not full, or a delta's base
             (``base_version``, ``base_update_id``) is not what the engine serves.
     """
     if ws.in_session:
-        if ws.update_id == spec.update_id and ws.state is EngineState.OPEN:
+        if ws.update_id == spec.update_id and ws.spec == spec:
             return ws
+        if ws.update_id == spec.update_id:
+            raise UpdateConflict(
+                f"update {spec.update_id!r} is active ({ws.state.value}) with another spec "
+                f"({_spec_difference(ws.spec, spec)}); an update id names one request, so send "
+                "the new one under a new id after finishing or aborting this one",
+                field="update_id",
+            )
         raise UpdateConflict(
             f"update {ws.update_id!r} is active ({ws.state.value}); finish or abort it before "
             f"starting {spec.update_id!r}",
@@ -115,6 +128,7 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
         mode=spec.mode,
         target_version=spec.version,
         began_poisoned=ws.state is EngineState.POISONED,
+        spec=spec,
     )
 
 
@@ -149,6 +163,16 @@ def fail(ws: WeightState, reason: str) -> WeightState:
         reason = reason if ws.state is EngineState.DIRTY else (ws.poison_reason or reason)
         return replace(ws, state=EngineState.POISONED, poison_reason=reason)
     return WeightState(state=EngineState.CLEAN, version=ws.version, committed_by=ws.committed_by)
+
+
+def _spec_difference(began: UpdateSpec | None, repeated: UpdateSpec) -> str:
+    """The fields in which ``repeated`` differs from the spec the session ``began`` with."""
+    if began is None:
+        return "the spec it began with is unknown"
+    old, new = began.model_dump(by_alias=True), repeated.model_dump(by_alias=True)
+    return ", ".join(
+        f"{key}: {old[key]!r} began, {new[key]!r} now" for key in old if old[key] != new[key]
+    )
 
 
 def _commit_name(update_id: str | None) -> str:

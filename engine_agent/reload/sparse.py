@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine_agent.errors import InvalidRequest
+from engine_agent.errors import InvalidRequest, ShapeMismatch
 
 __all__ = ["FORMAT", "read_patches", "write_patch"]
 
@@ -52,7 +52,9 @@ def read_patches(checkpoint: Any) -> list[tuple[str, torch.Size, torch.Tensor, t
     """Parse a :class:`engine_agent.reload.sources.CheckpointSource` holding a sparse patch.
 
     Raises:
-        InvalidRequest: the file is not a weightroll sparse patch, or an entry is incomplete.
+        InvalidRequest: the file is not a weightroll sparse patch, or an entry is incomplete or
+            its shape metadata malformed (naming the tensor).
+        ShapeMismatch: an entry's indices and values are not 1-D of equal length.
     """
     metadata: dict[str, str] = checkpoint.metadata
     if metadata.get("weightroll.sparse") != FORMAT:
@@ -75,6 +77,28 @@ def read_patches(checkpoint: Any) -> list[tuple[str, torch.Size, torch.Tensor, t
             )
         if indices.dtype != torch.int64:
             raise InvalidRequest(f"{name}{_INDICES} must be int64, got {indices.dtype}", field=name)
-        dims = torch.Size(int(d) for d in shape.split(",") if d)
-        patches.append((name, dims, indices, values))
+        if indices.dim() != 1 or values.shape != indices.shape:
+            raise ShapeMismatch(
+                f"{name}: {name}{_INDICES} and {name}{_VALUES} must be 1-D and of equal length "
+                f"(got {list(indices.shape)} and {list(values.shape)})",
+                field=name,
+            )
+        patches.append((name, _shape(name, shape), indices, values))
     return patches
+
+
+def _shape(name: str, text: str) -> torch.Size:
+    """Parse metadata ``shape::<name>`` (``"d0,d1,..."``, non-negative integers).
+
+    Raises:
+        InvalidRequest: naming the tensor, before anything reaches a loader (a malformed shape
+            used to surface as an ``internal`` error of whatever first tripped over it).
+    """
+    dims = [d.strip() for d in text.split(",") if d.strip()]
+    if not all(d.isascii() and d.isdigit() for d in dims):
+        raise InvalidRequest(
+            f"sparse patch metadata 'shape::{name}' is {text!r}: it must list the checkpoint "
+            "shape as non-negative integers separated by commas",
+            field=name,
+        )
+    return torch.Size(int(d) for d in dims)

@@ -91,6 +91,9 @@ from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 __all__ = ["Agent", "AgentConfig", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
 
 logger = logging.getLogger(__name__)
+#: Poison reason prefix (and hold code) of a rank whose committed weights changed afterwards:
+#: ``engine_agent.reload.guard.StillTrueGuard.describe``.
+STILL_TRUE_VIOLATED = "still_true_violated"
 
 BEGIN: Final = "weightroll_begin"
 LOAD: Final = "weightroll_load"
@@ -496,6 +499,9 @@ class Agent:
         self._last_ranks = list(states.statuses)
         self._last_state = states.state
         self.metrics.set_engine_state(states.state)
+        self.metrics.still_true_violated.set(
+            any((r.poison_reason or "").startswith(STILL_TRUE_VIOLATED) for r in states.statuses)
+        )
         return _Observation(at, True, paused, world, states, list(states.problems))
 
     def _faults(self, observation: _Observation) -> list[Problem]:
@@ -510,7 +516,12 @@ class Agent:
                 {f"{s.state.value}: {s.poison_reason}" for s in states.statuses if s.poison_reason}
             )
             detail = f" ({'; '.join(reasons)})" if reasons else ""
-            problems.append(Problem("engine_not_clean", f"ranks report {state.value}{detail}"))
+            # The rank's guard found its live weights changed after its commit (issue 26 E).
+            changed = any(
+                (s.poison_reason or "").startswith(STILL_TRUE_VIOLATED) for s in states.statuses
+            )
+            code = STILL_TRUE_VIOLATED if changed else "engine_not_clean"
+            problems.append(Problem(code, f"ranks report {state.value}{detail}"))
         expected = self.store.memory.expected_version
         if expected is not None and states.versions and states.versions != {expected}:
             problems.append(

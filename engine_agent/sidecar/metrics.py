@@ -46,6 +46,12 @@ class AgentMetrics:
             ["state"],
             registry=self.registry,
         )
+        self.still_true_violated = Gauge(
+            "weightroll_agent_still_true_violated",
+            "1 while a rank reports that what its kernels read changed after its verified "
+            "commit (a stray write, vLLM's own reload): the replica is held until a full update",
+            registry=self.registry,
+        )
         self.ready = Gauge(
             "weightroll_agent_ready",
             "1 when every rank is committed at the expected version and generation runs",

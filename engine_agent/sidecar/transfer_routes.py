@@ -331,9 +331,11 @@ class TransferCoordinator:
 
     async def update(self, body: dict[str, Any]) -> dict[str, Any]:
         push = self._require_push("update_weights")
-        if "update_info" not in body:
-            raise PushFailed(422, [Problem("invalid_request", "update_info: field required")])
         async with self._failing_closed(push, explain=True):
+            if "update_info" not in body:  # the trainer already broadcasts: end the push
+                raise PushFailed(
+                    422, [Problem("invalid_request", "update_info: field required")], "update_info"
+                )
             try:
                 check_update_info(body["update_info"])
             except RendezvousRefused as e:
@@ -344,19 +346,23 @@ class TransferCoordinator:
     async def finish(self, body: dict[str, Any]) -> dict[str, Any]:
         push = self._require_push("finish_weight_update")
         version = body.get("weight_version") or push.id
-        if not isinstance(version, str) or not _VERSION.match(version):
-            raise PushFailed(
-                422,
-                [
-                    Problem(
-                        "invalid_request",
-                        f"weight_version {version!r} must match {VERSION_PATTERN} (it becomes "
-                        "a label value)",
-                    )
-                ],
-            )
         config = self.agent.config
+        # Inside the fail-closed step: a refused finish ends the push like any failure (fenced,
+        # held, released), so the trainer's next start is not refused as "push in progress"
+        # until the idle timeout (issue 26, 9).
         async with self._failing_closed(push):
+            if not isinstance(version, str) or not _VERSION.match(version):
+                raise PushFailed(
+                    422,
+                    [
+                        Problem(
+                            "invalid_request",
+                            f"weight_version {version!r} must match {VERSION_PATTERN} (it "
+                            "becomes a label value)",
+                        )
+                    ],
+                    "weight_version",
+                )
             named = check_session(
                 await self._ranks(
                     push, COMMIT_AS, json.dumps({"version": version}), config.control_timeout

@@ -19,6 +19,9 @@ and trainer side (:class:`GlooTrainerWeightTransferEngine`, registered in
 Order contract: metadata and iteration must agree (checked on the trainer per tensor, as vLLM's
 NCCL trainer does). A refused batch does not stop the worker from receiving the rest of the
 stream, so the trainer never hangs on a peer that gave up; the error is raised at the end.
+When the workers go away instead (vLLM restarted), Gloo's "Connection closed by peer" is not
+what the trainer sees: it gets the agent's answer to the pending ``update_weights`` (with
+:class:`~engine_agent.trainer.AgentSyncClient`, ``PushRejected`` naming the agent's reason).
 
 Limitations: tensors travel over TCP (one copy per worker rank, no multicast); for CPU fleets
 and tests, not for GPU clusters (use ``weightroll_nccl`` there).
@@ -32,6 +35,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
 
@@ -250,6 +254,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         super().__init__(client=client, source=source, is_sender=is_sender)
         self._store: TCPStore | None = None
         self._group: dist.ProcessGroupGloo | None = None
+        #: Bound of one collective, and of the wait for the agent's answer when one breaks.
+        self._timeout_s = DEFAULT_TIMEOUT_S
 
     @classmethod
     def trainer_init(
@@ -280,6 +286,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if posted.done():
             posted.result()  # the inference side's refusal says more
         engine._store, engine._group = joined.result()
+        engine._timeout_s = init_info.timeout_s
         posted.result()
         return engine
 
@@ -306,7 +313,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             future = pool.submit(self.client.update_weights, update_info)
             for _name, tensor in _checked(self.source, meta):
                 _raise_if_failed(future)
-                _broadcast(group, tensor.detach().to("cpu").contiguous())
+                try:
+                    _broadcast(group, tensor.detach().to("cpu").contiguous())
+                except RuntimeError as broken:
+                    _raise_answer_over(future, broken, self._timeout_s)
             future.result()
         finally:
             pool.shutdown(wait=False)
@@ -330,6 +340,24 @@ def _in_daemon_thread(call: Callable[..., Any], *args: Any) -> Future[Any]:
 
     threading.Thread(target=run, name="weightroll-gloo-init", daemon=True).start()
     return future
+
+
+def _raise_answer_over(future: Future[Any], broken: RuntimeError, timeout_s: float) -> None:
+    """The transport broke mid-broadcast: raise the inference side's answer, else ``broken``.
+
+    Gloo only says "Connection closed by peer" when the workers went away (vLLM restarted, a
+    rank crashed); the agent's answer to the pending ``update_weights`` says why, and it is
+    what a trainer acts on (``PushRejected`` with the agent's code). It arrives promptly — the
+    agent ends the push once vLLM refuses or is unreachable — and is awaited at most as long
+    as one collective may take.
+    """
+    try:
+        future.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise broken from None
+    except Exception as answer:
+        raise answer from broken
+    raise broken
 
 
 def _raise_if_failed(future: Future[Any]) -> None:

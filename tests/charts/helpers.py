@@ -31,6 +31,7 @@ ALERTS = (
     "WeightTrainerPushFailed",
     "WeightReplicaBehindFleet",
     "WeightAgentTokenUnavailable",
+    "WeightReplicaWeightsChanged",
 )
 NO_CRD_REASON = (
     "charts/weightroll/files/crds/weightupdates.weightroll.io.yaml is not generated yet "

@@ -445,7 +445,11 @@ def test_alerts_can_be_disabled_and_overridden() -> None:
         # WeightrollOperatorDown reads `up` of the operator's job; the others our own metrics
         selectors = re.findall(r"(?:\bweightroll_[a-z_]+|\bup)(\{[^}]*\})?", rule["expr"])
         # Agent metrics come from the workload pods, under their own selector.
-        sidecar = rule["alert"] in ("WeightTrainerPushFailed", "WeightReplicaBehindFleet")
+        sidecar = rule["alert"] in (
+            "WeightTrainerPushFailed",
+            "WeightReplicaBehindFleet",
+            "WeightReplicaWeightsChanged",
+        )
         job = "vllm-weightroll-agent" if sidecar else "weightroll-metrics"
         assert selectors and all(f'job="{job}"' in s for s in selectors), rule["expr"]
     all_off = {"prometheusRule": {"enabled": True, "disabled": dict.fromkeys(ALERTS, True)}}

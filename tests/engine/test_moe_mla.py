@@ -14,7 +14,7 @@ import torch
 
 from engine_agent.reload.sparse import write_patch
 from tests.harness.engines import Engine, cold_outputs, start_engine
-from tests.harness.mla import absorbed_weights, releases_kv_b_proj
+from tests.harness.mla import LAYER0, absorbed_weights, releases_kv_b_proj
 from tests.harness.models import load_tensors, random_checkpoint, write_subset, write_tensors
 
 
@@ -119,6 +119,23 @@ def test_gap3_mla_full_update_refreshes_w_uk_t_and_w_uv(mla: dict[str, Any]) -> 
     assert after == mla["cold_b"], f"max logprob diff {after.max_logprob_diff(mla['cold_b'])}"
     assert _only(engine.update("mla-a", "a", mla["a"]))["ok"]
     assert engine.outputs() == mla["boot"]
+
+
+def test_the_mla_refresher_lists_only_what_it_rebuilt(mla: dict[str, Any]) -> None:
+    """Issue 26, item 8: the MLA layer's KV cache (and its attention scales) were reported as
+    "refreshed" although no refresher rebuilds them: a report that lists what was not done
+    cannot be trusted for what was."""
+    engine: Engine = mla["engine"]
+    _ensure_clean_a(engine, mla)
+    storage = engine.llm.collective_rpc("probe_storage", args=("{}",))[0]
+    report = _only(engine.update("mla-b-listed", "b", mla["b"]))
+    assert report["ok"], report
+    refreshed = report["derivedRefreshed"]
+    for layer in (LAYER0, LAYER0.replace("layers.0.", "layers.1.")):
+        _, uk, uv = absorbed_weights(storage, layer)
+        assert sorted(n for n in refreshed if n.startswith(layer + ".")) == sorted([uk, uv])
+    assert not [n for n in refreshed if n.endswith(".kv_cache") or "_scale" in n], refreshed
+    assert _only(engine.update("mla-a-listed", "a", mla["a"]))["ok"]
 
 
 def test_gap3_mla_sparse_patch_of_kv_b_proj_refreshes_derived_state(mla: dict[str, Any]) -> None:

@@ -172,6 +172,31 @@ async def test_duplicate_shard_is_refused(sc: Scenario) -> None:
     assert await sc.outputs() == sc.notes["warm_b"]
 
 
+async def test_a_finish_refused_for_its_version_ends_the_push_fenced(sc: Scenario) -> None:
+    """Issue 26, item 9: a ``weight_version`` outside the grammar was refused (422) with the
+    push left open, so every later start got 409 until ``--push-idle-timeout``; docs/api.md
+    says a refused finish fences the replica and ends the push."""
+    before = await weight_version(sc)
+    assert (await call(sc, "/start_weight_update"))[0] == 200
+    status, refused = await call(sc, "/finish_weight_update", {"weight_version": "not a version!"})
+    assert (status, refused["code"]) == (422, "invalid_request"), refused
+    # Fenced as any failed push: out of traffic, poisoned, paused, the version unchanged.
+    ready = await sc.wait_ready(False)
+    assert any("did not commit" in reason for reason in ready["reasons"]), ready
+    assert (await sc.state())["engineState"] == "poisoned"
+    assert await sc.vllm_paused()
+    assert await weight_version(sc) == before
+    # The push is closed: the trainer starts again at once (this was 409 "in progress").
+    status, body = await call(sc, "/start_weight_update")
+    assert status == 200, body
+    assert refused["field"] == "weight_version", refused
+    # The second push is open; an empty one never commits.
+    status, body = await call(sc, "/finish_weight_update", {"weight_version": "step-empty-2"})
+    assert status == 422, body
+    await recover(sc, "step-4b")
+    assert await sc.outputs() == sc.notes["warm_b"]
+
+
 async def test_vllm_restarted_mid_push(sc: Scenario) -> None:
     """Whichever side notices first ends the push: the agent's forwarded step fails against the
     dead vLLM, or (when the trainer's transport broke before it called the agent again) the
@@ -198,7 +223,10 @@ async def test_vllm_restarted_mid_push(sc: Scenario) -> None:
     await sc.server.stop()
     hold.unlink()
     result = await trainer
-    assert result["outcome"] in ("failed", "unreachable"), result
+    # The agent's reason, never Gloo's "Connection closed by peer" (issue 26, item 9): the
+    # trainer's broadcast breaks first, and the agent's answer is what it must act on.
+    assert result["outcome"] == "failed" and result["code"] is not None, result
+    assert "Connection closed" not in result["reason"], result
     await sc.server.start()
     end = loop.time() + 60
     body = await sc.wait_ready(False)

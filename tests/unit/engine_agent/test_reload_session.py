@@ -96,13 +96,38 @@ def test_poisoned_keeps_its_first_reason_through_a_failed_recovery() -> None:
     assert ws.poison_reason == "half-failed"
 
 
-def test_second_session_conflicts_and_same_untouched_session_is_idempotent() -> None:
+def test_second_session_conflicts_and_a_repeated_begin_is_idempotent() -> None:
     ws = session.begin(CLEAN, spec())
     assert session.begin(ws, spec()) == ws
     with pytest.raises(UpdateConflict, match="u1"):
         session.begin(ws, spec(update_id="u2"))
+    dirty = session.mark_written(ws)
+    assert session.begin(dirty, spec()) == dirty  # a retried begin: the session goes on
     with pytest.raises(UpdateConflict):
-        session.begin(session.mark_written(ws), spec())
+        session.begin(dirty, spec(update_id="u2"))
+
+
+@pytest.mark.parametrize("written", [False, True])
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"version": "v3"}, "version: 'v2' began, 'v3' now"),
+        ({"mode": "sparse", "base_version": "v1"}, "mode"),
+        ({"mode": "partial", "base_version": "v1", "scope": ["model.norm."]}, "scope"),
+    ],
+)
+def test_the_same_id_with_another_spec_is_a_conflict_open_or_dirty(
+    written: bool, kw: dict[str, object], named: str
+) -> None:
+    """Issue 26, item 8: acknowledged while dirty, the caller believed the rank would commit
+    what the second spec says."""
+    ws = session.begin(CLEAN, spec())
+    if written:
+        ws = session.mark_written(ws)
+    with pytest.raises(UpdateConflict) as refused:
+        session.begin(ws, spec(**{"mode": "full", **kw}))  # type: ignore[arg-type]
+    assert "'u1'" in refused.value.message and named in refused.value.message
+    assert refused.value.field == "update_id"
 
 
 def test_poison_fences_any_state() -> None:

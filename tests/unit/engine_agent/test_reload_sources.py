@@ -165,3 +165,43 @@ def test_headers_that_disagree_with_the_manifest_are_refused_before_reading(shar
     save_file({"a.weight": torch.zeros(5)}, str(sharded / "model-00001-of-00002.safetensors"))
     with pytest.raises(ManifestMismatch, match="shape"):
         open_source(str(sharded), manifest=manifest)
+
+
+# -- issue 26, item 8: a FIFO in the checkpoint directory hung the load ------------------------
+# Opening a named pipe for reading blocks until a writer appears, so each of these hung on main
+# (safetensors opens holding the GIL: no pytest timeout can interrupt that, so none is set).
+
+
+def test_a_fifo_among_the_shards_is_refused_by_name_without_opening_it(sharded: Path) -> None:
+    (sharded / "model.safetensors.index.json").unlink()
+    for stale in sharded.glob("model-*-of-00001.safetensors"):
+        stale.unlink()
+    os.mkfifo(sharded / "model-00003-of-00003.safetensors")
+    with pytest.raises(SourceUnavailable) as info:
+        open_source(str(sharded))
+    assert "model-00003-of-00003.safetensors" in info.value.message
+    assert "named pipe" in info.value.message and info.value.field == "path"
+
+
+def test_a_fifo_as_the_index_or_a_listed_shard_is_refused_by_name(sharded: Path) -> None:
+    index = sharded / "model.safetensors.index.json"
+    listed = json.loads(index.read_text())
+    index.unlink()
+    os.mkfifo(index)
+    with pytest.raises(SourceUnavailable, match=r"model\.safetensors\.index\.json.*named pipe"):
+        open_source(str(sharded))
+    index.unlink()
+    index.write_text(json.dumps(listed))
+    shard = sharded / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(SourceUnavailable, match=r"model-00002-of-00002\.safetensors.*named pipe"):
+        open_source(str(sharded))
+
+
+def test_a_fifo_as_the_manifest_is_refused_by_name(tmp_path: Path) -> None:
+    from engine_agent.manifest import load_manifest
+
+    os.mkfifo(tmp_path / "m.json")
+    with pytest.raises(ManifestError, match=r"m\.json.*named pipe"):
+        load_manifest(tmp_path / "m.json")

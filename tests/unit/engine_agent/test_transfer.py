@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
 import os
 import pickle
 import socket
+import threading
 import time
 import tomllib
 from collections.abc import Iterator
@@ -341,7 +343,6 @@ def test_gloo_moves_every_tensor_bit_for_bit_in_metadata_order() -> None:
     recorder.fed.clear()
     worker = client.worker
     worker.start_weight_update()
-    import threading
 
     def broadcast() -> None:
         from engine_agent.transfer.gloo import _broadcast
@@ -461,3 +462,58 @@ def test_push_fleet_returns_one_result_per_replica_in_order() -> None:
     assert results[1].code == "coverage_incomplete" and "never arrived" in results[1].reason
     for replica in (replicas[0], replicas[2]):
         assert [name for name, _ in replica.recorder.fed] == ["weight", "bias"]
+
+
+class AgentAfterRestart:
+    """The agent of a replica whose vLLM restarted since the trainer's rendezvous: it opens the
+    push on the new ranks, then refuses ``update_weights`` (the new workers never joined the
+    trainer's group) — answering, as a real agent may, after the trainer's next send failed."""
+
+    def __init__(self, transport_broke: threading.Event) -> None:
+        self.transport_broke = transport_broke
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        raise AssertionError("the rendezvous happened before the restart")
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        assert self.transport_broke.wait(60), "the trainer never noticed the workers left"
+        error = {
+            "code": "engine_error",
+            "message": "/update_weights: weightroll_gloo is not initialised on rank tp0",
+        }
+        raise PushRejected("/update_weights", 422, error)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        raise AssertionError("finish after a refused update")
+
+
+def test_a_vllm_restart_gives_the_trainer_the_agents_reason_not_gloos_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 26, item 9: Gloo's "Connection closed by peer" escaped ``send_weights`` instead of
+    the agent's refusal, so a trainer could not tell a restarted replica from a network fault."""
+    import engine_agent.transfer.gloo as gloo
+
+    trainer, client, _ = _pair(Recorder(), batch_bytes=64)
+    broke = threading.Event()
+    send = gloo._broadcast
+
+    def observed(group: Any, tensor: torch.Tensor) -> None:  # only observes: lets the agent
+        try:  # answer after the transport broke, the order that let Gloo's error escape
+            send(group, tensor)
+        except RuntimeError:
+            broke.set()
+            raise
+
+    monkeypatch.setattr(gloo, "_broadcast", observed)
+    client.worker.shutdown()  # vLLM restarted: its workers left the trainer's group
+    gc.collect()
+    trainer.client = AgentAfterRestart(broke)
+    with pytest.raises(PushRejected) as refused:
+        trainer.send_weights(weight_version="v2")  # type: ignore[call-arg]
+    assert refused.value.error["code"] == "engine_error", refused.value
+    assert "not initialised" in refused.value.error["message"]
+    assert isinstance(refused.value.__cause__, RuntimeError)  # Gloo's error, chained
