@@ -196,8 +196,11 @@ class FakeRank:
             spec = UpdateSpec.model_validate_json(arg)
         except ValidationError as e:
             raise InvalidRequest(f"spec: {e.errors()[0]['msg']}") from e
-        if self.ws.in_session and self.ws.update_id == spec.update_id:
-            return self._report("begin")  # idempotent re-begin of the same session
+        if self.ws.in_session:
+            # As the real rank (reload/engine.py): the same id and spec is acknowledged, any
+            # other begin (the same id with another spec included) is a conflict.
+            session.begin(self.ws, spec)
+            return self._report("begin")
         self.ws = session.begin(self.ws, spec)
         self.manifest_digest = ""
         self.loaded_bytes = 0
