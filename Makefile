@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-engine test lint unit engine venv clean vllm-surface gpu-check
+.PHONY: demo demo-engine test lint unit engine soak venv clean vllm-surface gpu-check
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -37,6 +37,13 @@ unit: venv
 
 engine: venv
 	$(PY) -m pytest tests/engine
+
+## The simulation tier (tests/sim) with many more generated hostile schedules than CI runs
+## (fresh randomness each time; a failure prints the shrunk schedule to replay). SOAK_EXAMPLES
+## overrides the count; prints the schedules run and the violations found.
+SOAK_EXAMPLES ?= 2000
+soak: venv
+	WEIGHTROLL_SIM_PROFILE=sim-soak WEIGHTROLL_SIM_EXAMPLES=$(SOAK_EXAMPLES) $(PY) -m pytest tests/sim -m sim -s -p no:cacheprovider
 
 ## The prepared GPU check (bench/gpu_check.py): about 8 minutes on one GPU; DRY_RUN=1 on a CPU.
 gpu-check: venv

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,27 @@ from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
 
 __all__ = [
     "FleetEmulator",
+    "kubelet_ready",
     "StatusWrite",
     "fleet_emulator",
     "make_pod",
     "make_weightupdate",
     "write_kubeconfig",
 ]
+
+
+def kubelet_ready(
+    conditions: Mapping[str, Mapping[str, Any]], gates: Iterable[str], containers_ready: bool
+) -> bool:
+    """Kubelet's rule for a pod's ``Ready`` (KEP-580): its containers are ready **and** every
+    condition named in ``spec.readinessGates`` is True (a missing one counts as False).
+
+    ``conditions`` maps condition type to condition. The one copy of the rule for the test
+    doubles (this emulator and the simulated cluster of ``tests/harness/sim``).
+    """
+    return containers_ready and all(
+        (conditions.get(g) or {}).get("status") == "True" for g in gates
+    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +144,7 @@ class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         raw = dict(obj.raw)
         conds = {c["type"]: dict(c) for c in (raw.get("status") or {}).get("conditions") or []}
         gates = [g["conditionType"] for g in (raw.get("spec") or {}).get("readinessGates") or []]
-        all_ready = ready and all(conds.get(g, {}).get("status") == "True" for g in gates)
+        all_ready = kubelet_ready(conds, gates, ready)
         conds["Ready"] = {"type": "Ready", "status": "True" if all_ready else "False"}
         statuses = [dict(c) for c in (raw.get("status") or {}).get("containerStatuses") or []]
         for c in statuses:
@@ -155,9 +170,7 @@ class FleetEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         gates = [
             g["conditionType"] for g in (current.get("spec") or {}).get("readinessGates") or []
         ]
-        ready = request.name not in self.containers_not_ready and all(
-            conds.get(g, {}).get("status") == "True" for g in gates
-        )
+        ready = kubelet_ready(conds, gates, request.name not in self.containers_not_ready)
         conds["Ready"] = {"type": "Ready", "status": "True" if ready else "False"}
         self.status_writes.append(
             StatusWrite(pod=request.name, conditions=new, agent=self.agent_snapshot(request.name))

@@ -1,0 +1,339 @@
+"""TEST DOUBLE: a virtual clock and an in-memory Kubernetes API server for the simulation tier.
+
+:class:`SimApiServer` implements the operator's ``KubePort`` (``weightroll_operator/ports.py``)
+the way the real API server behaves for the calls the operator makes:
+
+* one cluster-wide ``resourceVersion`` counter (etcd's revision): every accepted write to a pod
+  bumps the pod to the next revision; a write conditional on another version than the pod's is
+  refused with 409 (``KubeConflict``), a write to a pod that is gone with 404 (``KubeNotFound``);
+* ``pods/status`` patches merge ``status.conditions`` by ``type`` (strategic merge) and ``Ready``
+  is recomputed by kubelet's rule (``tests.harness.kube_fleet.kubelet_ready``: containers ready
+  AND every readiness-gate condition True);
+* a write never mutates a pod object: it replaces it (copy on write), as a watch delivers a new
+  object per change (the reconciler reuses views of the very same object);
+* WeightUpdate status patches are JSON merge patches (RFC 7386).
+
+It also plays two things that are not the API server: **kubelet** (:meth:`kubelet_sync` writes
+``ContainersReady``/``Ready`` from what the simulated containers say) and the operator's **pod
+index** (:meth:`index`): every revision of the pod list is kept, and a pass may be handed an older
+one than the server has (watch lag), never an older one than the last it saw (a watch does not go
+back in time) except on a re-list.
+
+Limitations: one namespace; no ``deletionTimestamp`` grace period (a deleted pod is gone at once);
+no label selectors on lists; Events are counted, not kept.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
+from weightroll_operator.errors import KubeConflict, KubeNotFound, KubeUnavailable
+
+from tests.harness.kube_fleet import kubelet_ready
+
+__all__ = ["NAMESPACE", "AGENT_PORT", "GateWrite", "SimApiServer", "SimClock", "merge_patch"]
+
+NAMESPACE = "sim"
+AGENT_PORT = 8470
+_EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class SimClock:
+    """Virtual time: ``now()`` for the reconciler and the agents, ``monotonic()`` for their
+    timers. Only :meth:`step` moves it; nothing sleeps."""
+
+    seconds: float = 0.0
+
+    def now(self) -> datetime:
+        return _EPOCH + timedelta(seconds=self.seconds)
+
+    def monotonic(self) -> float:
+        return self.seconds
+
+    def step(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+def merge_patch(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
+    """RFC 7386 JSON merge patch of ``target`` in place (null removes, objects merge)."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+@dataclass(frozen=True)
+class GateWrite:
+    """One accepted write of our gate condition (what the invariants judge gate flips by)."""
+
+    pod: str
+    status: bool
+    revision: int
+
+
+def _conditions(pod: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: dict(c) for c in pod["status"]["conditions"]}
+
+
+def _gates(pod: Mapping[str, Any]) -> list[str]:
+    return [g["conditionType"] for g in pod["spec"].get("readinessGates") or []]
+
+
+def _copy(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A new pod object sharing nothing a write changes with the old one (the spec is shared:
+    nothing writes it)."""
+    meta, status = pod["metadata"], pod["status"]
+    return {
+        **pod,
+        "metadata": {
+            **meta,
+            "labels": dict(meta["labels"]),
+            "annotations": dict(meta["annotations"]),
+        },
+        "status": {
+            **status,
+            "conditions": [dict(c) for c in status["conditions"]],
+            "containerStatuses": [dict(c) for c in status["containerStatuses"]],
+        },
+    }
+
+
+@dataclass
+class SimApiServer:
+    """The in-memory API server (``KubePort``) plus kubelet and the pod index; see the module
+    docstring."""
+
+    clock: SimClock
+    #: Current pod objects by name (never mutated; replaced on every write).
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: WeightUpdate objects by name (mutated in place: the operator is handed copies).
+    weightupdates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    revision: int = 1
+    #: The pod list at every revision (name -> object), oldest first: what a lagging index holds.
+    history: list[tuple[int, dict[str, dict[str, Any]]]] = field(default_factory=list)
+    #: Position in :attr:`history` of the operator's index (moves forward only, but on a re-list).
+    index_at: int = 0
+    writes: Counter[str] = field(default_factory=Counter)
+    gate_writes: list[GateWrite] = field(default_factory=list)
+    #: Pods whose next operator write fails with 5xx (an API server hiccup).
+    unavailable_once: set[str] = field(default_factory=set)
+    #: Called after every accepted write of our gate: (pod, status) (the invariants' oracle).
+    on_gate_write: Callable[[str, bool], None] = lambda name, status: None
+
+    def __post_init__(self) -> None:
+        self._snapshot()
+
+    # ------------------------------------------------------------------ the pod index
+
+    def _snapshot(self) -> None:
+        self.history.append((self.revision, dict(self.pods)))
+
+    def _commit(self, name: str, pod: dict[str, Any] | None) -> None:
+        self.revision += 1
+        if pod is None:
+            self.pods.pop(name, None)
+        else:
+            pod["metadata"]["resourceVersion"] = str(self.revision)
+            self.pods[name] = pod
+        self._snapshot()
+
+    def index(self, advance: int | None = None) -> list[dict[str, Any]]:
+        """The pods the operator's index holds, after it caught up ``advance`` revisions
+        (``None``: all the way to the head)."""
+        head = len(self.history) - 1
+        if advance is None:
+            self.index_at = head
+        else:
+            self.index_at = min(head, self.index_at + max(0, advance))
+        return list(self.history[self.index_at][1].values())
+
+    @property
+    def index_revision(self) -> int:
+        return self.history[self.index_at][0]
+
+    # ------------------------------------------------------------------ what the cluster does
+
+    def create_pod(
+        self, name: str, uid: str, ip: str, labels: Mapping[str, str], *, admitted: bool
+    ) -> None:
+        """A pod created by its workload controller; ``admitted``: its gate was already set True
+        (a fleet that was running before the operator's first WeightUpdate)."""
+        conditions = [
+            {"type": "ContainersReady", "status": "False"},
+            {"type": "Ready", "status": "False"},
+        ]
+        if admitted:
+            conditions.append({"type": CONDITION_WEIGHTS_READY, "status": "True"})
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": NAMESPACE,
+                "uid": uid,
+                "labels": dict(labels),
+                "annotations": {},
+            },
+            "spec": {
+                "readinessGates": [{"conditionType": CONDITION_WEIGHTS_READY}],
+                "containers": [
+                    {"name": "vllm"},
+                    {
+                        "name": "agent",
+                        "ports": [{"name": "weightroll", "containerPort": AGENT_PORT}],
+                    },
+                ],
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "conditions": conditions,
+                "containerStatuses": [
+                    {"name": "vllm", "ready": False, "restartCount": 0},
+                    {"name": "agent", "ready": False, "restartCount": 0},
+                ],
+            },
+        }
+        self._commit(name, pod)
+
+    def delete_pod(self, name: str) -> None:
+        self._commit(name, None)
+
+    def relabel_pod(self, name: str, labels: Mapping[str, str | None]) -> None:
+        """Someone else (a user, another controller) changes the pod's labels."""
+        pod = _copy(self.pods[name])
+        for key, value in labels.items():
+            if value is None:
+                pod["metadata"]["labels"].pop(key, None)
+            else:
+                pod["metadata"]["labels"][key] = value
+        self._commit(name, pod)
+
+    def foreign_write(self, name: str) -> None:
+        """Another writer touches the pod (an annotation of its own): the operator's next write
+        planned from an older view gets 409."""
+        pod = _copy(self.pods[name])
+        n = int(pod["metadata"]["annotations"].get("sim/touched", "0")) + 1
+        pod["metadata"]["annotations"]["sim/touched"] = str(n)
+        self._commit(name, pod)
+
+    def kubelet_sync(self, name: str, containers_ready: bool, *, restarted: bool = False) -> None:
+        """Kubelet reports the pod's containers (ready or not; ``restarted`` bumps the restart
+        counts) and recomputes ``Ready``; written only when something changed."""
+        current = self.pods[name]
+        conds = _conditions(current)
+        was = conds.get("ContainersReady", {}).get("status") == "True"
+        ready = kubelet_ready(conds, _gates(current), containers_ready)
+        now_ready = conds.get("Ready", {}).get("status") == "True"
+        if was == containers_ready and ready == now_ready and not restarted:
+            return
+        pod = _copy(current)
+        conds["ContainersReady"] = {"type": "ContainersReady", "status": str(containers_ready)}
+        conds["Ready"] = {"type": "Ready", "status": str(ready)}
+        pod["status"]["conditions"] = list(conds.values())
+        for status in pod["status"]["containerStatuses"]:
+            status["ready"] = containers_ready
+            if restarted:
+                status["restartCount"] += 1
+        self._commit(name, pod)
+
+    # ------------------------------------------------------------------ KubePort
+
+    def _writable(self, name: str, resource_version: str | None) -> dict[str, Any]:
+        if name in self.unavailable_once:
+            self.unavailable_once.discard(name)
+            self.writes["unavailable"] += 1
+            raise KubeUnavailable(503, f"pod {name}: the API server is unavailable")
+        current = self.pods.get(name)
+        if current is None:
+            self.writes["not-found"] += 1
+            raise KubeNotFound(404, f"pods {name!r} not found")
+        if resource_version is not None and resource_version != current["metadata"].get(
+            "resourceVersion"
+        ):
+            self.writes["conflict"] += 1
+            raise KubeConflict(409, f"pod {name}: the object has been modified")
+        return _copy(current)
+
+    async def patch_pod_condition(
+        self,
+        namespace: str,
+        name: str,
+        condition: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> str | None:
+        pod = self._writable(name, resource_version)
+        self.writes["pod-status"] += 1
+        conds = _conditions(pod)
+        conds[condition["type"]] = {**conds.get(condition["type"], {}), **condition}
+        containers = conds.get("ContainersReady", {}).get("status") == "True"
+        conds["Ready"] = {
+            "type": "Ready",
+            "status": str(kubelet_ready(conds, _gates(pod), containers)),
+        }
+        pod["status"]["conditions"] = list(conds.values())
+        self._commit(name, pod)
+        if condition["type"] == CONDITION_WEIGHTS_READY:
+            gate = condition["status"] == "True"
+            self.gate_writes.append(GateWrite(name, gate, self.revision))
+            self.on_gate_write(name, gate)
+        return str(self.revision)
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        annotations: Mapping[str, str | None] | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        resource_version: str | None = None,
+    ) -> str | None:
+        pod = self._writable(name, resource_version)
+        self.writes["pod-metadata"] += 1
+        meta = pod["metadata"]
+        for key, values in (("annotations", annotations), ("labels", labels)):
+            for k, v in (values or {}).items():
+                if v is None:
+                    meta[key].pop(k, None)
+                else:
+                    meta[key][k] = v
+        self._commit(name, pod)
+        return str(self.revision)
+
+    async def patch_weightupdate_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> None:
+        body = self.weightupdates.get(name)
+        if body is None:
+            raise KubeNotFound(404, f"weightupdates {name!r} not found")
+        self.writes["wu-status"] += 1
+        merge_patch(body.setdefault("status", {}), patch)
+
+    async def read_agent_token(self, namespace: str, name: str, key: str) -> str:
+        raise KubeNotFound(404, f"secrets {name!r} not found")  # the simulation sends no token
+
+    async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        self.writes["event"] += 1
+
+    async def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        self.writes["event"] += 1
+
+    # ------------------------------------------------------------------ reading
+
+    def gate(self, name: str) -> bool | None:
+        cond = _conditions(self.pods[name]).get(CONDITION_WEIGHTS_READY)
+        return None if cond is None else cond.get("status") == "True"
+
+    def ready(self, name: str) -> bool:
+        return _conditions(self.pods[name]).get("Ready", {}).get("status") == "True"
