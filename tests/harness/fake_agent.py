@@ -41,6 +41,7 @@ import contextlib
 import hmac
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,8 +70,12 @@ Script = Literal["succeed", "fail", "hang", "reject", "race"]
 _ATTEMPT = re.compile(r"-[0-9a-f]{8}(?=-g\d+-a\d+)|-g\d+(?=-a\d+)")
 
 
-def _stamp() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+def _wall_clock() -> datetime:
+    return datetime.now(UTC)
+
+
+def _stamp(clock: Callable[[], datetime] = _wall_clock) -> str:
+    return clock().isoformat().replace("+00:00", "Z")
 
 
 def free_port() -> int:
@@ -107,6 +112,9 @@ class FakeAgent:
     starting: bool = False
     boot_version: str | None = None
     boot_source: str | None = None
+    #: The agent's clock (its records' timestamps). A test that moves the operator's clock
+    #: moves this one too, as a clock step moves every NTP-synced machine of a cluster.
+    clock: Callable[[], datetime] = _wall_clock
     #: Update ids in the order they were executed (a repeated POST of a known id is not one).
     executions: list[str] = field(default_factory=list)
     updates: dict[str, UpdateStatus] = field(default_factory=dict)
@@ -293,7 +301,7 @@ class FakeAgent:
             version=req.version,
             mode=req.mode,
             phase=UpdatePhase.DRAINING,
-            started_at=_stamp(),
+            started_at=_stamp(self.clock),
         )
         self._tasks[req.id] = asyncio.create_task(self._run(req))
         return web.json_response(self.updates[req.id].to_wire(), status=202)
@@ -396,8 +404,11 @@ class FakeFleetAgents:
     port: int = field(default_factory=free_port)
     token: str | None = None
     agents: dict[str, FakeAgent] = field(default_factory=dict)
+    #: The clock every agent added from now on keeps (see :attr:`FakeAgent.clock`).
+    clock: Callable[[], datetime] = _wall_clock
 
     async def add(self, pod: str, index: int, **kw: Any) -> FakeAgent:
+        kw.setdefault("clock", self.clock)
         agent = FakeAgent(
             pod=pod, host=f"127.0.0.{index + 2}", port=self.port, token=self.token, **kw
         )

@@ -42,6 +42,11 @@ class Harness:
         self.metrics = Metrics()
         #: How far the operator's clock runs ahead of the wall clock (see :meth:`advance`).
         self.clock_ahead = timedelta(0)
+        # One cluster clock: the agents' records are stamped on the clock the operator reads,
+        # so a unit started after :meth:`advance` is not judged by a clock 'behind' it.
+        agents.clock = self.now
+        for agent in agents.agents.values():
+            agent.clock = self.now
         self.rec = self.new_reconciler()
 
     def new_reconciler(self) -> Reconciler:
