@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from pydantic.alias_generators import to_camel
 
 __all__ = [
+    "STILL_TRUE_VIOLATED",
     "MANIFEST_DIGEST_PATTERN",
     "VERSION_PATTERN",
     "UPDATE_ID_PATTERN",
@@ -52,6 +53,9 @@ __all__ = [
 
 #: A weight version is also written as a label value on pods, so it follows label-value rules.
 VERSION_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
+#: Poison reason prefix of a rank whose live weights changed after its verified commit
+#: (engine_agent/reload/guard.py); the agent holds the replica under this code.
+STILL_TRUE_VIOLATED = "still_true_violated"
 #: Update ids are chosen by the operator (``<cr-uid-prefix>-<version>``) or by a user.
 UPDATE_ID_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,125}[a-z0-9])?$"
 #: A pinned manifest: ``sha256:`` and the lower-case hex SHA-256 of the manifest file's bytes,

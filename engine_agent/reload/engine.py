@@ -129,7 +129,7 @@ class RankEngine:
         #: "Still true now": sealed at each commit (and for the boot weights at the first state
         #: answer), re-checked on every state answer (:mod:`.guard`).
         self.guard = StillTrueGuard(
-            tensors=self._kernel_visible,
+            tensors=lambda: self.index.kernel_visible(),
             kernels=lambda: self.index.kernel_snapshot(),
             observations=lambda: kernel_probes(self.model),
             period=guard_period,
@@ -175,23 +175,6 @@ class RankEngine:
         ).to_wire()
 
     # -- implementation ------------------------------------------------------------------
-
-    def _kernel_visible(self) -> dict[str, torch.Tensor]:
-        """Every tensor a kernel reads, by name: parameters, buffers, registered derived ones."""
-        tensors: dict[str, torch.Tensor] = {
-            n: t
-            for n, t in self.model.named_parameters(remove_duplicate=False)
-            if t.device.type != "meta"
-        }
-        tensors |= {
-            n: t
-            for n, t in self.model.named_buffers(remove_duplicate=False)
-            if t.device.type != "meta"
-        }
-        for refreshers in self.index.refreshers.values():
-            for refresher in refreshers:
-                tensors |= refresher.tensors()
-        return tensors
 
     def _check_still_true(self, *, force_content: bool = False) -> None:
         """Poison the rank if what its kernels read is no longer what it committed.

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
+from engine_agent.protocol import STILL_TRUE_VIOLATED
 from engine_agent.reload.digest import tensor_digest
 from engine_agent.reload.identity import (
     StorageRecord,
@@ -143,7 +144,7 @@ class StillTrueGuard:
         """One bounded line naming the first changed tensors (for the poison reason)."""
         named = "; ".join(problems[:_MAX_NAMED])
         more = f" (and {len(problems) - _MAX_NAMED} more)" if len(problems) > _MAX_NAMED else ""
-        return f"still_true_violated: {named}{more}"
+        return f"{STILL_TRUE_VIOLATED}: {named}{more}"
 
 
 #: Seed of the fixed probe input every kernel observation uses (the same on every check).

@@ -207,21 +207,25 @@ class ModelIndex:
         names = self.entries.keys() if modules is None else modules
         return {name: self.entries[name].required for name in names}
 
-    def storage_snapshot(self) -> dict[str, StorageRecord]:
-        records = {
-            name: storage_record(t)
+    def kernel_visible(self) -> dict[str, torch.Tensor]:
+        """Every tensor a kernel reads, by name: parameters, buffers, registered derived ones."""
+        tensors: dict[str, torch.Tensor] = {
+            name: t
             for name, t in self.model.named_parameters(remove_duplicate=False)
             if t.device.type != "meta"
         }
-        records |= {
-            name: storage_record(t)
+        tensors |= {
+            name: t
             for name, t in self.model.named_buffers(remove_duplicate=False)
             if t.device.type != "meta"
         }
         for refreshers in self.refreshers.values():
             for refresher in refreshers:
-                records |= {n: storage_record(t) for n, t in refresher.tensors().items()}
-        return records
+                tensors |= refresher.tensors()
+        return tensors
+
+    def storage_snapshot(self) -> dict[str, StorageRecord]:
+        return {name: storage_record(t) for name, t in self.kernel_visible().items()}
 
     def kernel_snapshot(self) -> dict[str, str]:
         return {name: kernel_tag(m) for name, m in self.model.named_modules()}

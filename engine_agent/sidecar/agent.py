@@ -54,6 +54,7 @@ from typing import Final
 
 from engine_agent.manifest import Manifest, ManifestError, load_manifest
 from engine_agent.protocol import (
+    STILL_TRUE_VIOLATED,
     AgentState,
     DrainMode,
     DrainSpec,
@@ -91,9 +92,6 @@ from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 __all__ = ["Agent", "AgentConfig", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
 
 logger = logging.getLogger(__name__)
-#: Poison reason prefix (and hold code) of a rank whose committed weights changed afterwards:
-#: ``engine_agent.reload.guard.StillTrueGuard.describe``.
-STILL_TRUE_VIOLATED = "still_true_violated"
 
 BEGIN: Final = "weightroll_begin"
 LOAD: Final = "weightroll_load"
