@@ -240,6 +240,8 @@ class Reconciler:
     agent_backoff: float = 1.0
     agent_backoff_cap: float = 60.0
     rand: Callable[[], float] = random.random
+    #: Monotonic seconds for caches, TTLs and backoff (injected by the simulation tier).
+    monotonic: Callable[[], float] = time.monotonic
     #: Pod Events posted so far (repeats raise a count; apply.py).
     events: EventCounts = field(default_factory=EventCounts)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
@@ -292,7 +294,7 @@ class Reconciler:
         if self.started is None:
             self.started = self.clock()
         reader = self.kube if isinstance(self.kube, PodReader) else None
-        self.phantoms = Phantoms(reader, max(self.state_ttl, 1.0))
+        self.phantoms = Phantoms(reader, max(self.state_ttl, 1.0), self.monotonic)
 
     def begin_acting(self) -> None:
         """This process starts to act now (it took the Lease): the downtime floor of every
@@ -422,7 +424,7 @@ class Reconciler:
         """
         if not self._written:
             return views
-        now = time.monotonic()
+        now = self.monotonic()
         out = list(views)
         flagged = False
         for i, view in enumerate(views):
@@ -488,7 +490,7 @@ class Reconciler:
         return last[2] if last[2] is not None else {u.key: u for u in last[1]}
 
     def _remember_writes(self, results: Iterable[ActionResult]) -> None:
-        now = time.monotonic()
+        now = self.monotonic()
         for result in results:
             action = result.action
             if (
@@ -986,10 +988,10 @@ class Reconciler:
             return None
         key = (namespace, ref.name, ref.key)
         cached = self._tokens.get(key)
-        if cached is not None and cached[1] > time.monotonic():
+        if cached is not None and cached[1] > self.monotonic():
             return cached[0]
         value = await self.kube.read_agent_token(namespace, ref.name, ref.key)
-        self._tokens[key] = (value, time.monotonic() + self.token_ttl)
+        self._tokens[key] = (value, self.monotonic() + self.token_ttl)
         return value
 
     async def _observe(
@@ -1006,7 +1008,7 @@ class Reconciler:
         if self._by_name is None or self._by_name[0] is not views:
             self._by_name = (views, {v.name: v for v in views})
         by_name = self._by_name[1]
-        now = time.monotonic()
+        now = self.monotonic()
         seen: dict[str, AgentView] = {}
         todo: list[tuple[PodView, Query]] = []
         failures, states = self._agent_failures, self._states
@@ -1058,7 +1060,7 @@ class Reconciler:
             self._agent_failures.clear()
         self._agent_failures[key] = (
             count,
-            time.monotonic() + delay,
+            self.monotonic() + delay,
             replace(view, error=error),
         )
 
@@ -1123,7 +1125,7 @@ class Reconciler:
         # asks every agent) would otherwise all expire in one later pass, which then asks
         # thousands of agents at once (at 10,000 pods, a pass twice as long).
         ttl = self.state_ttl * (0.5 + 0.5 * self.rand())
-        self._states[slot] = (key, result, time.monotonic() + ttl, pod)
+        self._states[slot] = (key, result, self.monotonic() + ttl, pod)
         return result
 
     async def _token_unavailable(

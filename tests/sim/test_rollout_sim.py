@@ -185,6 +185,7 @@ class RolloutMachine(RuleBasedStateMachine):
             agents=self.agents,
             clock=self.clock.now,
             rand=self.rand.random,
+            monotonic=self.clock.monotonic,
         )
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
