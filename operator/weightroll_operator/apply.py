@@ -230,7 +230,7 @@ async def _run_one(action: PodAction, ctx: ApplyContext, rv: str | None) -> str 
     elif isinstance(action, AbortUpdate):
         await ctx.agents.abort_update(target_of(pod, ctx.token), action.update_id)
     elif isinstance(action, GateOn):
-        message = f"Weights {action.version} committed on every rank"
+        message = action.message or f"Weights {action.version} committed on every rank"
         return await write_gate(
             ctx.kube, ns, name, True, action.reason, message, ctx.now, resource_version=rv
         )

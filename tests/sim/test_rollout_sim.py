@@ -693,3 +693,21 @@ def test_revert_after_a_failed_unit_reports_what_the_pods_serve() -> None:
         sim.edit_version("wu-a", "v1")
         sim.progress(0.0)
         sim.progress(0.0)
+
+
+def test_a_verdict_contradicted_while_the_budget_is_spent_is_withdrawn() -> None:
+    """Shrunk from a CI schedule: two verified pods restart without their agents' state onto
+    the boot weights while budget 1 is held by one of them; the other stayed Ready with its
+    gate and its weight-state saying ``Verified`` at v2 (and the ``weight-version=v2`` label)
+    for as long as the budget was held. Fails on 33e769e."""
+    with replay("b", "") as sim:
+        sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
+        for _ in range(3):
+            sim.progress(0.0)
+        sim.edit_budget("wu-a", 1)
+        sim.restart_pod("p0", keep_state=False)
+        sim.restart_pod("p1", keep_state=False)
+        sim.progress(5.0)
+        sim.progress(30.0)
+        sim.reconcile("wu-a", None, True)
+        sim.safety()

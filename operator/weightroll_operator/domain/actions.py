@@ -71,6 +71,8 @@ class GateOn:
     pod: PodView
     version: str
     reason: str = "Verified"
+    #: The condition's message; empty: "Weights <version> committed on every rank".
+    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)

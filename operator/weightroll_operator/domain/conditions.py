@@ -56,6 +56,7 @@ class Reason:
     UNIT_ROLLED_BACK = "UnitRolledBack"
     UNIT_ABORTED = "UnitAborted"
     UNIT_RESTORED = "UnitRestored"
+    UNIT_WITHDRAWN = "UnitWithdrawn"
     #: Deletion: what was done to the pods the WeightUpdate touched.
     RELEASED = "Released"
     RELEASE_PENDING = "ReleasePending"

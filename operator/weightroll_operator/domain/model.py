@@ -114,6 +114,11 @@ class UnitState(StrEnum):
     ROLLING_BACK = "RollingBack"
     #: Back on the previous weights; traffic restored.
     ROLLED_BACK = "RolledBack"
+    #: A verdict (``Verified`` or ``RolledBack``) the pod's agent no longer vouches for: it
+    #: serves other weights now (restarted onto its boot weights, or loaded by someone else).
+    #: Traffic stays on what the agent serves; the pod wants the version again
+    #: (``domain.standing``).
+    WITHDRAWN = "Withdrawn"
 
     @property
     def in_flight(self) -> bool:

@@ -16,7 +16,7 @@ Per unit (one pod, or the pods sharing the ``groupBy`` label value), the steps a
 A pass is a short list of named steps, each a function of its inputs (table tests in
 ``tests/unit/weightroll_operator/test_plan_steps.py``): :func:`classify_fleet` ->
 :func:`advance_units` -> :func:`deadlines` -> :func:`budget` -> :func:`roll_back` or
-:func:`start_units` -> :func:`restore` -> :func:`settle`.
+:func:`start_units` -> :func:`restore` -> :func:`withdraw` -> :func:`settle`.
 
 Invariants (each has a test in ``tests/unit/weightroll_operator/test_plan.py``):
     * ``GateOn`` is planned only for a pod whose agent's *live* state is the version the pod's
@@ -85,7 +85,7 @@ from weightroll_operator.domain.model import (
     attempt_id,
     make_update_id,
 )
-from weightroll_operator.domain.standing import contradicts
+from weightroll_operator.domain.standing import contradicts, withdrawal
 from weightroll_operator.domain.unit_timeout import ABORT_GRACE_SECONDS, aborted_reason, on_timeout
 
 __all__ = [
@@ -1231,6 +1231,40 @@ def restore(b: _Builder, seen: Seen) -> None:
         b.emit(Reason.UNIT_RESTORED, message, pods=(pod,))
 
 
+def withdraw(b: _Builder) -> None:
+    """Step 7: a verdict of this WeightUpdate that a ready agent contradicts is withdrawn at
+    once (``domain.standing``), unless this pass drains the pod already (its claim rewrites the
+    record). Judged on a fresh answer only, as a claim is (:attr:`Plan.refresh`)."""
+    owner = b.fleet.owner
+    acted = {a.pod.name for a in b.actions if not isinstance(a, Emit)}
+    for pod in b.fleet.pods:
+        st = pod.state
+        if pod.name in acted or pod.stale or st is None:
+            continue
+        agent = b.fleet.agents.get(pod.name)
+        why = withdrawal(st, agent, owner)
+        if why is None or agent is None or agent.version is None:
+            continue
+        if pod.name in b.fleet.cached:
+            b.refresh.add(pod.name)
+            if not b.provisional:
+                continue
+        labels: dict[str, str | None] = {LABEL_WEIGHT_VERSION: agent.version}
+        b.actions.append(
+            Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why), labels=labels)
+        )
+        if pod.gate is True:
+            message = f"Serving {agent.version}: {why} (its verdict at {st.version} withdrawn)"
+            b.actions.append(
+                GateOn(pod, version=agent.version, reason="Reattested", message=message[:1000])
+            )
+        b.emit(
+            Reason.UNIT_WITHDRAWN,
+            f"Withdrew the verdict of {pod.name} at {st.version}: {why}",
+            pods=(pod,),
+        )
+
+
 class _Notes(Mapping[str, str]):
     """Why a pod is not being worked on, or is worked on again, by pod name (:func:`_note`).
 
@@ -1323,7 +1357,7 @@ def settle(
     rollback: bool,
     rollback_remaining: int,
 ) -> Plan:
-    """Step 7: reflect this pass's own transitions in the classes and persist what must be."""
+    """Step 8: reflect this pass's own transitions in the classes and persist what must be."""
     now, version, fleet, target = b.now, b.spec.version, b.fleet, target_source(b.spec)
     classes = dict(seen.classes)
     restored = {a.pod.name for a in b.actions if isinstance(a, GateOn)}
@@ -1441,7 +1475,7 @@ def plan(
 
     The pass is a short list of named steps: :func:`classify_fleet` -> :func:`advance_units`
     -> :func:`deadlines` -> :func:`budget` -> :func:`roll_back` or :func:`start_units` ->
-    :func:`restore` -> :func:`settle`.
+    :func:`restore` -> :func:`withdraw` -> :func:`settle`.
 
     Args:
         spec: the parsed, valid spec.
@@ -1482,4 +1516,5 @@ def plan(
     elif halt.aborted_at is None and halt.paused_reason is None and not seen.blocked_by:
         start_units(b, seen, flying, halt, slots)
     restore(b, seen)
+    withdraw(b)
     return settle(b, seen, persisted, flying, halt, rollback, remaining)

@@ -19,13 +19,24 @@ and in traffic. The planner once asked a verified, Ready pod nothing again, so t
 
 A commit id the agent no longer reports (``None``: ranks that booted at the version after a
 restart report no commit) is not a contradiction: the label and files are checked instead.
+
+* **withdrawn at once**: a re-judged pod may have to wait for the budget before it is drained,
+  and until then its records must not keep saying what is no longer true. A pod's
+  ``weight-state`` ``Verified`` at v2 and its ``weight-version=v2`` label (which a Service may
+  select on) stayed while its agent, restarted without its state, served the boot weights v1,
+  Ready, for as long as other units held the budget (found by the simulation tier). So a verdict
+  an answering, ready agent contradicts is withdrawn in the pass that sees it
+  (:func:`withdrawal`): the state becomes ``Withdrawn`` (the attempt count kept, so ids never
+  repeat), the version label follows what the agent serves, and the gate, True, is written
+  again for those weights (a ready agent's ranks either booted on them, and a cold engine is
+  the oracle itself, or committed them through a verified update).
 """
 
 from __future__ import annotations
 
 from weightroll_operator.domain.model import AgentView, OwnerKey, UnitState, WeightState
 
-__all__ = ["contradicts"]
+__all__ = ["contradicts", "withdrawal"]
 
 
 def contradicts(st: WeightState | None, agent: AgentView | None, owner: OwnerKey) -> bool:
@@ -35,3 +46,21 @@ def contradicts(st: WeightState | None, agent: AgentView | None, owner: OwnerKey
     if agent is None or not agent.reachable:
         return False
     return agent.committed_update_id not in (None, st.update_id)
+
+
+def withdrawal(st: WeightState | None, agent: AgentView | None, owner: OwnerKey) -> str | None:
+    """Why ``owner``'s verdict ``st`` (``Verified`` or ``RolledBack``) no longer describes the
+    pod, judged by a reachable, ready agent; ``None`` when it stands (or cannot be judged)."""
+    if st is None or st.by != owner:
+        return None
+    if st.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK):
+        return None
+    if agent is None or not agent.reachable or not agent.ready or not agent.version:
+        return None
+    if agent.version != st.version:
+        return f"the agent serves {agent.version}, not {st.version}"
+    if st.source is not None and not st.source.same_files(agent.source):
+        return f"the agent serves {st.version} from other files than the verdict's"
+    if agent.committed_update_id not in (None, st.update_id):
+        return f"the agent serves {st.version} committed by {agent.committed_update_id}"
+    return None

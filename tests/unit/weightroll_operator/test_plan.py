@@ -14,10 +14,12 @@ from weightroll_operator.domain.actions import Claim, Emit, GateOn, Settle, Star
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import AgentView, UnitState
 from weightroll_operator.domain.plan import (
+    Fleet,
     Persisted,
     PodClass,
     aggregate_emits,
     emit_holding,
+    plan,
     queries,
     unsettled,
 )
@@ -906,3 +908,58 @@ def test_retry_tries_failed_pods_again_with_a_new_attempt() -> None:
     [claim] = [a for a in p.actions if isinstance(a, Claim)]
     assert (claim.pod.name, claim.state.attempt, claim.state.previous_version) == ("p0", 2, "v1")
     assert claim.state.update_id == "wu-v2-g0-a2"
+
+
+#: A fleet of two verified pods whose rollout holds its whole budget of 1 on a third (in flight).
+_BUSY = [pod("p1", gate=False, ready=False, st=state(UnitState.DRAINING, update_id="wu-v2-b"))]
+
+
+@pytest.mark.parametrize(
+    ("live", "gate", "withdrawn"),
+    [
+        # restarted without its state onto the boot weights, Ready: withdrawn, gate re-attested
+        (agent("v1"), True, "the agent serves v1, not v2"),
+        # the same, out of traffic by our gate: claimed at once (free), the claim rewrites it
+        (agent("v1"), False, None),
+        # a trainer pushed other weights under the same label, committed by its own update
+        (agent("v2", committed_update_id="push-7"), True, "committed by push-7"),
+        (agent("v2", source=None), True, "from other files"),
+        # still vouching (boot at v2 reports no commit), or not able to vouch: left standing
+        (agent("v2", committed_update_id=None), True, None),
+        (SERVING_V2, True, None),
+        (agent("v1", ready=False), True, None),
+        (agent("v1", reachable=False), True, None),
+    ],
+)
+def test_a_contradicted_verdict_is_withdrawn_while_the_budget_is_spent(
+    live: AgentView, gate: bool, withdrawn: str | None
+) -> None:
+    """Found by the simulation tier: a verified pod whose agent came back without its state on
+    the boot weights kept ``Verified`` at v2 and its ``weight-version=v2`` label, Ready, for as
+    long as another unit held the budget. The record follows the agent at once; the drain waits
+    for the budget."""
+    p0 = pod("p0", st=state(UnitState.VERIFIED), gate=gate, ready=gate)
+    p = run(spec(maxUnavailable=1), [p0, *_BUSY], {"p0": live}, Persisted(target_version="v2"))
+    assert claimed(p) == ([] if gate else ["p0"])  # the budget is p1's
+    settles = [a for a in p.actions if isinstance(a, Settle) and a.pod.name == "p0"]
+    gates = [a for a in p.actions if isinstance(a, GateOn) and a.pod.name == "p0"]
+    if withdrawn is None:
+        assert settles == [] and gates == []
+        return
+    [settle] = settles
+    assert settle.state.state is UnitState.WITHDRAWN and withdrawn in settle.state.reason
+    assert settle.state.attempt == p0.state.attempt  # type: ignore[union-attr]
+    assert settle.labels == {"weightroll.io/weight-version": live.version}
+    assert [(g.version, g.reason) for g in gates] == [(live.version, "Reattested")]
+    assert p.classes["p0"] is PodClass.PENDING
+    again = run(spec(maxUnavailable=1), [pod("p0", st=settle.state, gate=gate), *_BUSY],
+                {"p0": live}, Persisted(target_version="v2"))  # fmt: skip
+    assert [a for a in again.actions if not isinstance(a, Emit)] == []  # withdrawn once
+
+
+def test_a_contradicted_verdict_is_withdrawn_only_on_a_fresh_answer() -> None:
+    p0 = pod("p0", st=state(UnitState.VERIFIED))
+    fleet = Fleet(name="wu", owner=ME, pods=(p0, *_BUSY), agents={"p0": agent("v1")},
+                  cached=frozenset({"p0"}))  # fmt: skip
+    p = plan(spec(maxUnavailable=1), fleet, Persisted(target_version="v2"), NOW)
+    assert "p0" in p.refresh and not [a for a in p.actions if isinstance(a, Settle)]
