@@ -22,8 +22,10 @@ Usage: ``.venv/bin/python bench/reload.py [--layers 6 --hidden 1024 --rounds 3]`
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -83,6 +85,8 @@ def main() -> None:
     from tests.harness.models import build_tiny_model, random_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="weightroll-bench-"))
+    # Two checkpoints of the model (about 0.6 GiB at the defaults): never left behind.
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     shape = dict(
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 4,

@@ -19,10 +19,12 @@ Usage: ``.venv/bin/python bench/trainer.py [--layers 6 --hidden 1024 --rounds 3]
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -121,6 +123,7 @@ def main() -> None:
 
     _register_bench_backend()
     work = Path(tempfile.mkdtemp(prefix="weightroll-bench-trainer-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the checkpoints: never left behind
     shape = dict(
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 4,

@@ -37,6 +37,7 @@ __all__ = [
     "DrainSpec",
     "EngineState",
     "ErrorBody",
+    "ExtensionRpc",
     "LoadSource",
     "RankId",
     "RankReport",
@@ -258,6 +259,12 @@ class RankReport(WireModel):
     #: It is not a hash of the kernels' packed live bytes (on CPU linears live in a kernel
     #: closure); those are covered by coverage, processing and the identity check.
     digest: str = ""
+    #: ``digest`` without the ``live:`` entries: ``rank_digest`` over the content hashes of the
+    #: checkpoint (or pushed) tensors handed to this rank's loaders, nothing else. Every rank of
+    #: a replica is handed every tensor of the source (TP, PP and EP ranks drop what they do
+    #: not own only after it was hashed), so it must be equal on every rank of the replica; the
+    #: sidecar fails the commit ``digest_mismatch`` otherwise (``sidecar/ranks.py``, rule 5).
+    source_digest: str = ""
     bytes_loaded: int = 0
     #: Digest of the manifest this rank verified the loaded bytes against ("" when none).
     manifest_digest: str = ""
@@ -418,3 +425,38 @@ class AgentState(WireModel):
     #: The update id that committed what the ranks serve now; ``None`` when they do not serve it
     #: (restarted, poisoned, in an update) or nothing was committed since the agent started.
     committed_update_id: str | None = None
+
+
+# -- the worker extension's RPC names ------------------------------------------------------------
+
+
+class ExtensionRpc(StrEnum):
+    """Every worker-extension method the sidecar calls through vLLM's ``collective_rpc``.
+
+    One name list for both ends: the sidecar passes these to ``/collective_rpc`` and
+    ``engine_agent.vllm_extension.WeightRollExtension`` defines a method of each name
+    (``tests/unit/engine_agent/test_extension_rpc.py`` holds the two to each other), so a
+    renamed method cannot leave the sidecar calling a name no rank answers. Each takes one JSON
+    string and returns a :class:`RankReport` dict (:class:`RankStatus` for ``STATE``).
+    """
+
+    #: Open an update session (:class:`UpdateSpec`).
+    BEGIN = "weightroll_begin"
+    #: Load one batch of checkpoint tensors (:class:`LoadSource`).
+    LOAD = "weightroll_load"
+    #: Verify and commit the session.
+    FINISH = "weightroll_finish"
+    #: Abort the session, or fence the rank (:class:`AbortArgs`).
+    ABORT = "weightroll_abort"
+    #: The rank's :class:`RankStatus`.
+    STATE = "weightroll_state"
+    #: Whether this rank would accept a trainer's ``init_info`` (native transfer routes).
+    TRANSFER_CHECK_INIT = "weightroll_transfer_check_init"
+    #: Make the next ``start_weight_update`` open exactly this :class:`UpdateSpec`.
+    TRANSFER_ARM = "weightroll_transfer_arm"
+    #: Name the version the open pushed session commits as.
+    TRANSFER_COMMIT_AS = "weightroll_transfer_commit_as"
+    #: This rank's last report of the push.
+    TRANSFER_REPORT = "weightroll_transfer_report"
+    #: Poison the rank and clear vLLM's update flag (the replica fence for pushes).
+    TRANSFER_FENCE = "weightroll_transfer_fence"

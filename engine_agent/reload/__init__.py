@@ -10,6 +10,8 @@ Parts, pure first:
     * :mod:`.modelwise` — the vLLM-facing index, load routing and per-module processing.
     * :mod:`.sources`, :mod:`.sparse` — reading checkpoints and sparse patches.
     * :mod:`.engine` — :class:`RankEngine`, one rank's begin/load/finish/abort/state.
+    * :mod:`.registry` — the one :class:`RankEngine` per model in the process, shared by the
+      worker extension's RPCs and the weight-transfer backends.
 
 Limitations:
     1. Models with a model-level post-load hook are refused (no per-module replay exists).

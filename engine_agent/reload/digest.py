@@ -9,7 +9,10 @@ Three tools, one per question:
   handed to a worker thread (``hashlib`` and ``blake3`` release the GIL), so hashing overlaps the
   model's weight loaders and post-load processing; a mismatch is raised at the next tensor the
   loaders ask for, or at the end of the batch at the latest. The hash covers the very tensor
-  object the loaders consume (one read of the file, no second read).
+  object the loaders consume, which must be memory the caller owns: the hash may run after the
+  loaders copied the tensor (up to :data:`MAX_PENDING_BYTES` behind), so a view of a file (an
+  mmap that an in-place rewrite changes underneath) would be hashed with other bytes than were
+  loaded. :mod:`.sources` reads each checkpoint tensor once into a private buffer for this.
 * :func:`fingerprint` — "which bytes does this tensor hold?", on the tensor's own device with
   torch ops (a GPU never copies weights to host to verify them). Not cryptographic: it guards
   against accidents (a rank that loaded other bytes than its peers), not against an adversary who
@@ -132,7 +135,9 @@ class VerifyPool:
     ``check(name, hex)``, which raises on a mismatch. :meth:`raise_first` re-raises the first
     failure among the checks that have finished (call it before handing out the next tensor);
     :meth:`drain` waits for all of them and re-raises the first failure. The pool holds a
-    reference to each tensor until it is hashed, so the bytes hashed are the bytes handed out.
+    reference to each tensor until it is hashed, so the bytes hashed are the bytes handed out
+    provided nothing else can change them: submit buffers the caller owns (never a view of a
+    file or of memory another writer reaches), and do not write to them before :meth:`drain`.
     """
 
     def __init__(self, algorithm: HashAlgorithm, workers: int | None = None) -> None:

@@ -338,6 +338,7 @@ class RankEngine:
         with _timed(active.timings, "load"):
             active.router.load(checkpoint.tensors())
             checkpoint.complete()
+        failpoints.check("load.read", self.rank)
         self._loaded(active, checkpoint)
         return self._report("load", ok=True)
 
@@ -414,6 +415,7 @@ class RankEngine:
             )
         patches = read_patches(checkpoint)
         checkpoint.complete()
+        failpoints.check("load.read", self.rank)
         self._loaded(active, checkpoint)
         with _timed(active.timings, "load"):
             active.router.apply_sparse(patches)
@@ -502,6 +504,7 @@ class RankEngine:
             "digest": rank_digest(
                 active.source_hashes | {f"live:{m}": d for m, d in digests.items()}
             ),
+            "source_digest": rank_digest(active.source_hashes),
             "bytes_loaded": router.bytes_loaded,
             "manifest_digest": active.manifest_digest,
             "timings": active.timings | {k: round(v, 6) for k, v in router.timings.items()},

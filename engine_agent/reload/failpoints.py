@@ -5,9 +5,15 @@ Set ``WEIGHTROLL_FAILPOINTS`` in the engine's environment to a comma-separated l
 only) or ``finish@tp0=hang:30`` (finish hangs for 30 s on TP rank 0). ``<point>`` is a call
 (begin, load, finish, abort, state; checked on entry) or a step boundary inside one
 (:data:`POINTS`); ``<rank>`` is ``tp<N>``, ``pp<N>`` or ``dp<N>``; the action is ``error``
-(default) or ``hang:<seconds>``. A step point fires at its first occurrence in a call (for
-``copy.after``: after the first module was copied into live storage, before any other).
-Unset (the production default), nothing happens.
+(default), ``hang:<seconds>``, ``signal:<file>`` (create ``<file>`` and go on) or
+``wait:<file>`` (block until ``<file>`` exists, at most :data:`WAIT_LIMIT_SECONDS`, then fail).
+A step point fires at its first occurrence in a call (for ``copy.after``: after the first
+module was copied into live storage, before any other). Unset (the production default),
+nothing happens.
+
+``signal`` and ``wait`` order the ranks of one engine against the test without timing: e.g.
+``load.read@tp0=signal:/t/read,load@tp1=wait:/t/go`` lets the test change the source after TP
+rank 0 read it and before TP rank 1 starts (``tests/server/test_source_swap_tp2.py``).
 
 ``WEIGHTROLL_FAILPOINTS_FILE`` names a file holding the same list, re-read on every call, so a
 test can arm and disarm failpoints in a running multi-process engine.
@@ -29,7 +35,8 @@ __all__ = ["POINTS", "check"]
 
 #: Every failpoint, in the order an update passes them (full and partial updates skip the
 #: ``sparse.*`` points, sparse updates skip ``load.staged`` to ``copy.after``; ``tied.*`` fire
-#: only on models with tied parameters).
+#: only on models with tied parameters; ``load.read`` fires once this rank's loaders consumed
+#: and hashed every tensor of the batch).
 POINTS = (
     "begin",
     "begin.snapshot",
@@ -43,6 +50,7 @@ POINTS = (
     "copy.after",
     "tied.before",
     "tied.after",
+    "load.read",
     "sparse.before_write",
     "sparse.after_write",
     "finish",
@@ -52,6 +60,11 @@ POINTS = (
 
 ENV = "WEIGHTROLL_FAILPOINTS"
 FILE_ENV = "WEIGHTROLL_FAILPOINTS_FILE"
+#: How long a ``wait:`` failpoint blocks before it fails the call: a test that never releases
+#: the rank must not hang the engine for longer than the agent's own bounds.
+WAIT_LIMIT_SECONDS = 120.0
+#: How often a ``wait:`` failpoint looks for its file.
+_WAIT_POLL_SECONDS = 0.05
 
 
 def check(call: str, rank: RankId) -> None:
@@ -69,6 +82,12 @@ def check(call: str, rank: RankId) -> None:
         if action.startswith("hang:"):
             time.sleep(float(action.removeprefix("hang:")))
             continue
+        if action.startswith("signal:"):
+            with open(action.removeprefix("signal:"), "a"):
+                pass
+            continue
+        if action.startswith("wait:") and _wait_for(action.removeprefix("wait:")):
+            continue
         raise SourceUnavailable(
             f"failpoint {item!r}: injected failure of {call} on rank {rank.key}", field="path"
         )
@@ -78,3 +97,13 @@ def _matches(where: str, rank: RankId) -> bool:
     kind, number = where[:2], where[2:]
     value = {"tp": rank.tp, "pp": rank.pp, "dp": rank.dp}.get(kind)
     return value is not None and number.isdigit() and int(number) == value
+
+
+def _wait_for(path: str) -> bool:
+    """Block until ``path`` exists; ``False`` after :data:`WAIT_LIMIT_SECONDS` without it."""
+    deadline = time.monotonic() + WAIT_LIMIT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_WAIT_POLL_SECONDS)
+    return True

@@ -51,6 +51,10 @@ def write_patch(
 def read_patches(checkpoint: Any) -> list[tuple[str, torch.Size, torch.Tensor, torch.Tensor]]:
     """Parse a :class:`engine_agent.reload.sources.CheckpointSource` holding a sparse patch.
 
+    The indices and values returned are the source's own host buffers, the bytes its content
+    hashes cover: the caller verifies them (``checkpoint.complete()``) and applies these same
+    tensors, so nothing reads the patch file again after it was checked (issue 26, item 2).
+
     Raises:
         InvalidRequest: the file is not a weightroll sparse patch, or an entry is incomplete or
             its shape metadata malformed (naming the tensor).

@@ -59,6 +59,7 @@ from engine_agent.protocol import (
     DrainMode,
     DrainSpec,
     EngineState,
+    ExtensionRpc,
     LoadSource,
     RankReport,
     RankStatus,
@@ -93,11 +94,11 @@ __all__ = ["Agent", "AgentConfig", "Readiness", "SourceRefused", "UpdateConflict
 
 logger = logging.getLogger(__name__)
 
-BEGIN: Final = "weightroll_begin"
-LOAD: Final = "weightroll_load"
-FINISH: Final = "weightroll_finish"
-ABORT: Final = "weightroll_abort"
-STATE: Final = "weightroll_state"
+BEGIN: Final = ExtensionRpc.BEGIN
+LOAD: Final = ExtensionRpc.LOAD
+FINISH: Final = ExtensionRpc.FINISH
+ABORT: Final = ExtensionRpc.ABORT
+STATE: Final = ExtensionRpc.STATE
 #: vLLM's weight version while an update has not been accepted (``/update_weight_version``).
 UNACCEPTED_PREFIX: Final = "weightroll-unaccepted:"
 #: vLLM's weight version before anything set it.
@@ -721,7 +722,7 @@ class Agent:
         logger.info("Update %s entered phase %s", record.id, phase.value)
 
     async def _call_ranks(
-        self, record: UpdateRecord, method: str, arg: str, timeout: float, world: int
+        self, record: UpdateRecord, method: ExtensionRpc, arg: str, timeout: float, world: int
     ) -> RankRound:
         results = await self.client.collective_rpc(method, arg, timeout)
         round_ = collect_reports(method, results, world)

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from engine_agent.protocol import DrainMode
+from engine_agent.protocol import DrainMode, ExtensionRpc
 
 __all__ = [
     "RPC_GRACE_SECONDS",
@@ -275,11 +275,11 @@ class VllmClient:
         """
         return await self._json("POST", path, body=body, timeout=timeout)
 
-    async def collective_rpc(self, method: str, arg: str, timeout: float) -> list[Any]:
+    async def collective_rpc(self, method: ExtensionRpc, arg: str, timeout: float) -> list[Any]:
         """Call ``method(arg)`` on every rank; return the raw per-rank results.
 
         Args:
-            method: worker-extension method name.
+            method: the worker-extension method (one name list with the extension).
             arg: the one JSON-string argument.
             timeout: seconds vLLM may wait for the ranks.
 

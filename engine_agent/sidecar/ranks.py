@@ -15,8 +15,9 @@ Rules, in the order they are checked:
     5. At commit: every rank is ``clean``, has no missing or duplicate shard against its own
        required set, identity unchanged, a non-empty digest, and a coverage-set hash of a
        non-empty set of received shards; ranks that must hold the same shard keys report the
-       same coverage hash; ranks that differ only in ``dp`` (replicas of the same shard)
-       report the same digest; and with a manifest, every digest is the manifest's.
+       same coverage hash; *every* rank reports the same source digest (they all read one
+       checkpoint); ranks that differ only in ``dp`` (replicas of the same shard) report the
+       same digest; and with a manifest, every digest is the manifest's.
 
 Which ranks must hold the same shard keys (rule 5): those in the same pipeline stage (``pp``)
 with the same expert-parallel rank (``ep``), i.e. ranks that differ only in ``tp`` and/or ``dp``.
@@ -29,6 +30,23 @@ per-rank guards that need no peer: the set must be non-empty (a rank that receiv
 whose hash is that of the empty set, fails ``coverage_empty``), and it must be complete against
 the rank's own required set (``coverage_incomplete`` / ``duplicate_shard``). A rank whose
 ``ep`` is wrongly reported as 0 lands in one group with its TP peers and fails closed.
+
+Which ranks must have read the same checkpoint (rule 5): all of them, whatever the layout. The
+per-tensor rule — no checkpoint tensor name may have two content hashes across the ranks of a
+replica — is what must hold; it reduces to equal source digests because no rank reads a subset:
+every rank's loaders are handed every tensor of the source (the same ``names`` on every rank),
+each is hashed as it is handed out, and TP slicing, a PP stage's ``PPMissingLayer`` and an EP
+rank's expert map drop what the rank does not own only afterwards (a rank whose loaders stop
+early fails its load: ``CheckpointSource.complete``). Trainer pushes broadcast every full tensor
+to every rank alike. So ``source_digest`` (``rank_digest`` over exactly those content hashes)
+is equal on every rank of a replica that read one checkpoint, and two values mean the source
+changed between two ranks' reads (a directory swapped during the load, with no manifest to pin
+it): each rank is ``clean`` at the target version, but they serve a mix of two checkpoints.
+That is ``digest_mismatch``, naming the ranks of each side, and the update fails after finish,
+so the agent poisons every rank (the replica fence). ``digest`` itself is compared only across
+``dp``: for sparse updates it also covers the patched modules' live tensors, which are each
+rank's own slice. Per-tensor hashes are not sent: a checkpoint can hold tens of thousands of
+tensors, and with no rank reading a subset, the one digest decides the same question.
 
 The module is pure: no I/O, no clock; table-driven tests cover every rule.
 """
@@ -254,7 +272,8 @@ def check_commit(
     exactly that manifest (a rank that skipped the check, or read another one, fails). With
     ``expected_digest`` (``Manifest.rank_digest()``: every rank reads the whole source), every
     rank's ``digest`` — over the content hashes of the bytes its loaders consumed — must equal
-    it: a rank that read fewer, more or other tensors than the manifest lists fails.
+    it: a rank that read fewer, more or other tensors than the manifest lists fails. With or
+    without a manifest, every rank's ``source_digest`` must be the same (``digest_mismatch``).
     """
     round_ = check_session(round_, update_id)
     problems = list(round_.problems)
@@ -315,9 +334,11 @@ def check_commit(
                     f"{_names(unverified)}",
                 )
             )
-    no_digest = ranks_where(lambda report: not report.digest)
+    no_digest = ranks_where(lambda report: not report.digest or not report.source_digest)
     if no_digest:
-        problems.append(Problem("digest_missing", f"ranks sent no digest: {_names(no_digest)}"))
+        problems.append(
+            Problem("digest_missing", f"ranks sent no digest or source digest: {_names(no_digest)}")
+        )
     if expected_digest is not None:
         off = ranks_where(lambda report: report.digest and report.digest != expected_digest)
         if off:
@@ -329,6 +350,8 @@ def check_commit(
                 )
             )
     problems += _check_coverage(reports)
+    source_split = _check_one_source(reports)
+    problems += source_split
     replicas: dict[tuple[int, int, int], set[str]] = {}
     for report in reports:
         key = (report.rank.pp, report.rank.tp, report.rank.ep)
@@ -336,7 +359,7 @@ def check_commit(
     split = sorted(
         f"pp{pp}:tp{tp}:ep{ep}" for (pp, tp, ep), digests in replicas.items() if len(digests) > 1
     )
-    if split:
+    if split and not source_split:  # ranks that read different sources are blamed once
         problems.append(
             Problem(
                 "digest_mismatch",
@@ -344,6 +367,31 @@ def check_commit(
             )
         )
     return RankRound(round_.call, reports, tuple(problems))
+
+
+def _check_one_source(reports: Sequence[RankReport]) -> list[Problem]:
+    """Rule 5, source part: every rank of the replica read the same checkpoint bytes.
+
+    A rank without a source digest is ``digest_missing`` already and not compared here.
+    """
+    sides: dict[str, list[str]] = {}
+    for report in reports:
+        if report.source_digest:
+            sides.setdefault(report.source_digest, []).append(report.rank.key)
+    if len(sides) < 2:
+        return []
+    # Largest side first: the odd ranks out are usually the smaller sides.
+    described = "; ".join(
+        f"{digest[:12]} on {_names(sorted(keys))}"
+        for digest, keys in sorted(sides.items(), key=lambda side: (-len(side[1]), side[0]))
+    )
+    return [
+        Problem(
+            "digest_mismatch",
+            f"ranks of this replica read {len(sides)} different checkpoints (the source "
+            f"changed between their reads): {described}",
+        )
+    ]
 
 
 def _check_coverage(reports: Sequence[RankReport]) -> list[Problem]:

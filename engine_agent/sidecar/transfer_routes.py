@@ -63,6 +63,7 @@ from engine_agent.protocol import (
     DrainMode,
     EngineState,
     ErrorBody,
+    ExtensionRpc,
     UpdateMode,
     UpdatePhase,
     UpdateSpec,
@@ -88,11 +89,11 @@ __all__ = ["ROUTES", "TransferCoordinator", "add_transfer_routes"]
 
 logger = logging.getLogger(__name__)
 
-ARM: Final = "weightroll_transfer_arm"
-COMMIT_AS: Final = "weightroll_transfer_commit_as"
-REPORT: Final = "weightroll_transfer_report"
-FENCE: Final = "weightroll_transfer_fence"
-CHECK_INIT: Final = "weightroll_transfer_check_init"
+ARM: Final = ExtensionRpc.TRANSFER_ARM
+COMMIT_AS: Final = ExtensionRpc.TRANSFER_COMMIT_AS
+REPORT: Final = ExtensionRpc.TRANSFER_REPORT
+FENCE: Final = ExtensionRpc.TRANSFER_FENCE
+CHECK_INIT: Final = ExtensionRpc.TRANSFER_CHECK_INIT
 
 #: The native routes the agent serves (the public interface, docs/trainer.md).
 ROUTES: Final = (
@@ -213,7 +214,7 @@ class TransferCoordinator:
         memory.hold, memory.hold_code = str(problem), problem.code
         self.agent.store.save()
 
-    async def _ranks(self, push: Push, method: str, arg: str, timeout: float) -> Any:
+    async def _ranks(self, push: Push, method: ExtensionRpc, arg: str, timeout: float) -> Any:
         results = await self.agent.client.collective_rpc(method, arg, timeout)
         round_ = collect_reports(method, results, push.world)
         push.reports = [report.to_wire() for report in round_.reports]
@@ -396,7 +397,7 @@ class TransferCoordinator:
         """After every rank committed: state check, cache reset, version, release, resume."""
         client, config = self.agent.client, self.agent.config
         after = collect_states(
-            await client.collective_rpc("weightroll_state", "{}", config.control_timeout),
+            await client.collective_rpc(ExtensionRpc.STATE, "{}", config.control_timeout),
             push.world,
         )
         problems = committed_problems(after, push.id, version)
@@ -489,7 +490,7 @@ class TransferCoordinator:
             )
         try:
             results = await self.agent.client.collective_rpc(
-                "weightroll_state", "{}", config.control_timeout
+                ExtensionRpc.STATE, "{}", config.control_timeout
             )
         except EngineError:
             return None  # vLLM may be restarting: look again on the next pass

@@ -32,7 +32,7 @@ import json
 import logging
 from typing import Any
 
-from engine_agent.protocol import ErrorBody, RankId, RankReport, UpdateSpec
+from engine_agent.protocol import ErrorBody, ExtensionRpc, RankId, RankReport, UpdateSpec
 from engine_agent.transfer.rendezvous import RendezvousRefused
 
 __all__ = ["TransferRpcMixin"]
@@ -63,7 +63,7 @@ class TransferRpcMixin:
         backend = getattr(self, "weight_transfer_engine", None)
         return backend if isinstance(backend, VerifiedBackendMixin) else None
 
-    def _weightroll_transfer_call(self, call: str, body: Any) -> dict[str, Any]:
+    def _weightroll_transfer_call(self, method: ExtensionRpc, body: Any) -> dict[str, Any]:
         this: Any = self
         state: dict[str, Any] | None = None
         try:
@@ -81,7 +81,7 @@ class TransferRpcMixin:
             result: dict[str, Any] = body(backend)
             return result
         except Exception as e:  # never raise: the agent counts every rank's answer
-            logger.exception("weightroll_transfer_%s failed", call)
+            logger.exception("%s failed", method)
             return _refused("internal", f"{type(e).__name__}: {e}", state)
 
     def _weightroll_clear_vllm_flag(self) -> None:
@@ -110,7 +110,7 @@ class TransferRpcMixin:
                 version=engine.state.version,
             ).to_wire()
 
-        return self._weightroll_transfer_call("check_init", check)
+        return self._weightroll_transfer_call(ExtensionRpc.TRANSFER_CHECK_INIT, check)
 
     def weightroll_transfer_arm(self, spec_json: str) -> dict[str, Any]:
         """Arm the next ``start_weight_update`` with ``spec`` (see the module docstring)."""
@@ -131,13 +131,13 @@ class TransferRpcMixin:
                 update_id=spec.update_id,
             ).to_wire()
 
-        return self._weightroll_transfer_call("arm", arm)
+        return self._weightroll_transfer_call(ExtensionRpc.TRANSFER_ARM, arm)
 
     def weightroll_transfer_commit_as(self, args_json: str) -> dict[str, Any]:
         """Name the version the open session commits as."""
         version = str(json.loads(args_json or "{}").get("version", ""))
         return self._weightroll_transfer_call(
-            "commit_as", lambda backend: backend.weightroll.retarget(version)
+            ExtensionRpc.TRANSFER_COMMIT_AS, lambda backend: backend.weightroll.retarget(version)
         )
 
     def weightroll_transfer_report(self, args_json: str = "{}") -> dict[str, Any]:
@@ -152,7 +152,7 @@ class TransferRpcMixin:
                 )
             return last
 
-        return self._weightroll_transfer_call("report", report)
+        return self._weightroll_transfer_call(ExtensionRpc.TRANSFER_REPORT, report)
 
     def weightroll_transfer_fence(self, args_json: str = "{}") -> dict[str, Any]:
         """Poison this rank and clear vLLM's update flag (the replica fence)."""
@@ -163,4 +163,4 @@ class TransferRpcMixin:
             self._weightroll_clear_vllm_flag()
             return report
 
-        return self._weightroll_transfer_call("fence", fence)
+        return self._weightroll_transfer_call(ExtensionRpc.TRANSFER_FENCE, fence)

@@ -2,7 +2,7 @@
 
 :class:`VerifiedReceiver` is what a backend calls instead of vLLM's layerwise reload. It drives
 the rank's one :class:`~engine_agent.reload.RankEngine` (shared with the extension's RPCs through
-:func:`engine_agent.vllm_extension.rank_engine_for`), so coverage, duplicate refusal, staging and
+:func:`engine_agent.reload.registry.rank_engine_for`), so coverage, duplicate refusal, staging and
 derived-state refresh are exactly those of a file load — nothing is re-implemented here.
 
 Semantics (trainer-path.md, issue 12 B):
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from engine_agent.protocol import RankReport, UpdateMode, UpdateSpec
+from engine_agent.reload.registry import rank_engine_for
 
 __all__ = ["TransferRefused", "VerifiedReceiver", "describe"]
 
@@ -72,8 +73,6 @@ class VerifiedReceiver:
 
     @property
     def engine(self) -> Any:
-        from engine_agent.vllm_extension import rank_engine_for
-
         return rank_engine_for(self.model, self.vllm_config)
 
     def arm(self, spec: UpdateSpec) -> None:

@@ -43,6 +43,7 @@ TABLE = [
     ("copy.after", "full", "poisoned"),
     ("tied.before", "full", "poisoned"),
     ("tied.after", "full", "poisoned"),
+    ("load.read", "full", "poisoned"),
     ("finish", "full", "poisoned"),
     ("finish.coverage", "full", "poisoned"),
     ("finish.identity", "full", "poisoned"),

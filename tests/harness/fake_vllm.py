@@ -263,6 +263,7 @@ class FakeRank:
                 "received": 21,
                 "coverageHash": self.coverage_hash or f"cov-{target}",
                 "digest": self.digest or self.source_digest,
+                "sourceDigest": self.source_digest,
                 "identityOk": not self.identity_problems,
                 "identityProblems": self.identity_problems,
                 "manifestDigest": self.manifest_digest,

@@ -30,6 +30,7 @@ def report(tp: int = 0, dp: int = 0, pp: int = 0, ep: int = 0, **fields: Any) ->
         "received": 10,
         "coverageHash": "cov",
         "digest": f"digest-tp{tp}",
+        "sourceDigest": "checkpoint-b",
     }
     base.update(fields)
     return base
@@ -178,6 +179,95 @@ def test_coverage_is_compared_within_pp_ep_groups(results: list[Any], expected: 
     assert codes(results, len(results)) == expected
 
 
+# Rule 5 source part: every rank is handed every tensor of the source (TP, PP and EP alike), so
+# every rank of one replica reports the same source digest; ``digest`` may differ beyond dp only
+# by the ``live:`` slices of a sparse update.
+@pytest.mark.parametrize(
+    ("results", "expected"),
+    [
+        pytest.param(
+            [report(0, sourceDigest="checkpoint-b"), report(1, sourceDigest="checkpoint-c")],
+            ["digest_mismatch"],
+            id="tp2-ranks-read-different-checkpoints-fails",
+        ),
+        pytest.param(
+            [report(0, digest="live-tp0"), report(1, digest="live-tp1")],
+            [],
+            id="tp2-sparse-live-slices-differ-one-checkpoint-passes",
+        ),
+        pytest.param(
+            [
+                report(0, pp=0, coverageHash="stage0", digest="d"),
+                report(0, pp=1, coverageHash="stage1", digest="d"),
+            ],
+            [],
+            id="pp2-stages-own-different-layers-one-checkpoint-passes",
+        ),
+        pytest.param(
+            [
+                report(0, pp=0, coverageHash="stage0"),
+                report(0, pp=1, coverageHash="stage1", sourceDigest="checkpoint-c"),
+            ],
+            ["digest_mismatch"],
+            id="pp2-stages-read-different-checkpoints-fails",
+        ),
+        pytest.param(
+            [
+                report(0, ep=0, coverageHash="e0-e1", digest="d"),
+                report(1, ep=1, coverageHash="e2-e3", digest="d"),
+            ],
+            [],
+            id="ep2-ranks-own-different-experts-one-checkpoint-passes",
+        ),
+        pytest.param(
+            [
+                report(0, ep=0, coverageHash="e0-e1"),
+                report(1, ep=1, coverageHash="e2-e3", sourceDigest="checkpoint-c"),
+            ],
+            ["digest_mismatch"],
+            id="ep2-ranks-read-different-checkpoints-fails",
+        ),
+        pytest.param(
+            [report(0, dp=0), report(0, dp=1, digest="other", sourceDigest="checkpoint-c")],
+            ["digest_mismatch"],
+            id="dp2-copies-read-different-checkpoints-fail-once",
+        ),
+        pytest.param(
+            [report(0), report(1, sourceDigest="")],
+            ["digest_missing"],
+            id="tp-rank-without-source-digest-fails",
+        ),
+    ],
+)
+def test_every_rank_of_a_replica_read_one_checkpoint(
+    results: list[Any], expected: list[str]
+) -> None:
+    assert codes(results, len(results)) == expected
+
+
+def test_a_source_split_names_the_ranks_on_each_side() -> None:
+    results = [
+        report(tp, sourceDigest="checkpoint-c" if tp == 3 else "checkpoint-b") for tp in range(4)
+    ]
+    round_ = check_commit(collect_reports("weightroll_finish", results, 4), "u-1", "v2")
+    assert [str(p) for p in round_.problems] == [
+        "digest_mismatch: ranks of this replica read 2 different checkpoints (the source changed "
+        "between their reads): checkpoint-b on dp0:pp0:tp0:ep0, dp0:pp0:tp1:ep0, "
+        "dp0:pp0:tp2:ep0; checkpoint-c on dp0:pp0:tp3:ep0"
+    ]
+
+
+def test_ranks_that_do_not_say_which_checkpoint_they_read_are_refused() -> None:
+    """Reports in the shape main accepted: TP ranks with different digests and no source digest.
+
+    Nothing in them shows that the two ranks read one checkpoint, so the commit fails closed.
+    """
+    results = [report(0, digest="checkpoint-b"), report(1, digest="checkpoint-c")]
+    for result in results:
+        del result["sourceDigest"]
+    assert codes(results) == ["digest_missing"]
+
+
 def test_coverage_mismatch_names_only_the_disagreeing_group() -> None:
     round_ = check_commit(
         collect_reports(
@@ -279,11 +369,11 @@ def test_the_data_parallel_rank_comes_from_vllm_032s_parallel_config() -> None:
     pytest.importorskip("vllm")
     from vllm.config import ParallelConfig
 
+    from engine_agent.reload.registry import rank_id
     from engine_agent.sidecar.ranks import check_commit, collect_reports
-    from engine_agent.vllm_extension import _rank_id
 
     ranks = [
-        _rank_id(parallel_config=ParallelConfig(data_parallel_size=2, data_parallel_rank=dp))
+        rank_id(parallel_config=ParallelConfig(data_parallel_size=2, data_parallel_rank=dp))
         for dp in (0, 1)
     ]
     assert [rank.dp for rank in ranks] == [0, 1]
