@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-engine test lint unit engine soak venv clean vllm-surface gpu-check
+.PHONY: demo demo-engine test lint unit engine soak venv clean vllm-surface gpu-check engine-sweep
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -59,6 +59,15 @@ vllm-surface: venv
 	PYTHONPATH=devtools $(PY) -m weightroll_dev.vllm_surface --installed \
 	  $(foreach v,$(VLLM_SURFACE_RELEASES),.cache/vllm-wheels/vllm-$(v)-*.whl) \
 	  --markdown docs/vllm-surface.md
+
+## vLLM's model registry as the test matrix: every decoder architecture, a tiny model built from
+## its transformers config, full/partial/sparse updates on a real CPU engine judged against a
+## cold one; writes docs/models.md. One process per architecture (~2 min each on 2 cores).
+## ARCH='Qwen3 Gemma2' limits it to architectures matching those regexes.
+ARCH ?=
+engine-sweep: venv
+	PYTHONPATH=devtools $(PY) -m weightroll_dev.engine_sweep $(foreach a,$(ARCH),--arch $(a)) \
+	  --out docs/models.md
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

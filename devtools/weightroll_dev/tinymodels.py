@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "KINDS",
+    "build_from_config",
     "build_tiny_model",
     "load_tensors",
     "random_checkpoint",
@@ -158,24 +159,54 @@ def build_tiny_model(
     Returns:
         ``out_dir``.
     """
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; choose one of {KINDS}")
+    config = _configs()[kind](**({"tie_word_embeddings": tied} | overrides))
+    return build_from_config(
+        config,
+        out_dir,
+        seed,
+        random_buffers=kind in _RANDOM_BUFFERS,
+        label={"kind": kind, "seed": seed, "tied": tied},
+    )
+
+
+def build_from_config(
+    config: Any,
+    out_dir: Path,
+    seed: int = 0,
+    *,
+    random_buffers: bool = True,
+    label: dict[str, Any] | None = None,
+) -> Path:
+    """Write a random model of any transformers causal-LM ``config`` (and the tiny tokenizer).
+
+    The model class is transformers' own (``AutoModelForCausalLM``), saved as safetensors, so
+    the checkpoint names are the ones a real checkpoint of the architecture has.
+
+    Args:
+        config: a transformers config, already shrunk (``vocab_size`` sets the tokenizer's).
+        out_dir: target directory (created).
+        seed: torch seed for the random weights.
+        random_buffers: randomise saved floating-point buffers too (the default for new
+            callers; the first three :data:`KINDS` keep the bytes benchmarks rely on).
+        label: written to ``weightroll-test-model.json`` (what built the model).
+    """
     import torch
     import transformers as T
 
-    if kind not in KINDS:
-        raise ValueError(f"unknown model kind {kind!r}; choose one of {KINDS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = _configs()[kind](**({"tie_word_embeddings": tied} | overrides))
     model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         # HF initialises norms to ones and some biases to zero; randomise every tensor so that
         # an update that misses any of them is visible in the outputs.
         for param in model.parameters():
             param.copy_(torch.randn_like(param, dtype=torch.float32).mul_(0.08).to(param.dtype))
-        if kind in _RANDOM_BUFFERS:
+        if random_buffers:
             # Saved buffers are weights too (MiniMax-M2's routing bias is a buffer in
-            # transformers); the older kinds keep their bytes, so only newer kinds do this.
+            # transformers).
             persistent = model.state_dict()
             for name, buffer in model.named_buffers():
                 if name in persistent and buffer.is_floating_point():
@@ -183,7 +214,7 @@ def build_tiny_model(
     model.save_pretrained(out_dir)
     tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
     (out_dir / "weightroll-test-model.json").write_text(
-        json.dumps({"kind": kind, "seed": seed, "tied": tied})
+        json.dumps(label or {"model_type": config.model_type, "seed": seed})
     )
     return out_dir
 

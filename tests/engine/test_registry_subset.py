@@ -1,0 +1,35 @@
+"""The registry sweep's per-architecture check, in CI, for a fixed representative subset (issue 26).
+
+``make engine-sweep`` (:mod:`weightroll_dev.engine_sweep`) runs every decoder architecture of
+vLLM's registry and writes ``docs/models.md``; that takes hours on CPU, so CI runs the same
+:func:`~weightroll_dev.engine_sweep.check_architecture` for one architecture per family that
+the families already tested do not cover (DeepSeek-V3, GPT-2 and MiniMax-M2 are in
+``tests/engine/test_families.py``):
+
+* ``Qwen3ForCausalLM``: q/k norms per head, GQA;
+* ``Gemma2ForCausalLM``: the ``1 + weight`` norms (four per layer), logit soft-capping, tied
+  embeddings (the LM head reads the embedding), sliding-window layers;
+* ``Phi3ForCausalLM``: fused ``qkv_proj`` and ``gate_up_proj`` in the checkpoint itself;
+* ``MixtralForCausalLM``: a mixture of experts (the CPU fused-MoE kernel's own weight layout).
+
+For each, a tiny random checkpoint is built from transformers' config class, and a full update
+A -> B, a partial update of decoder layer 1 and a sparse patch of a norm must each equal a cold
+engine on the checkpoint they should produce, in outputs and in the bitwise census.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from weightroll_dev.engine_sweep import EQUAL, check_architecture
+
+SUBSET = ("Qwen3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+
+
+@pytest.mark.parametrize("architecture", SUBSET)
+def test_full_partial_and_sparse_updates_equal_a_cold_engine(
+    architecture: str, tmp_path: Path
+) -> None:
+    verdicts = check_architecture(architecture, tmp_path)
+    assert (verdicts.full, verdicts.partial, verdicts.sparse) == (EQUAL, EQUAL, EQUAL), verdicts
