@@ -107,6 +107,9 @@ SKIPPED = _Skipped("skipped: an earlier action of this pod failed")
 class ActionResult:
     action: Action
     error: Exception | None = None
+    #: The pod's ``resourceVersion`` after the action, when the API server reported one (an
+    #: agent call leaves it as it was): tells a view that predates the write (``reconcile``).
+    resource_version: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -258,7 +261,7 @@ async def _run_pod(actions: list[PodAction], ctx: ApplyContext) -> list[ActionRe
             continue
         try:
             rv = await _run_one(action, ctx, rv)
-            results.append(ActionResult(action))
+            results.append(ActionResult(action, resource_version=rv))
         except KubeNotFound as e:
             log.info(
                 "Skipped %s on Pod %s: the pod is gone", type(action).__name__, action.pod.name

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engine_agent.protocol import AgentState, UpdateRequest, UpdateStatus
 
-__all__ = ["AgentPort", "AgentTarget", "KubePort", "PodReader"]
+__all__ = ["AgentPort", "AgentTarget", "KubePort", "PeerReader", "PodReader"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,14 @@ class PodReader(Protocol):
     indexed pod is gone (``phantoms``). ``None``: no pod of that name exists."""
 
     async def find_pod(self, namespace: str, name: str) -> Any: ...
+
+
+@runtime_checkable
+class PeerReader(Protocol):
+    """Lists the namespace's WeightUpdates from the API server (not from the index): only it
+    can tell a pass about a peer its index does not hold yet (``domain.ownership``)."""
+
+    async def list_weightupdates(self, namespace: str) -> list[Any]: ...
 
 
 class AgentPort(Protocol):

@@ -99,7 +99,7 @@ from weightroll_operator.errors import (
 from weightroll_operator.gc_pacing import GcPacer
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.phantoms import Phantoms
-from weightroll_operator.ports import AgentPort, KubePort, PodReader
+from weightroll_operator.ports import AgentPort, KubePort, PeerReader, PodReader
 
 __all__ = [
     "PassResult",
@@ -153,8 +153,12 @@ class ReleaseIncomplete(WeightrollError):
     """Deletion could not release every pod yet; the finalizer stays and deletion retries."""
 
 
-#: Seconds a pod view that predates our own write to the pod is treated as stale (a no-op write
-#: leaves the resourceVersion unchanged, so the view is trusted again after this).
+#: Seconds a pod view at the version our write was planned from is treated as stale when the
+#: write did not report a new version (a no-op write leaves the resourceVersion unchanged, so
+#: the view is trusted again after this). A write that reported a new version makes every view
+#: at the old one stale for as long as the index serves it: trusting it again after 30 s let a
+#: pass on an index that lagged two minutes see a pod it drained as Ready and drain another
+#: (two out with a budget of 1, found by the simulation tier).
 _STALE_FOR = 30.0
 #: Stands for an answer where a pod's agent was not asked (nothing to confirm about it).
 _ANSWERED = AgentView(reachable=True)
@@ -276,8 +280,9 @@ class Reconciler:
     #: Per WeightUpdate: its last pass's selection (:class:`_Selection`). Rebuilt when a pod
     #: object changed, so it holds only the objects the last pass was given.
     _selections: dict[OwnerKey, _Selection] = field(default_factory=dict)
-    #: (namespace, pod) -> (resourceVersion of the view our last write was planned from, when).
-    _written: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    #: (namespace, pod) -> (the resourceVersion a write was planned from, whether the write
+    #: reported another one, monotonic time): views at that version predate our write.
+    _written: dict[tuple[str, str], tuple[str, bool, float]] = field(default_factory=dict)
     #: (namespace, pod, incarnation) -> (consecutive agent failures, monotonic retry time, view).
     _agent_failures: dict[tuple[str, str, str], tuple[int, float, AgentView]] = field(
         default_factory=dict
@@ -431,7 +436,8 @@ class Reconciler:
             key = (view.namespace, view.name)
             mark = self._written.get(key)
             if mark is not None:
-                if view.resource_version == mark[0] and now - mark[1] < _STALE_FOR:
+                read, moved, at = mark
+                if view.resource_version == read and (moved or now - at < _STALE_FOR):
                     out[i] = replace(view, stale=True)
                     flagged = True
                 else:
@@ -499,7 +505,13 @@ class Reconciler:
                 and action.pod.resource_version
             ):
                 key = (action.pod.namespace, action.pod.name)
-                self._written.setdefault(key, (action.pod.resource_version, now))
+                read = action.pod.resource_version
+                moved = result.resource_version not in (None, read)
+                mark = self._written.get(key)
+                if mark is None or mark[0] != read:
+                    self._written[key] = (read, moved, now)
+                elif moved and not mark[1]:
+                    self._written[key] = (read, True, mark[2])
         if len(self._written) > 200_000:
             self._written.clear()
 
@@ -645,6 +657,21 @@ class Reconciler:
             # Still resting on answers not confirmed: only claims made on fresh ones go out.
             with paused_gc():
                 the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst)
+        if _starts_units(the_plan, owner) and isinstance(self.kube, PeerReader):
+            # A claim rests on a fresh view of the peers too, as on fresh agent answers: the
+            # index of WeightUpdates may not hold an older one created together with this one
+            # (each drained a pod in its first pass, issue 27 item 3). The API server's list
+            # does; precedence decided on it again is planned again if it differs. A list that
+            # fails raises before anything is applied: no claim on an unconfirmed view.
+            listed = await self.kube.list_weightupdates(namespace)
+            listed_ranks = precedence(
+                owner, meta, persisted.completion_time is not None, views, listed
+            )
+            if listed_ranks != ranks:
+                ranks = listed_ranks
+                fleet = replace(fleet, peers=ranks.blocked_by, superseded=ranks.superseded)
+                with paused_gc():
+                    the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst)
         ctx = ApplyContext(
             kube=self.kube,
             agents=self.agents,
@@ -1267,6 +1294,12 @@ def _state_key(pod: PodView) -> tuple[str, ...]:
         "" if state is None else f"{state.state}|{state.version}|{state.update_id}",
         str(pod.gate),
     )
+
+
+def _starts_units(the_plan: Plan, owner: OwnerKey) -> bool:
+    """The plan claims a pod this WeightUpdate does not own yet (a unit starts, or a rollback
+    drains a released pod); a new attempt on a pod it owns (a retarget) starts nothing."""
+    return any(isinstance(a, Claim) and a.pod.owner != owner for a in the_plan.actions)
 
 
 def _phase_of(body: Mapping[str, Any]) -> Phase:

@@ -27,10 +27,19 @@ so my ``Succeeded`` stands). A new pod therefore goes to the newest WeightUpdate
 The two rules never block each other: an older one blocks me only while it is unfinished, a
 younger one supersedes me only once I finished.
 
+**Claims rest on a fresh list.** A pass is handed its peers from the operator's index of
+WeightUpdates, which may not hold one created together with it yet: handed such a view, each of
+two created together drained a pod in its first pass (issue 27 item 3). So a pass that would
+claim a pod it does not own yet decides precedence again on the API server's list of the
+namespace's WeightUpdates and plans again if it differs (``reconcile``), as a claim rests on a
+fresh agent answer; a failed list claims nothing. Every other step (in-flight units, restores,
+the status) may go on the index's view: none of them starts a unit.
+
 Limitations:
-    * A younger WeightUpdate whose pass ran before the older one was in its index (the watch
-      lags) may have claimed a pod already; that unit finishes (it is never abandoned
-      mid-load), then the older one goes first as above.
+    * Two WeightUpdates created in the same second are ordered by name, not by which came
+      first: a pass of the one later by name whose list ran before the other existed may have
+      claimed a pod already. That unit finishes (it is never abandoned mid-load), then the
+      other one goes first as above.
 """
 
 from __future__ import annotations

@@ -618,6 +618,9 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
         return now >= (accepted or claimed_at) + timeout + timedelta(seconds=grace)
 
     running: list[PodView] = []
+    #: Pods given a fresh attempt this pass: their timer is the new attempt's (it starts now),
+    #: never the superseded one's.
+    retargeted: list[PodView] = []
     failed: dict[str, str] = {}
     for pod in flying:
         st = pod.state
@@ -638,7 +641,7 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             # retarget it instead of sending the old version with the new source, or recording
             # the old source for the new files.
             _retarget(b, pod, st)
-            running.append(pod)
+            retargeted.append(pod)
         elif update is None:
             if agent.active_update_id != st.update_id and b.take_steps(1):
                 b.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
@@ -683,7 +686,24 @@ def _advance_in_flight(b: _Builder, unit: Unit) -> bool:
             if step.abort:
                 aborts_after.append(pod)
         running = waiting
-    if running:
+    if running or retargeted:
+        return True
+    if (
+        failed
+        and not rollback
+        and all(p.state is not None and _outdated(spec, p.state) for p in flying)
+    ):
+        # The attempt failed at a version the spec no longer names (spec.version changed, or
+        # was reverted, while it ran): no verdict on this spec, so neither a failed unit nor
+        # a failure against maxFailedReplicas (it halted a reverted rollout that every pod
+        # served, found by the simulation tier). As a committed outdated attempt is, the unit
+        # is retargeted: a fresh attempt at the spec's version, still drained.
+        for pod in flying:
+            assert pod.state is not None
+            if pod.gate is not False:
+                b.actions.append(GateOff(pod, message=f"Draining for weights {spec.version}"))
+            _retarget(b, pod, pod.state)
+        b.actions.extend(AbortUpdate(p, p.state.update_id) for p in aborts_after if p.state)
         return True
     if failed:
         reason = "; ".join(
@@ -1208,12 +1228,37 @@ def start_units(b: _Builder, seen: Seen, flying: frozenset[str], halt: Halt, slo
         _claim(b, unit)
 
 
-def restore(b: _Builder, seen: Seen) -> None:
+def _rollback_target(b: _Builder) -> tuple[str, SourceRef] | None:
+    """What a rollback returns the fleet to: the previous version and files every unit this
+    WeightUpdate touched for its version recorded, when they agree (else ``None``)."""
+    owner, version = b.fleet.owner, b.spec.version
+    targets = {
+        (st.previous_version, st.previous_source)
+        for p in b.fleet.pods
+        if (st := p.state) is not None
+        and st.by == owner
+        and (st.version == version or st.rollback_of == version)
+    }
+    if len(targets) != 1:
+        return None
+    ((previous, source),) = targets
+    return (previous, source) if previous and source is not None else None
+
+
+def restore(b: _Builder, seen: Seen, back_to: tuple[str, SourceRef] | None = None) -> None:
     """Step 6: settled pods at the target whose traffic is off (new pods, or a restart between
     the GateOn and the Settle) get their gate back; only an agent ready at the target version
     vouches for it, and for a pod this WeightUpdate verified only its recorded attempt's live
-    commit (or ranks that booted at the version: a cold engine on it is the oracle itself)."""
+    commit (or ranks that booted at the version: a cold engine on it is the oracle itself).
+
+    During a rollback (``back_to``: :func:`_rollback_target`) the target is what the fleet
+    returns to: a pod this WeightUpdate never touched that serves it (a new pod) gets its gate
+    too. Left drained, it held the whole budget, the rollback took no slot, and the halted
+    WeightUpdate stayed ``RollingBack`` for ever, blocking every younger one over its pods
+    (found by the simulation tier)."""
     owner, version = b.fleet.owner, b.spec.version
+    if back_to is not None:
+        _restore_untouched(b, seen, *back_to)
     for pod in b.fleet.pods:
         if seen.classes[pod.name] is not PodClass.UPDATED or pod.gate is True or pod.stale:
             continue
@@ -1228,6 +1273,21 @@ def restore(b: _Builder, seen: Seen) -> None:
             return
         b.actions.append(GateOn(pod, version=version, reason="ServingTarget"))
         message = f"Restored traffic to {pod.name}, ready at {version}"
+        b.emit(Reason.UNIT_RESTORED, message, pods=(pod,))
+
+
+def _restore_untouched(b: _Builder, seen: Seen, version: str, source: SourceRef) -> None:
+    owner = b.fleet.owner
+    for pod in b.fleet.pods:
+        st = pod.state
+        if seen.classes[pod.name] is not PodClass.PENDING or pod.gate is True or pod.stale:
+            continue
+        if st is not None and st.by == owner:
+            continue  # touched: the rollback itself decides it
+        if not _serves(b.fleet.agents.get(pod.name), version, source) or not b.take_steps(1):
+            continue
+        b.actions.append(GateOn(pod, version=version, reason="ServingRollbackTarget"))
+        message = f"Restored traffic to {pod.name}, ready at {version} (the rollback's target)"
         b.emit(Reason.UNIT_RESTORED, message, pods=(pod,))
 
 
@@ -1515,6 +1575,6 @@ def plan(
         remaining = roll_back(b, seen, flying, slots)
     elif halt.aborted_at is None and halt.paused_reason is None and not seen.blocked_by:
         start_units(b, seen, flying, halt, slots)
-    restore(b, seen)
+    restore(b, seen, _rollback_target(b) if rollback else None)
     withdraw(b)
     return settle(b, seen, persisted, flying, halt, rollback, remaining)

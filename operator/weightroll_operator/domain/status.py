@@ -219,15 +219,27 @@ def _listed(classes: Mapping[str, PodClass]) -> list[tuple[str, PodClass]]:
     return listed
 
 
-def _pod_results(plan: Plan, extra: Mapping[str, str]) -> list[PodResult]:
+def _listed_version(cls: PodClass, recorded: str | None, version: str) -> str | None:
+    """The version a listed state is about: the pod's weight-state's, but a pod listed
+    ``Verified`` is verified at ``spec.version`` whatever its record was about. A record at
+    another version is history there (a failed or withdrawn attempt at a version the spec no
+    longer names, spec.version reverted since): listing it made the status say ``Verified`` at
+    a version the pod does not serve (found by the simulation tier)."""
+    if cls is PodClass.UPDATED and recorded is not None:
+        return version
+    return recorded
+
+
+def _pod_results(plan: Plan, extra: Mapping[str, str], version: str) -> list[PodResult]:
     results: list[PodResult] = []
     for name, cls in _listed(plan.classes):
         pod = plan.pods[name]
+        recorded = pod.state.version if pod.state is not None else None
         results.append(
             PodResult(
                 name=name,
                 state=_STATE_OF[cls],
-                version=pod.state.version if pod.state is not None else None,
+                version=_listed_version(cls, recorded, version),
                 reason=(plan.reasons.get(name) or extra.get(name) or plan.notes.get(name) or None),
                 unit=pod.unit if pod.unit != name else None,
             )
@@ -284,7 +296,7 @@ def build_status(
         replicas=counts,
         stable_version=stable,
         conditions=_conditions(old_conds, plan, spec, phase, counts, now),
-        pods=_pod_results(plan, notes or {}),
+        pods=_pod_results(plan, notes or {}, spec.version),
         start_time=p.start_time,
         # kept once set: it marks the version as rolled out (convergence, superseded pods)
         completion_time=p.completion_time,

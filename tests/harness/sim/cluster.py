@@ -320,6 +320,11 @@ class SimApiServer:
         self.writes["wu-status"] += 1
         merge_patch(body.setdefault("status", {}), patch)
 
+    async def list_weightupdates(self, namespace: str) -> list[Any]:
+        """The WeightUpdates as they are now (a LIST never lags, unlike the index a pass is
+        handed its peers from)."""
+        return [copy.deepcopy(body) for body in self.weightupdates.values()]
+
     async def read_agent_token(self, namespace: str, name: str, key: str) -> str:
         raise KubeNotFound(404, f"secrets {name!r} not found")  # the simulation sends no token
 

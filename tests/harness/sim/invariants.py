@@ -27,8 +27,9 @@ violations it finds as :class:`Violation` values (empty: the invariant holds).
   with a reason; a WeightUpdate that finished (``Succeeded``) neither rolls the fleet back nor
   halts on its deadline until its spec changes (:func:`finished_stays_finished`). A WeightUpdate
   that selects no pod may rest in ``Pending``; a named halt accounts for the ``Pending`` pods it
-  left untouched. "Its version" is that of the WeightUpdate created last among those selecting
-  the pod (:func:`governing`).
+  left untouched, and a WeightUpdate ``Blocked`` by pods a halted one owns rests on that halt
+  (failed units stay owned: ``domain.ownership``). "Its version" is that of the WeightUpdate
+  created last among those selecting the pod (:func:`governing`).
 * **(e) status** (:func:`status_agrees`): after a pass that saw the whole cluster and whose writes
   all landed, every pod its status lists as ``Verified`` serves the listed version with our gate
   True, and ``Succeeded`` means every pod it governs serves ``spec.version``.
@@ -163,6 +164,16 @@ def budget(
             for n in mine
             if n not in exempt and rollout_unready(server, n, pods.get(n), states.get(n))
         )
+        # Units the rollout holds out, whether or not something else keeps them unready too:
+        # a pod drained during a blip is out by the rollout once the blip ends (the latch
+        # once bound a lowered budget while a blip hid one of them, then flagged it).
+        held = [
+            n
+            for n in mine
+            if n not in exempt
+            and not server.ready(n)
+            and (server.gate(n) is False or _updating(states.get(n)))
+        ]
         allowed = max(limit, latch.get(name, limit))
         if len(out_now) > allowed:
             out.append(
@@ -173,7 +184,7 @@ def budget(
                 )
             )
         # a lowered budget: what was already out may finish; it binds once the count fits
-        latch[name] = limit if len(out_now) <= limit else allowed
+        latch[name] = limit if len(held) <= limit else allowed
     return out
 
 
@@ -194,7 +205,7 @@ def verified(
             continue
         now = sim.serving()
         then = at_gate_on.get(name)
-        if then is not None and now != then:
+        if then is not None and now != then and not _booted_onto(then, now, sim):
             out.append(
                 Violation(
                     "b",
@@ -215,6 +226,16 @@ def verified(
                     )
                 )
     return out
+
+
+def _booted_onto(then: Fingerprint, now: Fingerprint, sim: SimPod) -> bool:
+    """The ranks restarted onto the pod's boot weights, and those are the very weights the gate
+    was set for (a rollback to them, or a reload of them): the same weights, only no commit
+    names them. A cold engine at the version is the oracle itself (``plan.restore``), and a
+    verdict is not contradicted by a commit its agent no longer reports (``domain.standing``).
+    The sim's versions are one set of files each, so the version says which files."""
+    versions, commits, clean = now
+    return clean and commits == {None} and versions == then[0] == {sim.vllm.boot_version}
 
 
 def _fp(fp: Fingerprint) -> str:
@@ -327,6 +348,29 @@ def finished_stays_finished(server: SimApiServer, finished: Mapping[str, int]) -
     return out
 
 
+def _halted(body: Mapping[str, Any] | None) -> bool:
+    status = (body or {}).get("status") or {}
+    return bool(status.get("abortReason")) or status.get("phase") in ("Failed", "RolledBack")
+
+
+def _held_by_a_halt(server: SimApiServer, wu: str, body: Mapping[str, Any]) -> bool:
+    """``wu`` is ``Blocked`` by pods a halted WeightUpdate owns (its failed units stay owned
+    and drained, and block every other WeightUpdate selecting them: ``domain.ownership``). It
+    rests on that halt until a person retries or deletes the halted one: a named halt too."""
+    status = body.get("status") or {}
+    blocked = any(
+        c.get("type") == "Blocked" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    mine = f"{body['metadata']['namespace']}/{wu}"
+    owners = {
+        server.pods[name]["metadata"]["annotations"].get(ANNOTATION_OWNER)
+        for name in selected(server, body)
+    } - {None, mine}
+    by_name = {f"{b['metadata']['namespace']}/{n}": b for n, b in server.weightupdates.items()}
+    return blocked and bool(owners) and all(_halted(by_name.get(o)) for o in owners)
+
+
 def liveness(server: SimApiServer, pods: Mapping[str, SimPod], order: list[str]) -> list[Violation]:
     """(d), once the faults stopped and the operator had its passes."""
     out: list[Violation] = []
@@ -334,11 +378,12 @@ def liveness(server: SimApiServer, pods: Mapping[str, SimPod], order: list[str])
         status = body.get("status") or {}
         phase = status.get("phase")
         total = (status.get("replicas") or {}).get("total", 0)
-        if phase not in TERMINAL_PHASES and not status.get("abortReason") and total:
+        #: a named halt: its own, or that of the halted WeightUpdate whose pods block it
+        halted = _halted(body) or _held_by_a_halt(server, wu, body)
+        if phase not in TERMINAL_PHASES and not halted and total:
             out.append(Violation("d", f"{wu}: still {phase} ({status.get('message', '')!r})"))
         version = body["spec"]["version"]
         #: pods the status accounts for: with a reason, or in a state that is one
-        halted = bool(status.get("abortReason")) or phase in ("Failed", "RolledBack")
         listed = {
             r.get("name")
             for r in status.get("pods") or []

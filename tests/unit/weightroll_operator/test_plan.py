@@ -963,3 +963,19 @@ def test_a_contradicted_verdict_is_withdrawn_only_on_a_fresh_answer() -> None:
                   cached=frozenset({"p0"}))  # fmt: skip
     p = plan(spec(maxUnavailable=1), fleet, Persisted(target_version="v2"), NOW)
     assert "p0" in p.refresh and not [a for a in p.actions if isinstance(a, Settle)]
+
+
+def test_a_new_pod_serving_the_rollback_target_gets_its_gate_during_a_rollback() -> None:
+    """Found by the simulation tier: a pod that joined a halted rollout with onFailure
+    Rollback (gate never set) stayed drained, held the whole budget, and the rollback of p0
+    never got a slot: RollingBack for ever, blocking a younger WeightUpdate over the pods."""
+    halted = Persisted(target_version="v2", aborted_at=timestamp(NOW), abort_reason="X")
+    pods = [pod("p0", st=state(UnitState.VERIFIED)), pod("p1", gate=None, ready=False)]
+    answers = {"p0": SERVING_V2, "p1": agent("v1", source=V1_SRC)}
+    p = run(spec(maxUnavailable=1, onFailure="Rollback"), pods, answers, halted)
+    gates = [(a.pod.name, a.version, a.reason) for a in p.actions if isinstance(a, GateOn)]
+    assert gates == [("p1", "v1", "ServingRollbackTarget")]
+    # other files under the label are not the rollback's target: left drained
+    answers["p1"] = agent("v1", source=V2_SRC)
+    p = run(spec(maxUnavailable=1, onFailure="Rollback"), pods, answers, halted)
+    assert not any(isinstance(a, GateOn) for a in p.actions)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from weightroll_operator.domain.actions import AbortUpdate, Claim, GateOn, Settle
 from weightroll_operator.domain.model import AgentView, PodView, UnitState, UpdateView
 from weightroll_operator.domain.plan import Persisted
@@ -101,3 +102,45 @@ def test_a_commit_of_a_version_the_spec_reverted_is_never_restored() -> None:
     ]
     assert claims[0].state.previous_version == "v1"
     assert not any(isinstance(a, Settle) and a.state.state is UnitState.VERIFIED for a in p.actions)
+
+
+#: spec.version reverted v2 -> v1 (a new generation: the persisted halt fields start over).
+REVERTED = spec(updateTimeoutSeconds=60, _spec={"version": "v1", "source": {"uri": "/weights/v1"}})
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        # drained, never sent (the claim's timer ran out meanwhile): the Claim retargeting it
+        # and a Settle failing the superseded attempt were planned together, the Settle won,
+        # and the v1 rollout halted (FailureBudgetExceeded) for it (found by the sim tier)
+        (agent("v1"), "never accepted"),
+        # the agent's verdict on the superseded attempt: failed, or aborted at the timeout
+        (_with_update(UpdatePhase.FAILED, version="v1"), "failed"),
+        (_with_update(UpdatePhase.ABORTED, version="v1"), "aborted"),
+        (agent(reachable=False), "unreachable"),
+    ],
+)
+def test_a_failure_of_an_attempt_at_a_version_the_spec_left_is_no_failure_of_the_spec(
+    answer: AgentView, why: str
+) -> None:
+    """The attempt was at v2, the spec names v1 now: its failure is no verdict on this spec,
+    so no failed unit and no halt; the unit is retargeted at v1 (still drained) on a timer of
+    its own."""
+    p = run(REVERTED, [pod("p0", gate=False, ready=False, st=CLAIMED)], {"p0": answer},
+            Persisted(target_version="v1"))  # fmt: skip
+    assert not any(isinstance(a, Settle) for a in p.actions), why
+    assert p.persisted.aborted_at is None and "p0" not in p.reasons
+    [claim] = [a for a in p.actions if isinstance(a, Claim)]
+    assert (claim.state.version, claim.state.state, claim.state.attempt) == (
+        "v1", UnitState.DRAINING, CLAIMED.attempt + 1
+    )  # fmt: skip
+    assert claim.state.started_at == "2026-01-01T12:00:00Z"  # the new attempt's timer: now
+    assert p.in_flight_units == 1
+
+
+def test_a_failure_at_the_spec_version_still_fails_the_unit() -> None:
+    """The same answers for an attempt at the spec's version are its verdict, as before."""
+    p = run(S, [pod("p0", gate=False, ready=False, st=CLAIMED)], {"p0": agent("v1")}, STARTED)
+    assert [a.state.state for a in p.actions if isinstance(a, Settle)] == [UnitState.FAILED]
+    assert not any(isinstance(a, Claim) for a in p.actions)

@@ -50,6 +50,29 @@ def test_a_view_older_than_our_own_write_is_stale_until_a_newer_one_arrives() ->
     assert not rec._mark_stale((before,))[0].stale
 
 
+@pytest.mark.parametrize(("produced", "stale_later"), [("8", True), ("7", False), (None, False)])
+def test_a_view_older_than_a_write_that_moved_the_pod_stays_stale_past_the_window(
+    produced: str | None, stale_later: bool
+) -> None:
+    """Found by the simulation tier: the index lagged two minutes behind a claim, the mark ran
+    out after 30 s, and the next pass saw the drained pod Ready and drained another. A write
+    the API server reported at a new resourceVersion keeps views at the old one stale however
+    long; only a write that reported none (or the same: a no-op) runs out."""
+    from weightroll_operator.apply import ActionResult
+    from weightroll_operator.domain.actions import GateOff
+    from weightroll_operator.domain.fleet import pod_view
+
+    clock = [0.0]
+    rec = Reconciler(kube=object(), agents=object(), monotonic=lambda: clock[0])  # type: ignore[arg-type]
+    pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
+    pod["metadata"]["resourceVersion"] = "7"
+    before = pod_view(pod, group_by=None)
+    rec._remember_writes([ActionResult(GateOff(before), resource_version=produced)])
+    assert rec._mark_stale((before,))[0].stale
+    clock[0] = 120.0
+    assert rec._mark_stale((before,))[0].stale is stale_later
+
+
 def test_agent_backoff_is_exponential_with_jitter() -> None:
     from weightroll_operator.reconcile import backoff_delay
 

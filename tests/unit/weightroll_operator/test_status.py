@@ -149,3 +149,26 @@ def test_listed_pods_are_the_first_of_a_full_sort() -> None:
                     break
                 expected.append((name, cls))
             assert _listed(classes) == expected
+
+
+def test_a_pod_listed_verified_is_listed_at_the_spec_version_whatever_its_record_says() -> None:
+    """spec.version went back to v1, which these pods serve in traffic; their records are
+    about v2 (a failed attempt, a verdict the spec no longer names): history. The status listed them
+    ``Verified`` at v2 (found by the simulation tier). A pod listed otherwise keeps its
+    record's version."""
+    s = spec(_spec={"version": "v1", "source": {"uri": "/weights/v1"}})
+    pods = [
+        pod("p0", st=state(UnitState.FAILED, reason="UpdateFailed: x")),
+        pod("p1", st=state(UnitState.VERIFIED)),
+        pod("p2", gate=False, ready=False, st=state()),  # in flight at v2: Updating at v2
+        pod("p3"),
+    ]
+    v1 = {n: agent("v1") for n in ("p0", "p1", "p3")}
+    p = run(s, pods, {**v1, "p2": agent(phase=UpdatePhase.LOADING)}, Persisted("v1"))
+    listed = {r.name: (r.state, r.version) for r in build_status(p, s, None, 2, NOW).pods}
+    assert listed == {
+        "p0": ("Verified", "v1"),
+        "p1": ("Verified", "v1"),
+        "p2": ("Updating", "v2"),
+        "p3": ("Verified", None),
+    }
