@@ -792,3 +792,40 @@ def test_a_budget_lowered_while_a_blip_hides_a_drained_pod_binds_once_the_count_
         sim.edit_budget("wu-a", 1)
         sim.safety()
         sim.quiesce()
+
+
+def test_a_finished_rollout_reports_a_pod_that_failed_after_it_and_stays_succeeded() -> None:
+    """Shrunk from a soak schedule (a harness defect): after ``Succeeded``, vLLM restarts under
+    p1 and the reload that converges it fails. The rollout keeps its verdict and reports the
+    pod (``Failed`` with its reason, ``Degraded=True``, ``domain.halts``); invariant (e) read
+    ``Succeeded`` as "every pod serves the version" and flagged it."""
+    with replay("e", "Succeeded at v2") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.restart_vllm("p1")
+        for _ in range(GRACE_PASSES + 1):
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+        sim.load_ends("p1", False)
+        sim.reconcile("wu-a", None)
+        sim.safety()
+
+
+def test_a_pod_its_agent_holds_out_is_converged_while_a_failed_unit_holds_the_budget() -> None:
+    """Shrunk from a soak schedule: budget 1, a pod whose reload failed after ``Succeeded``
+    holds the rollout's only slot; vLLM then restarts under another pod, whose agent holds it
+    out of traffic until a full update. That pod waited for a slot for ever (out of traffic,
+    never converged). A unit held out by its agent, like one held by our gate, costs no slot:
+    claiming it keeps nothing out that would serve (``domain.availability``)."""
+    with replay("d", "still") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.restart_vllm("p1")
+        for _ in range(GRACE_PASSES + 1):
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+        sim.load_ends("p1", False)
+        sim.reconcile("wu-a", None)
+        sim.restart_vllm("p2")
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))

@@ -68,7 +68,7 @@ from weightroll_operator.domain.actions import (
     Settle,
     StartUpdate,
 )
-from weightroll_operator.domain.availability import Slots
+from weightroll_operator.domain.availability import Slots, held_by_agent
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.events import aggregate_emits, aggregate_events, emit_holding
 from weightroll_operator.domain.fleet import Unit, group_units
@@ -1568,6 +1568,8 @@ def plan(
         seen.max_unavailable,
         budget(seen, flying, fleet.terminating, now),
         (u for u in seen.units if _held(seen, flying, u)),
+        # a NotReady unit its agents keep out until an update is as free as one our gate holds
+        (u.key for u in seen.units if not u.ready and held_by_agent(u, fleet.agents)),
     )
     rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
     remaining = 0

@@ -32,7 +32,8 @@ violations it finds as :class:`Violation` values (empty: the invariant holds).
   created last among those selecting the pod (:func:`governing`).
 * **(e) status** (:func:`status_agrees`): after a pass that saw the whole cluster and whose writes
   all landed, every pod its status lists as ``Verified`` serves the listed version with our gate
-  True, and ``Succeeded`` means every pod it governs serves ``spec.version``.
+  True, and ``Succeeded`` means every pod it governs serves ``spec.version``, or (after the
+  rollout finished) is listed ``Failed`` with its reason under ``Degraded=True``.
 """
 
 from __future__ import annotations
@@ -309,9 +310,23 @@ def status_agrees(
             )
     if status.get("phase") == "Succeeded":
         version = body["spec"]["version"]
+        # A finished rollout keeps its verdict when a pod that joins or restarts later fails
+        # to reach the version (``domain.halts``): such a pod is reported, listed ``Failed``
+        # with its reason under ``Degraded=True``, never silently counted as serving.
+        degraded = any(
+            c.get("type") == "Degraded" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        reported = {
+            r.get("name")
+            for r in status.get("pods") or []
+            if degraded and r.get("state") == "Failed" and r.get("reason")
+        }
         for name in selected(server, body):
             sim = pods.get(name)
-            if name in excused or sim is None or governing(server, name, order) != wu:
+            if name in excused or name in reported or sim is None:
+                continue
+            if governing(server, name, order) != wu:
                 continue
             if sim.serving()[0] != {version} or server.gate(name) is not True:
                 out.append(

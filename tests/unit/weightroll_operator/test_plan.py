@@ -81,6 +81,33 @@ def test_batching_respects_max_unavailable(
     assert names == [x for n in expected for x in (("Claim", n), ("GateOff", n))]
 
 
+@pytest.mark.parametrize(
+    ("p2_agent", "expected"),
+    [
+        # p2's agent holds it out until an update (vLLM restarted under it): free, like a pod
+        # our gate holds, so it is converged though the failed p0 holds the only slot
+        (agent("v1", ready=False), ["p2"]),
+        # a readiness blip (the agent ready): it comes back by itself, a claim costs a slot
+        (agent("v1"), []),
+        # booting (ranks not up), or running an update: it may come back by itself
+        (agent("v1", ready=False, engine_seen=False), []),
+        (agent("v1", ready=False, active_update_id="someone-else"), []),
+    ],
+)
+def test_a_unit_its_agent_holds_out_costs_no_slot(p2_agent: AgentView, expected: list[str]) -> None:
+    """Found by the simulation tier: with budget 1 held by a failed unit, a pod whose vLLM
+    restarted (its agent holding it out until a full update) was never converged."""
+    failed = state(UnitState.FAILED, reason="UpdateFailed: x")
+    pods = [
+        pod("p0", gate=False, ready=False, st=failed, owner=ME),
+        pod("p1", st=state(UnitState.VERIFIED)),
+        pod("p2", ready=False, st=state(UnitState.VERIFIED)),
+    ]
+    agents = {"p0": agent("v1", ready=False), "p1": SERVING_V2, "p2": p2_agent}
+    p = run(spec(maxUnavailable=1), pods, agents, DONE)
+    assert claimed(p) == expected
+
+
 def test_in_flight_units_use_the_budget() -> None:
     pods = [pod("p0", gate=False, ready=False, st=state()), pod("p1"), pod("p2")]
     p = run(spec(maxUnavailable=2), pods, {**FRESH, "p0": agent(phase=UpdatePhase.LOADING)})
