@@ -1,13 +1,10 @@
-"""The agent: one replica's update from drain to commit, and the fail-closed guard around it.
+"""The agent: one replica, its two feeders and the fail-closed guard around them.
 
-Update flow (one at a time, driven by ``POST /v1/updates``)::
-
-    Pending    world size; manifest loaded and checked (pin, signature, digest, version, base)
-    Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
-    Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
-    Verifying  weightroll_finish() on every rank → all-rank agreement (ranks.check_commit)
-               → weightroll_state() confirms → POST /reset_prefix_cache
-    Committed  POST /resume — the only place generation is resumed
+Weights reach the replica two ways, both through its one commit sequence
+(:mod:`engine_agent.sidecar.pipeline`): a file update the operator asks for
+(``POST /v1/updates``, :mod:`engine_agent.sidecar.file_update`) and a trainer push through
+vLLM's native routes (:mod:`engine_agent.sidecar.push`). The agent admits them one at a time,
+answers readiness and state from what the ranks report, and guards the replica between them.
 
 Invariants:
     * **Accepted means held.** From the moment an update is accepted the replica holds a *hold*
@@ -15,23 +12,13 @@ Invariants:
       timeout or crash therefore ends with generation paused and ``/readyz`` 503, and the verdict
       (or ``/v1/state`` message) names the cause. The hold is persisted when a state directory
       is configured, so it survives an agent restart.
-    * **Ranks are counted, not trusted.** Every ``collective_rpc`` result list goes through
-      ``ranks.collect_reports`` with the world size read before the update.
-    * **Every call is bounded** (``AgentConfig`` timeouts); a late rank is a failed rank.
     * **The guard re-asserts the hold.** A background loop observes the ranks; if vLLM was
       restarted underneath the agent (ranks at another version, session gone, unpaused while
       held) it pauses generation again and records why.
-    * After a failure the open session is aborted on every rank (``weightroll_abort``: structural
-      cleanup, never a rollback; a dirty engine becomes poisoned and needs a full update).
-    * **The fence holds after finish.** Once ``weightroll_finish`` was sent, any rejection (a
-      rank or agreement problem, a manifest re-published mid-update, a failed cache reset, a
-      timeout) aborts with ``poison: true``: ranks that committed a version the agent did not
-      accept are poisoned, not left clean at it.
-    * **Accepted is recorded outside the agent.** Before ``weightroll_begin`` the agent sets
-      vLLM's own weight version (``/update_weight_version``) to ``weightroll-unaccepted:<id>``
-      and only after every check passed to the update's version. An agent restarted without its
-      state file adopts the ranks' version only when vLLM's weight version names it (or is
-      vLLM's boot value ``default``: no agent ever touched this engine).
+    * **Accepted is recorded outside the agent.** An agent restarted without its state file
+      adopts the ranks' version only when vLLM's weight version names it (or is vLLM's boot
+      value ``default``: no agent ever touched this engine); the pipeline keeps it
+      ``weightroll-unaccepted:<id>`` until a commit.
     * **Partial and sparse build only on what was accepted.** They are refused (409) unless the
       agent holds an accepted version and no hold, and their ``baseVersion`` must be it.
 
@@ -42,140 +29,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from ipaddress import IPv4Network, IPv6Network
-from pathlib import Path
 from typing import Final
 
-from engine_agent.manifest import Manifest, ManifestError, load_manifest
 from engine_agent.protocol import (
     STILL_TRUE_VIOLATED,
     AgentState,
     DrainMode,
-    DrainSpec,
     EngineState,
     ExtensionRpc,
-    LoadSource,
-    RankReport,
     RankStatus,
-    SourceSpec,
     UpdateMode,
     UpdatePhase,
     UpdateRequest,
-    Verdict,
 )
-from engine_agent.sidecar.confinement import SourceRefused, confine
-from engine_agent.sidecar.engine import EngineError, EngineTimeout, VllmClient
+from engine_agent.sidecar.config import AgentConfig
+from engine_agent.sidecar.confinement import SourceRefused
+from engine_agent.sidecar.engine import EngineError, VllmClient
+from engine_agent.sidecar.file_update import FileUpdate, finish_record
 from engine_agent.sidecar.metrics import AgentMetrics
-from engine_agent.sidecar.ranks import (
-    Problem,
-    RankRound,
-    StateRound,
-    check_commit,
-    check_session,
-    collect_reports,
-    collect_states,
-    committed_problems,
-)
-from engine_agent.sidecar.signing import (
-    ManifestSignatureInvalid,
-    ManifestVerifier,
-    signature_source,
-    unsigned_update,
-)
+from engine_agent.sidecar.pipeline import Pipeline
+from engine_agent.sidecar.ranks import Problem, StateRound, collect_states
 from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
 
-__all__ = ["Agent", "AgentConfig", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
+__all__ = ["Agent", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
 
 logger = logging.getLogger(__name__)
 
-BEGIN: Final = ExtensionRpc.BEGIN
-LOAD: Final = ExtensionRpc.LOAD
-FINISH: Final = ExtensionRpc.FINISH
 ABORT: Final = ExtensionRpc.ABORT
 STATE: Final = ExtensionRpc.STATE
-#: vLLM's weight version while an update has not been accepted (``/update_weight_version``).
-UNACCEPTED_PREFIX: Final = "weightroll-unaccepted:"
 #: vLLM's weight version before anything set it.
 VLLM_DEFAULT_VERSION: Final = "default"
-
-
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    """Tunables of the agent; every field has an env var and a flag (see ``main.py``)."""
-
-    #: Loopback URL of the local vLLM OpenAI server.
-    vllm_url: str = "http://127.0.0.1:8000"
-    #: Bound of ``weightroll_begin`` (snapshots identity on every rank).
-    begin_timeout: float = 120.0
-    #: Bound of ``weightroll_load`` (reads the whole checkpoint on every rank).
-    load_timeout: float = 1800.0
-    #: Bound of ``weightroll_finish`` (coverage, identity, digest).
-    finish_timeout: float = 300.0
-    #: Bound of ``weightroll_state`` and ``weightroll_abort``.
-    control_timeout: float = 30.0
-    #: Bound of ``/pause?mode=abort``.
-    abort_pause_timeout: float = 60.0
-    #: Seconds ``POST /v1/updates/{id}/abort`` waits for the update to wind down.
-    abort_wait: float = 1.0
-    #: Seconds between two observations by the guard.
-    watch_interval: float = 5.0
-    #: Seconds a trainer push may stay open without a trainer call before the agent ends it
-    #: (fenced, failed as ``push_abandoned``): a trainer that died between steps never calls
-    #: finish, and the replica must not stay held by it for ever.
-    push_idle_timeout: float = 900.0
-    #: Networks a trainer's rendezvous address (``init_info.master_address``) may lie in
-    #: (``engine_agent.transfer.rendezvous``); empty refuses every trainer push.
-    trainer_networks: tuple[IPv4Network | IPv6Network, ...] = ()
-    #: The trainers' bearer tokens (one per line), for the native weight-transfer routes only;
-    #: ``None`` closes those routes. The ``--token-file`` tokens never open them.
-    trainer_token_file: Path | None = None
-    #: Seconds an observation is reused by ``/readyz`` and ``/v1/state``.
-    observe_ttl: float = 1.0
-    #: Directory for the persisted store (an ``emptyDir``); ``None`` keeps memory only.
-    state_dir: Path | None = None
-    #: Source of the weights vLLM starts with (reported by ``/v1/state`` until an update).
-    initial_source: SourceSpec | None = None
-    #: Version vLLM starts with; ``None`` adopts what the ranks report at start-up.
-    initial_version: str | None = None
-    #: Directory under which weight sources and manifests are resolved (``/models/v2`` is read
-    #: at ``<source_root>/models/v2``); ``None`` reads them as given. Sources keep their
-    #: pod-view URIs everywhere else (records, ``/v1/state``). For pod simulators without mount
-    #: namespaces (``weightroll_dev.devcluster``), where each pod has its own volume root.
-    source_root: Path | None = None
-    #: Directory, as the pods see it (the model volume's mount path, e.g. ``/models``), inside
-    #: which every update's ``source.uri`` and ``source.manifest`` must resolve, symlinks and
-    #: ``..`` followed; ``None``: inside ``source_root`` when that is set, else anywhere.
-    model_dir: str | None = None
-    #: PEM public key (EC) every update's manifest must be signed with (``<manifest>.sig``, an
-    #: OpenSSF model-signing bundle; :mod:`engine_agent.sidecar.signing`); ``None``: unsigned.
-    manifest_public_key: Path | None = None
-
-    def local_path(self, path: str) -> str:
-        """Where this process reads a source path (``path`` itself without ``source_root``)."""
-        if self.source_root is None:
-            return path
-        return str(self.source_root / path.lstrip("/"))
-
-    def check_source(self, source: SourceSpec) -> None:
-        """Refuse a source outside :attr:`model_dir` (or :attr:`source_root`); see
-        :func:`~engine_agent.sidecar.confinement.confine`.
-
-        Raises:
-            SourceRefused: naming ``source.uri`` or ``source.manifest``.
-        """
-        if self.model_dir is not None:
-            jail, where = self.local_path(self.model_dir), f"the model directory {self.model_dir}"
-        elif self.source_root is not None:
-            jail, where = str(self.source_root), "the source root"
-        else:
-            return
-        confine(source, jail=jail, where=where, local_path=self.local_path)
 
 
 class UpdateConflict(Exception):
@@ -206,26 +94,6 @@ class _Observation:
     problems: list[Problem] = field(default_factory=list)
 
 
-def _abort_args(record: UpdateRecord, cause: Problem, finish_sent: bool = False) -> str:
-    """``weightroll_abort`` argument: fence every rank when any rank may have written.
-
-    A rank whose own call failed before writing returns to clean, but the replica is mixed if
-    another rank wrote (or its state is unknown): then every rank must be poisoned, or a later
-    partial update would be accepted by the "clean" ranks (docs/contracts.md, replica fence).
-    Once ``finish`` was sent, ranks may have committed a version the agent now rejects: always
-    poison then.
-    """
-    written = (
-        finish_sent
-        or not record.ranks
-        or any(report.state in (EngineState.DIRTY, EngineState.POISONED) for report in record.ranks)
-    )
-    if not written:
-        return "{}"
-    reason = f"update {record.id} did not commit on every rank: {cause.message}"
-    return json.dumps({"poison": True, "reason": reason[:500]})
-
-
 def _commit_on_ranks(memory: AgentMemory, ranks: Sequence[RankStatus]) -> bool:
     """Every rank still serves what the agent's last commit produced (``None`` on both sides:
     the boot weights). A rank naming another commit than the agent's, or none, is not."""
@@ -236,12 +104,6 @@ def _commit_on_ranks(memory: AgentMemory, ranks: Sequence[RankStatus]) -> bool:
 def _committed_by(ranks: Sequence[RankStatus]) -> str:
     ids = sorted({r.committed_update_id or "none (boot weights)" for r in ranks})
     return ", ".join(ids)
-
-
-class _Failed(Exception):
-    def __init__(self, problems: Sequence[Problem]) -> None:
-        super().__init__("; ".join(map(str, problems)))
-        self.problems = list(problems)
 
 
 def _utc_now() -> datetime:
@@ -263,7 +125,6 @@ class Agent:
         self.config = config
         self.client = client or VllmClient(config.vllm_url)
         self.metrics = metrics or AgentMetrics()
-        self.store = Store(config.state_dir)
         self._now = now
         self._monotonic = monotonic
         self._task: asyncio.Task[None] | None = None
@@ -275,12 +136,10 @@ class Agent:
         self._last_state: EngineState | None = None
         self._message = ""
         self._stopping = False
-        #: Set while another path owns the replica (a trainer push through the native routes,
-        #: engine_agent/sidecar/transfer_routes.py): file updates are refused meanwhile.
-        self.busy: str | None = None
-        #: Called by the guard while :attr:`busy` is set: the push owner checks that its push is
-        #: still alive (the ranks hold its session, the trainer still calls) and ends it if not.
-        self.busy_watchdog: Callable[[], Awaitable[None]] | None = None
+        #: The replica's one commit sequence, shared with the trainer-push feeder (push.py).
+        self.pipeline = Pipeline(
+            config, self.client, Store(config.state_dir), self.metrics, self.forget_observation
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -300,7 +159,9 @@ class Agent:
                 f"the agent restarted during phase {interrupted.phase.value}; the session was "
                 "aborted on every rank and generation stays paused",
             )
-            self._finish_record(interrupted, UpdatePhase.FAILED, [problem])
+            finish_record(
+                self.store, self.metrics, interrupted, UpdatePhase.FAILED, [problem], self._stamp()
+            )
             self._set_hold(problem)
         self.store.active_id = None
         self.store.save()
@@ -319,6 +180,15 @@ class Agent:
     def forget_observation(self) -> None:
         """Drop the cached observation (another path just changed what the ranks serve)."""
         self._observation = None
+
+    @property
+    def store(self) -> Store:
+        """The replica's records and memory: the pipeline's, so there is only one."""
+        return self.pipeline.store
+
+    @store.setter
+    def store(self, store: Store) -> None:  # an agent restarted with its state (tests)
+        self.pipeline.store = store
 
     @property
     def recovered(self) -> bool:
@@ -345,25 +215,46 @@ class Agent:
                     self.store.active_id,
                 )
             return False, existing
-        active = self.store.active
-        if active is not None and not active.phase.terminal:
-            raise UpdateConflict(
-                f"update {active.id!r} is in progress (phase {active.phase.value})", active.id
-            )
-        if self.busy is not None:
-            raise UpdateConflict(self.busy)
-        if not self.recovered:
-            raise UpdateConflict("the agent has not yet recovered the engine state; retry")
-        refusal = self._base_refusal(request)
+        refusal = self._refusal(request)
         if refusal is not None:
-            raise UpdateConflict(refusal)
+            raise UpdateConflict(refusal, self.store.active_id)
+        # Claimed before anything awaits: a push (or another update) is refused from here on.
+        self.pipeline.claim(f"update {request.id} is in progress")
         record = UpdateRecord(request=request, started_at=self._stamp())
         self.store.add(record)
         self.store.active_id = record.id
         self.store.save()
         logger.info("Accepted update %s to version %s", record.id, request.version)
-        self._task = asyncio.create_task(self._run(record), name=f"weightroll-update-{record.id}")
+        update = FileUpdate(
+            self.pipeline,
+            record,
+            now=self._now,
+            monotonic=self._monotonic,
+            stopping=lambda: self._stopping,
+        )
+        self._task = asyncio.create_task(update.run(), name=f"weightroll-update-{record.id}")
+        # A task cancelled before its first step never runs its own cleanup: end it here.
+        self._task.add_done_callback(lambda _: self._ended_unrun(update))
         return True, record
+
+    def _ended_unrun(self, update: FileUpdate) -> None:
+        record = update.record
+        if update.started or record.phase.terminal:
+            return
+        problem = Problem("aborted", "update aborted by request before it started")
+        finish_record(
+            self.store, self.metrics, record, UpdatePhase.ABORTED, [problem], self._stamp()
+        )
+        self.pipeline.release()
+
+    def _refusal(self, request: UpdateRequest) -> str | None:
+        """Why ``request`` may not start now (None: it may)."""
+        busy = self.pipeline.busy_reason()
+        if busy is not None:
+            return f"{busy}; retry later"
+        if not self.recovered:
+            return "the agent has not yet recovered the engine state; retry"
+        return self._base_refusal(request)
 
     def _base_refusal(self, request: UpdateRequest) -> str | None:
         """Why a partial or sparse ``request`` may not build on this replica (None: it may)."""
@@ -565,11 +456,7 @@ class Agent:
         return not reasons, reasons
 
     def _in_progress(self) -> str:
-        if self.busy is not None:
-            return self.busy
-        active = self.store.active
-        assert active is not None
-        return f"update {active.id} in progress (phase {active.phase.value})"
+        return self.pipeline.busy_reason() or "an update is in progress"
 
     async def _guard_loop(self) -> None:
         await self._recover()
@@ -583,14 +470,12 @@ class Agent:
             await asyncio.sleep(self.config.watch_interval)
 
     def _updating(self) -> bool:
-        if self.busy is not None:
-            return True
-        active = self.store.active
-        return active is not None and not active.phase.terminal
+        return self.pipeline.busy
 
     async def _guard_once(self) -> None:
-        if self.busy is not None and self.busy_watchdog is not None:
-            await self.busy_watchdog()
+        watchdog = self.pipeline.watchdog
+        if watchdog is not None:
+            await watchdog()
         if self._updating():
             return
         ready, _ = await self._readiness()
@@ -709,307 +594,3 @@ class Agent:
     def _set_hold(self, problem: Problem) -> None:
         self.store.memory.hold = str(problem)
         self.store.memory.hold_code = problem.code
-
-    def _merge_ranks(self, record: UpdateRecord, reports: Sequence[RankReport]) -> None:
-        by_key = {report.rank.key: report for report in record.ranks}
-        for report in reports:
-            by_key[report.rank.key] = report
-        record.ranks = [by_key[key] for key in sorted(by_key)]
-
-    def _enter(self, record: UpdateRecord, phase: UpdatePhase) -> None:
-        record.phase = phase
-        self.store.save()
-        logger.info("Update %s entered phase %s", record.id, phase.value)
-
-    async def _call_ranks(
-        self, record: UpdateRecord, method: ExtensionRpc, arg: str, timeout: float, world: int
-    ) -> RankRound:
-        results = await self.client.collective_rpc(method, arg, timeout)
-        round_ = collect_reports(method, results, world)
-        self._merge_ranks(record, round_.reports)
-        return round_
-
-    async def _drain(self, spec: DrainSpec) -> str:
-        if spec.mode is DrainMode.WAIT and spec.timeout_seconds > 0:
-            try:
-                await self.client.pause(DrainMode.WAIT, float(spec.timeout_seconds))
-                return "wait"
-            except EngineTimeout:
-                logger.warning(
-                    "Drain did not finish in %ss; aborting the requests left",
-                    spec.timeout_seconds,
-                )
-                await self.client.pause(DrainMode.ABORT, self.config.abort_pause_timeout)
-                return "abort after timeout"
-        await self.client.pause(DrainMode.ABORT, self.config.abort_pause_timeout)
-        return "abort"
-
-    def _check_manifest(self, request: UpdateRequest, manifest: Manifest) -> list[Problem]:
-        problems: list[Problem] = []
-        if manifest.version is not None and manifest.version != request.version:
-            problems.append(
-                Problem(
-                    "manifest_version_mismatch",
-                    f"manifest is for version {manifest.version} but the update is to "
-                    f"{request.version}",
-                )
-            )
-        if request.mode is UpdateMode.SPARSE and manifest.base_version != request.base_version:
-            problems.append(
-                Problem(
-                    "manifest_base_mismatch",
-                    f"manifest applies to base version {manifest.base_version} but the update "
-                    f"says {request.base_version}",
-                )
-            )
-        return problems
-
-    async def _load_manifest(
-        self, request: UpdateRequest, manifest_path: str
-    ) -> tuple[Manifest, str | None]:
-        """Load the update's manifest (and, with a public key, verify its signature).
-
-        Returns:
-            The manifest and the pin the ranks check their own read against.
-        """
-        local, pin = self.config.local_path(manifest_path), request.source.manifest_digest
-        key = self.config.manifest_public_key
-        if key is None:
-            return await asyncio.to_thread(load_manifest, local, pinned=pin), pin
-        try:  # the .sig must stay in the model directory too
-            self.config.check_source(signature_source(request.source))
-        except SourceRefused as e:
-            raise ManifestSignatureInvalid(str(e)) from e
-        verifier = ManifestVerifier(key)
-        return await asyncio.to_thread(
-            verifier.load_manifest, local, version=request.version, pinned=pin
-        )
-
-    async def _run(self, record: UpdateRecord) -> None:
-        request = record.request
-        started = self._monotonic()
-        step_start = started
-        drained = False
-        finish_sent = False
-
-        def lap(name: str) -> None:
-            nonlocal step_start
-            now = self._monotonic()
-            record.timings[name] = round(record.timings.get(name, 0.0) + now - step_start, 6)
-            if name in ("drain", "begin", "load", "finish", "verify", "resume"):
-                self.metrics.phase_duration.labels(phase=name).observe(now - step_start)
-            step_start = now
-
-        # Accepted means held: from here only a commit clears the hold.
-        self._set_hold(
-            Problem("update_incomplete", f"update {request.id} started and has not committed")
-        )
-        self.store.save()
-        try:
-            world = await self.client.world_size()
-            manifest_digest: str | None = None
-            manifest: Manifest | None = None
-            manifest_path = request.source.manifest_path
-            # The pin the ranks check the manifest they read against: the update's, or (signed)
-            # that of the bytes whose signature verified.
-            rank_pin = request.source.manifest_digest
-            try:
-                # With source.manifestDigest the bytes parsed are the bytes hashed against the
-                # pin (and whose signature is checked), all before the drain: a swapped manifest
-                # writes nothing.
-                if manifest_path is not None:
-                    manifest, rank_pin = await self._load_manifest(request, manifest_path)
-                elif self.config.manifest_public_key is not None:
-                    raise unsigned_update(self.config.manifest_public_key)
-            except ManifestError as e:
-                raise _Failed([Problem(e.code, str(e))]) from e
-            if manifest is not None:
-                problems = self._check_manifest(request, manifest)
-                if problems:
-                    raise _Failed(problems)
-                manifest_digest = manifest.digest
-            lap("preflight")
-
-            self._enter(record, UpdatePhase.DRAINING)
-            how = await self._drain(request.drain)
-            drained = True
-            record.message = f"drained ({how})"
-            lap("drain")
-
-            self._enter(record, UpdatePhase.LOADING)
-            # Not accepted until every check passed: a restarted agent must not adopt it.
-            await self.client.set_weight_version(UNACCEPTED_PREFIX + request.id)
-            # A delta names the commit it builds on; each rank refuses it unless it serves
-            # exactly that one (a restart since the agent last looked is caught there).
-            base = self.store.memory.committed_update_id
-            spec = request.engine_spec(base).model_dump_json(by_alias=True)
-            begin = check_session(
-                await self._call_ranks(record, BEGIN, spec, self.config.begin_timeout, world),
-                request.id,
-            )
-            lap("begin")
-            if not begin.ok:
-                raise _Failed(begin.problems)
-            source = LoadSource(
-                path=self.config.local_path(request.source.path),
-                manifest=None if manifest_path is None else self.config.local_path(manifest_path),
-                manifest_digest=rank_pin,
-            )
-            arg = source.model_dump_json(by_alias=True)
-            load = check_session(
-                await self._call_ranks(record, LOAD, arg, self.config.load_timeout, world),
-                request.id,
-            )
-            loaded = sum(report.bytes_loaded for report in load.reports)
-            self.metrics.bytes_loaded.inc(loaded)
-            lap("load")
-            if not load.ok:
-                raise _Failed(load.problems)
-
-            self._enter(record, UpdatePhase.VERIFYING)
-            finish_sent = True
-            finish = check_commit(
-                await self._call_ranks(record, FINISH, "{}", self.config.finish_timeout, world),
-                request.id,
-                request.version,
-                manifest_digest,
-                expected_digest=None
-                if manifest is None or request.mode is UpdateMode.SPARSE
-                else manifest.rank_digest(),
-            )
-            lap("finish")
-            if not finish.ok:
-                raise _Failed(finish.problems)
-            after = collect_states(
-                await self.client.collective_rpc(STATE, "{}", self.config.control_timeout), world
-            )
-            problems = committed_problems(after, request.id, request.version)
-            if not problems and not await self._reset_prefix_cache():
-                problems.append(
-                    Problem("cache_reset_failed", "vLLM refused to reset the prefix cache")
-                )
-            if not problems and manifest_path is not None:
-                problems += await self._manifest_unchanged(request, manifest_path, manifest_digest)
-            lap("verify")
-            if problems:
-                raise _Failed(problems)
-            await self.client.set_weight_version(request.version)
-
-            # Committed on every rank: adopt the version, clear the hold, then resume.
-            self.store.memory.commit(request.version, request.id, request.source)
-            self.store.save()
-            await self.client.resume()
-            lap("resume")
-            record.timings["total"] = round(self._monotonic() - started, 6)
-            record.message = f"committed version {request.version} on {world} rank(s); {how}"
-            self._finish_record(record, UpdatePhase.COMMITTED, [])
-            logger.info("Committed update %s (version %s)", record.id, request.version)
-        except asyncio.CancelledError:
-            during = record.phase.value
-            problem = (
-                Problem("agent_stopped", f"the agent stopped during {during}")
-                if self._stopping
-                else Problem("aborted", f"update aborted by request during {during}")
-            )
-            await asyncio.shield(
-                self._cleanup(record, [problem], UpdatePhase.ABORTED, drained, finish_sent)
-            )
-            record.timings["total"] = round(self._monotonic() - started, 6)
-        except _Failed as e:
-            await asyncio.shield(
-                self._cleanup(record, e.problems, UpdatePhase.FAILED, drained, finish_sent)
-            )
-            record.timings["total"] = round(self._monotonic() - started, 6)
-        except EngineError as e:
-            problem = Problem(e.code, f"{record.phase.value}: {e}")
-            await asyncio.shield(
-                self._cleanup(record, [problem], UpdatePhase.FAILED, drained, finish_sent)
-            )
-            record.timings["total"] = round(self._monotonic() - started, 6)
-        except Exception as e:  # a bug must still fail closed
-            logger.exception("Update %s crashed", record.id)
-            problem = Problem("agent_error", f"{record.phase.value}: {type(e).__name__}: {e}")
-            await asyncio.shield(
-                self._cleanup(record, [problem], UpdatePhase.FAILED, drained, finish_sent)
-            )
-        finally:
-            self._observation = None
-            self.store.save()
-
-    async def _reset_prefix_cache(self) -> bool:
-        for attempt in range(3):
-            if await self.client.reset_prefix_cache():
-                return True
-            await asyncio.sleep(0.2 * (attempt + 1))
-        return False
-
-    async def _manifest_unchanged(
-        self, request: UpdateRequest, manifest_path: str, digest: str | None
-    ) -> list[Problem]:
-        """The manifest the ranks verified against is still the one published (not re-published
-        while the update ran); otherwise the replica holds bytes of a superseded checkpoint."""
-        try:
-            now = await asyncio.to_thread(load_manifest, self.config.local_path(manifest_path))
-        except ManifestError as e:
-            return [Problem("manifest_changed", f"the manifest cannot be read any more: {e}")]
-        if now.digest != digest:
-            return [
-                Problem(
-                    "manifest_changed",
-                    f"the manifest of {request.source.uri} was re-published during the update "
-                    f"(digest {str(digest)[:12]} -> {now.digest[:12]})",
-                )
-            ]
-        return []
-
-    async def _cleanup(
-        self,
-        record: UpdateRecord,
-        problems: list[Problem],
-        phase: UpdatePhase,
-        drained: bool,
-        finish_sent: bool = False,
-    ) -> None:
-        """Close the rank sessions, keep generation paused, record the verdict."""
-        first = problems[0] if problems else Problem("failed", "update failed")
-        self._set_hold(Problem(first.code, f"update {record.id} did not commit: {first.message}"))
-        if record.phase in (UpdatePhase.LOADING, UpdatePhase.VERIFYING):
-            try:
-                results = await self.client.collective_rpc(
-                    ABORT, _abort_args(record, first, finish_sent), self.config.control_timeout
-                )
-                reports = [r for r in results if isinstance(r, dict)]
-                self._merge_ranks(record, collect_reports(ABORT, reports, len(reports)).reports)
-            except EngineError as e:
-                problems.append(Problem("abort_failed", f"weightroll_abort: {e}"))
-        if not drained:
-            with contextlib.suppress(EngineError):
-                await self.client.pause(DrainMode.ABORT, self.config.abort_pause_timeout)
-        for problem in problems:
-            self.metrics.verification_failures.labels(reason=problem.code).inc()
-        self._finish_record(record, phase, problems)
-        logger.warning(
-            "Update %s ended %s; generation stays paused: %s",
-            record.id,
-            phase.value,
-            "; ".join(map(str, problems)),
-        )
-
-    def _finish_record(
-        self, record: UpdateRecord, phase: UpdatePhase, problems: Sequence[Problem]
-    ) -> None:
-        record.phase = phase
-        record.verdict = Verdict(
-            committed=phase is UpdatePhase.COMMITTED, reasons=[str(p) for p in problems]
-        )
-        record.finished_at = self._stamp()
-        if problems:
-            record.message = str(problems[0])
-        outcome = {
-            UpdatePhase.COMMITTED: "committed",
-            UpdatePhase.ABORTED: "aborted",
-        }.get(phase, "failed")
-        self.metrics.updates.labels(outcome=outcome).inc()
-        if self.store.active_id == record.id:
-            self.store.active_id = None
-        self.store.save()

@@ -39,8 +39,9 @@ from typing import Final
 from aiohttp import web
 
 from engine_agent.protocol import SourceSpec
-from engine_agent.sidecar.agent import Agent, AgentConfig
+from engine_agent.sidecar.agent import Agent
 from engine_agent.sidecar.app import HttpLimits, TokenFile, create_app
+from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.engine import require_loopback
 from engine_agent.sidecar.signing import ManifestVerifier
 from engine_agent.transfer.rendezvous import Network, parse_networks

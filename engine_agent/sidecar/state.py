@@ -10,7 +10,8 @@ atomically after every change, so an agent restarted inside the same pod can say
 update ended ("agent restarted during Loading") instead of forgetting it. Without one, the agent
 still re-derives the engine state from the ranks at start-up; it only loses the history.
 
-Writers: only ``engine_agent.sidecar.agent`` mutates records; the HTTP layer reads snapshots.
+Writers: only the agent and its feeders (``agent``, ``file_update``, ``pipeline``, ``push``)
+mutate the store; the HTTP layer reads snapshots.
 """
 
 from __future__ import annotations

@@ -41,15 +41,10 @@ from weightroll_operator.errors import AgentConflict, AgentRejected, AgentUnavai
 from weightroll_operator.ports import AgentTarget
 
 from engine_agent.protocol import AgentState, DrainMode, SourceSpec, UpdateRequest, UpdateStatus
-from engine_agent.sidecar.agent import (
-    LOAD,
-    Agent,
-    AgentConfig,
-    SourceRefused,
-    UpdateConflict,
-    UpdateNotFound,
-)
+from engine_agent.sidecar.agent import Agent, SourceRefused, UpdateConflict, UpdateNotFound
+from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.engine import RPC_GRACE_SECONDS, EngineTimeout, EngineUnavailable
+from engine_agent.sidecar.file_update import LOAD
 from engine_agent.sidecar.state import Store
 from tests.harness.fake_vllm import FakeRank
 from tests.harness.sim.cluster import AGENT_PORT, SimClock

@@ -17,9 +17,10 @@ from typing import Any, cast
 
 import pytest
 
-from engine_agent.sidecar.agent import Agent, AgentConfig
+from engine_agent.sidecar.agent import Agent
+from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.engine import EngineUnavailable, VllmClient
-from engine_agent.sidecar.transfer_routes import FENCE, Push, PushFailed, TransferCoordinator
+from engine_agent.sidecar.push import FENCE, Push, PushFailed, TransferCoordinator
 
 PUSH = "push-1-abcdef01"
 IDLE_TIMEOUT = 60.0
@@ -96,7 +97,7 @@ def open_push(vllm: ScriptedVllm, *, world: int = 2) -> tuple[TransferCoordinato
     agent = Agent(config, client=cast(VllmClient, vllm), monotonic=clock)
     coordinator = TransferCoordinator(agent, monotonic=clock)
     coordinator.push = Push(PUSH, world, clock.now, clock.now)
-    agent.busy = f"trainer push {PUSH} is in progress"
+    agent.pipeline.claim(f"trainer push {PUSH} is in progress", coordinator.watch)
     agent.store.memory.hold = f"push_incomplete: push {PUSH} started and has not committed"
     return coordinator, clock
 
@@ -131,10 +132,10 @@ async def test_watchdog_ends_only_a_dead_push(
     clock.now += idle_s
     await coordinator.watch()
     if ended_as is None:
-        assert coordinator.push is not None and agent.busy is not None
+        assert coordinator.push is not None and agent.pipeline.owner is not None
         assert FENCE not in vllm.calls
         return
-    assert coordinator.push is None and agent.busy is None  # the next push may start
+    assert coordinator.push is None and agent.pipeline.owner is None  # the next push may start
     assert FENCE in vllm.calls  # whatever the ranks hold can never commit
     hold = agent.store.memory.hold or ""
     assert agent.store.memory.hold_code == ended_as and PUSH in hold  # still out of traffic
@@ -156,7 +157,7 @@ async def test_a_fence_that_breaks_unexpectedly_still_releases_the_push() -> Non
     vllm = ScriptedVllm(RESTARTED, fence_error=RuntimeError("socket closed"))
     coordinator, _ = open_push(vllm)
     await coordinator.watch()
-    assert coordinator.push is None and coordinator.agent.busy is None
+    assert coordinator.push is None and coordinator.agent.pipeline.owner is None
     assert coordinator.agent.store.memory.hold_code == "engine_restarted"
     assert coordinator.last_failure is not None and "fence_failed" in coordinator.last_failure
 
@@ -198,7 +199,7 @@ async def test_a_push_starting_refuses_a_file_update_before_its_first_await() ->
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
-    assert agent.busy is None and coordinator.push is None  # nothing left claimed
+    assert agent.pipeline.owner is None and coordinator.push is None  # nothing left claimed
 
 
 @pytest.mark.asyncio
@@ -241,7 +242,7 @@ async def test_a_cancelled_step_releases_the_push_and_keeps_the_hold() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert coordinator.push is None and coordinator.agent.busy is None
+    assert coordinator.push is None and coordinator.agent.pipeline.owner is None
     hold = coordinator.agent.store.memory.hold or ""
     assert "push_incomplete" in hold  # the replica stays out of traffic
 

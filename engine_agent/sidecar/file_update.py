@@ -1,0 +1,407 @@
+"""The file-update feeder: an update the operator asked for (``POST /v1/updates``), read by every
+rank from the model volume, through the replica's one commit sequence (:mod:`.pipeline`).
+
+    Pending    world size; manifest loaded and checked (pin, signature, digest, version, base)
+    Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
+    Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
+    Verifying  weightroll_finish() on every rank → all-rank agreement (ranks.check_commit)
+               → the pipeline's confirmation, and the manifest still the one published
+    Committed  the pipeline's commit: version named, hold cleared, generation resumed
+
+What only this feeder does:
+    * **Ranks are counted, not trusted.** Every ``collective_rpc`` result list goes through
+      ``ranks.collect_reports`` with the world size read before the update.
+    * **Every call is bounded** (``AgentConfig`` timeouts); a late rank is a failed rank.
+    * After a failure the open session is aborted on every rank (``weightroll_abort``:
+      structural cleanup, never a rollback; a dirty engine becomes poisoned and needs a full
+      update).
+    * **The fence holds after finish.** Once ``weightroll_finish`` was sent, any rejection (a
+      rank or agreement problem, a manifest re-published mid-update, a failed cache reset, a
+      timeout) aborts with ``poison: true``: ranks that committed a version the agent did not
+      accept are poisoned, not left clean at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Final
+
+from engine_agent.manifest import Manifest, ManifestError, load_manifest
+from engine_agent.protocol import (
+    EngineState,
+    ExtensionRpc,
+    LoadSource,
+    RankReport,
+    UpdateMode,
+    UpdatePhase,
+    Verdict,
+)
+from engine_agent.sidecar.config import AgentConfig
+from engine_agent.sidecar.confinement import SourceRefused
+from engine_agent.sidecar.engine import EngineError, VllmClient
+from engine_agent.sidecar.metrics import AgentMetrics
+from engine_agent.sidecar.pipeline import Pipeline
+from engine_agent.sidecar.ranks import (
+    Problem,
+    RankRound,
+    check_commit,
+    check_session,
+    collect_reports,
+)
+from engine_agent.sidecar.signing import (
+    ManifestSignatureInvalid,
+    ManifestVerifier,
+    signature_source,
+    unsigned_update,
+)
+from engine_agent.sidecar.state import Store, UpdateRecord
+
+__all__ = ["LOAD", "FileUpdate", "finish_record"]
+
+logger = logging.getLogger(__name__)
+
+BEGIN: Final = ExtensionRpc.BEGIN
+LOAD: Final = ExtensionRpc.LOAD
+FINISH: Final = ExtensionRpc.FINISH
+ABORT: Final = ExtensionRpc.ABORT
+#: Phases whose timings are also exported as the phase-duration histogram.
+_TIMED_PHASES: Final = frozenset({"drain", "begin", "load", "finish", "verify", "resume"})
+
+
+class _Failed(Exception):
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        super().__init__("; ".join(map(str, problems)))
+        self.problems = list(problems)
+
+
+def abort_args(record: UpdateRecord, cause: Problem, finish_sent: bool = False) -> str:
+    """``weightroll_abort`` argument: fence every rank when any rank may have written.
+
+    A rank whose own call failed before writing returns to clean, but the replica is mixed if
+    another rank wrote (or its state is unknown): then every rank must be poisoned, or a later
+    partial update would be accepted by the "clean" ranks (docs/contracts.md, replica fence).
+    Once ``finish`` was sent, ranks may have committed a version the agent now rejects: always
+    poison then.
+    """
+    written = (
+        finish_sent
+        or not record.ranks
+        or any(report.state in (EngineState.DIRTY, EngineState.POISONED) for report in record.ranks)
+    )
+    if not written:
+        return "{}"
+    reason = f"update {record.id} did not commit on every rank: {cause.message}"
+    return json.dumps({"poison": True, "reason": reason[:500]})
+
+
+def finish_record(
+    store: Store,
+    metrics: AgentMetrics,
+    record: UpdateRecord,
+    phase: UpdatePhase,
+    problems: Sequence[Problem],
+    stamp: str,
+) -> None:
+    """Record ``record``'s verdict (``phase``, ``problems``) and end it as the active update."""
+    record.phase = phase
+    record.verdict = Verdict(
+        committed=phase is UpdatePhase.COMMITTED, reasons=[str(p) for p in problems]
+    )
+    record.finished_at = stamp
+    if problems:
+        record.message = str(problems[0])
+    outcome = {UpdatePhase.COMMITTED: "committed", UpdatePhase.ABORTED: "aborted"}.get(
+        phase, "failed"
+    )
+    metrics.updates.labels(outcome=outcome).inc()
+    if store.active_id == record.id:
+        store.active_id = None
+    store.save()
+
+
+def _merge_ranks(record: UpdateRecord, reports: Sequence[RankReport]) -> None:
+    by_key = {report.rank.key: report for report in record.ranks}
+    for report in reports:
+        by_key[report.rank.key] = report
+    record.ranks = [by_key[key] for key in sorted(by_key)]
+
+
+class FileUpdate:
+    """Runs one accepted file update to its verdict (module doc).
+
+    Args:
+        pipeline: the replica's commit sequence (claimed by the caller for this update).
+        record: the accepted update; its phase, ranks, timings and verdict are written here.
+        now: the wall clock for the record's stamps.
+        monotonic: duration clock (timings).
+        stopping: whether the agent is stopping (a cancel then ends ``agent_stopped``, not
+            ``aborted``).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        record: UpdateRecord,
+        *,
+        now: Callable[[], datetime],
+        monotonic: Callable[[], float] = time.monotonic,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.pipeline = pipeline
+        self.record = record
+        self.config: AgentConfig = pipeline.config
+        self.client: VllmClient = pipeline.client
+        self._now = now
+        self._monotonic = monotonic
+        self._stopping = stopping
+        #: :meth:`run` began (a task cancelled before its first step never does).
+        self.started = False
+        self._finish_sent = False
+
+    def _stamp(self) -> str:
+        return self._now().isoformat().replace("+00:00", "Z")
+
+    def _enter(self, phase: UpdatePhase) -> None:
+        self.record.phase = phase
+        self.pipeline.store.save()
+        logger.info("Update %s entered phase %s", self.record.id, phase.value)
+
+    async def _call_ranks(
+        self, method: ExtensionRpc, arg: str, timeout: float, world: int
+    ) -> RankRound:
+        results = await self.client.collective_rpc(method, arg, timeout)
+        round_ = collect_reports(method, results, world)
+        _merge_ranks(self.record, round_.reports)
+        return round_
+
+    # -- the run -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run to the verdict; every way it can end is recorded, none raises but a cancel."""
+        record = self.record
+        self.started = True
+        started = self._monotonic()
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            during = record.phase.value
+            problem = (
+                Problem("agent_stopped", f"the agent stopped during {during}")
+                if self._stopping()
+                else Problem("aborted", f"update aborted by request during {during}")
+            )
+            await asyncio.shield(self._fail([problem], UpdatePhase.ABORTED))
+        except _Failed as e:
+            await asyncio.shield(self._fail(e.problems, UpdatePhase.FAILED))
+        except EngineError as e:
+            problem = Problem(e.code, f"{record.phase.value}: {e}")
+            await asyncio.shield(self._fail([problem], UpdatePhase.FAILED))
+        except Exception as e:  # a bug must still fail closed
+            logger.exception("Update %s crashed", record.id)
+            problem = Problem("agent_error", f"{record.phase.value}: {type(e).__name__}: {e}")
+            await asyncio.shield(self._fail([problem], UpdatePhase.FAILED))
+        finally:
+            record.timings["total"] = round(self._monotonic() - started, 6)
+            self.pipeline.release()
+            self.pipeline.store.save()
+
+    async def _run(self) -> None:
+        record, request, pipeline = self.record, self.record.request, self.pipeline
+        step_start = self._monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal step_start
+            now = self._monotonic()
+            record.timings[name] = round(record.timings.get(name, 0.0) + now - step_start, 6)
+            if name in _TIMED_PHASES:
+                pipeline.metrics.phase_duration.labels(phase=name).observe(now - step_start)
+            step_start = now
+
+        # Accepted means held: from here only a commit clears the hold.
+        pipeline.hold(
+            Problem("update_incomplete", f"update {request.id} started and has not committed")
+        )
+        world = await self.client.world_size()
+        manifest, rank_pin = await self._preflight()
+        lap("preflight")
+
+        self._enter(UpdatePhase.DRAINING)
+        how = await pipeline.drain(request.drain.mode, float(request.drain.timeout_seconds))
+        record.message = f"drained ({how})"
+        lap("drain")
+
+        self._enter(UpdatePhase.LOADING)
+        await pipeline.mark_unaccepted(request.id)
+        # A delta names the commit it builds on; each rank refuses it unless it serves exactly
+        # that one (a restart since the agent last looked is caught there).
+        base = pipeline.store.memory.committed_update_id
+        spec = request.engine_spec(base).model_dump_json(by_alias=True)
+        begin = check_session(
+            await self._call_ranks(BEGIN, spec, self.config.begin_timeout, world), request.id
+        )
+        lap("begin")
+        if not begin.ok:
+            raise _Failed(begin.problems)
+        manifest_path = request.source.manifest_path
+        source = LoadSource(
+            path=self.config.local_path(request.source.path),
+            manifest=None if manifest_path is None else self.config.local_path(manifest_path),
+            manifest_digest=rank_pin,
+        )
+        load = check_session(
+            await self._call_ranks(
+                LOAD, source.model_dump_json(by_alias=True), self.config.load_timeout, world
+            ),
+            request.id,
+        )
+        pipeline.metrics.bytes_loaded.inc(sum(report.bytes_loaded for report in load.reports))
+        lap("load")
+        if not load.ok:
+            raise _Failed(load.problems)
+
+        self._enter(UpdatePhase.VERIFYING)
+        self._finish_sent = True
+        manifest_digest = None if manifest is None else manifest.digest
+        finish = check_commit(
+            await self._call_ranks(FINISH, "{}", self.config.finish_timeout, world),
+            request.id,
+            request.version,
+            manifest_digest,
+            expected_digest=None
+            if manifest is None or request.mode is UpdateMode.SPARSE
+            else manifest.rank_digest(),
+        )
+        lap("finish")
+        if not finish.ok:
+            raise _Failed(finish.problems)
+
+        async def manifest_unchanged() -> list[Problem]:
+            if manifest_path is None:
+                return []
+            return await self._manifest_unchanged(manifest_path, manifest_digest)
+
+        problems = await pipeline.confirm(world, request.id, request.version, (manifest_unchanged,))
+        lap("verify")
+        if problems:
+            raise _Failed(problems)
+        await pipeline.commit(request.version, request.id, request.source)
+        lap("resume")
+        record.message = f"committed version {request.version} on {world} rank(s); {how}"
+        self._finish(UpdatePhase.COMMITTED, [])
+        logger.info("Committed update %s (version %s)", record.id, request.version)
+
+    async def _preflight(self) -> tuple[Manifest | None, str | None]:
+        """Load and check the manifest before the drain: a swapped or wrong manifest writes
+        nothing. Returns it (``None`` without one) and the pin the ranks check their own read
+        against: the update's, or (signed) that of the bytes whose signature verified."""
+        request = self.record.request
+        manifest_path = request.source.manifest_path
+        try:
+            if manifest_path is not None:
+                manifest, pin = await self._load_manifest(manifest_path)
+            elif self.config.manifest_public_key is not None:
+                raise unsigned_update(self.config.manifest_public_key)
+            else:
+                return None, request.source.manifest_digest
+        except ManifestError as e:
+            raise _Failed([Problem(e.code, str(e))]) from e
+        problems = self._check_manifest(manifest)
+        if problems:
+            raise _Failed(problems)
+        return manifest, pin
+
+    def _check_manifest(self, manifest: Manifest) -> list[Problem]:
+        request = self.record.request
+        problems: list[Problem] = []
+        if manifest.version is not None and manifest.version != request.version:
+            problems.append(
+                Problem(
+                    "manifest_version_mismatch",
+                    f"manifest is for version {manifest.version} but the update is to "
+                    f"{request.version}",
+                )
+            )
+        if request.mode is UpdateMode.SPARSE and manifest.base_version != request.base_version:
+            problems.append(
+                Problem(
+                    "manifest_base_mismatch",
+                    f"manifest applies to base version {manifest.base_version} but the update "
+                    f"says {request.base_version}",
+                )
+            )
+        return problems
+
+    async def _load_manifest(self, manifest_path: str) -> tuple[Manifest, str | None]:
+        """Load the update's manifest (and, with a public key, verify its signature).
+
+        With source.manifestDigest the bytes parsed are the bytes hashed against the pin (and
+        whose signature is checked)."""
+        request = self.record.request
+        local, pin = self.config.local_path(manifest_path), request.source.manifest_digest
+        key = self.config.manifest_public_key
+        if key is None:
+            return await asyncio.to_thread(load_manifest, local, pinned=pin), pin
+        try:  # the .sig must stay in the model directory too
+            self.config.check_source(signature_source(request.source))
+        except SourceRefused as e:
+            raise ManifestSignatureInvalid(str(e)) from e
+        verifier = ManifestVerifier(key)
+        return await asyncio.to_thread(
+            verifier.load_manifest, local, version=request.version, pinned=pin
+        )
+
+    async def _manifest_unchanged(self, manifest_path: str, digest: str | None) -> list[Problem]:
+        """The manifest the ranks verified against is still the one published (not re-published
+        while the update ran); otherwise the replica holds bytes of a superseded checkpoint."""
+        try:
+            now = await asyncio.to_thread(load_manifest, self.config.local_path(manifest_path))
+        except ManifestError as e:
+            return [Problem("manifest_changed", f"the manifest cannot be read any more: {e}")]
+        if now.digest != digest:
+            uri = self.record.request.source.uri
+            return [
+                Problem(
+                    "manifest_changed",
+                    f"the manifest of {uri} was re-published during the update "
+                    f"(digest {str(digest)[:12]} -> {now.digest[:12]})",
+                )
+            ]
+        return []
+
+    # -- the verdict -----------------------------------------------------------------------
+
+    async def _close_session(self, first: Problem) -> list[Problem]:
+        """Abort the ranks' session (poisoning them once anything may have been written)."""
+        record = self.record
+        if record.phase not in (UpdatePhase.LOADING, UpdatePhase.VERIFYING):
+            return []  # no session was opened
+        try:
+            results = await self.client.collective_rpc(
+                ABORT, abort_args(record, first, self._finish_sent), self.config.control_timeout
+            )
+        except EngineError as e:
+            return [Problem("abort_failed", f"weightroll_abort: {e}")]
+        reports = [r for r in results if isinstance(r, dict)]
+        _merge_ranks(record, collect_reports(ABORT, reports, len(reports)).reports)
+        return []
+
+    async def _fail(self, problems: list[Problem], phase: UpdatePhase) -> None:
+        """Close the rank sessions, keep generation paused, record the verdict."""
+        record = self.record
+        await self.pipeline.fail(f"update {record.id}", problems, self._close_session)
+        self._finish(phase, problems)
+        logger.warning(
+            "Update %s ended %s; generation stays paused: %s",
+            record.id,
+            phase.value,
+            "; ".join(map(str, problems)),
+        )
+
+    def _finish(self, phase: UpdatePhase, problems: Sequence[Problem]) -> None:
+        pipeline = self.pipeline
+        finish_record(pipeline.store, pipeline.metrics, self.record, phase, problems, self._stamp())
