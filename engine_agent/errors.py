@@ -15,6 +15,7 @@ __all__ = [
     "DuplicateShard",
     "IdentityChanged",
     "InvalidRequest",
+    "LoaderUnsupported",
     "ManifestMismatch",
     "ShapeMismatch",
     "SourceUnavailable",
@@ -70,6 +71,13 @@ class UnknownTensor(AgentError):
     """A checkpoint tensor maps to no parameter of this model (or is outside the scope)."""
 
     code = "unknown_tensor"
+
+
+class LoaderUnsupported(AgentError):
+    """The model's loader writes a parameter in a way no shard can be accounted for (part of it,
+    or in place, without its weight loader); refused, by the dry run before any write."""
+
+    code = "loader_unsupported"
 
 
 class ShapeMismatch(AgentError):

@@ -65,12 +65,14 @@ from engine_agent.errors import (
     DerivedStateUnsupported,
     IdentityChanged,
     InvalidRequest,
+    LoaderUnsupported,
     ShapeMismatch,
     SparseRefused,
     UnknownTensor,
 )
 from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
 from engine_agent.reload.derived import DerivedRefresher, find_refreshers
+from engine_agent.reload.direct import DirectWrites
 from engine_agent.reload.identity import StorageRecord, kernel_tag, storage_record
 from engine_agent.reload.inventory import Inventory, build_inventory
 
@@ -440,6 +442,8 @@ class LoadRouter:
         self.module_digests: dict[str, str] = {}
         self.bytes_loaded = 0
         self._dry_keys: list[ShardKey] | None = None
+        #: Watches loaders that write parameters themselves, while the proxies are installed.
+        self._direct: DirectWrites | None = None
         #: seconds per processing step, summed over modules (digest, post_load, copy_live, ...).
         self.timings: dict[str, float] = {}
         #: module name -> its live parameters while templates are installed.
@@ -492,14 +496,16 @@ class LoadRouter:
                 yield pair
 
         try:
-            self.index.model.load_weights(handed_out())  # type: ignore[operator]
+            assert self._direct is not None, "load_weights runs with the proxies installed"
+            with self._direct:
+                self.index.model.load_weights(handed_out())  # type: ignore[operator]
         except KeyError as e:
             raise UnknownTensor(
                 f"checkpoint tensor {e.args[0]!r} maps to no parameter of this model",
                 field=str(e.args[0]),
             ) from e
         except (AssertionError, RuntimeError, ValueError) as e:
-            if isinstance(e, UnknownTensor | ShapeMismatch):
+            if isinstance(e, UnknownTensor | ShapeMismatch | LoaderUnsupported):
                 raise
             if "no module or parameter named" in str(e):  # vLLM's AutoWeightsLoader
                 raise UnknownTensor(
@@ -526,6 +532,7 @@ class LoadRouter:
         """
         saved: list[tuple[nn.Module, dict[str, Any]]] = []
         entries = {id(e.module): e for e in self.index.entries.values()}
+        self._direct = DirectWrites(self._route_direct, self._refuse_direct)
         try:
             for name, module in self.index.model.named_modules():
                 if not module._parameters:
@@ -538,9 +545,16 @@ class LoadRouter:
                     self._live[entry.name] = saved[-1][1]
                 for pname, live in list(module._parameters.items()):
                     if pname in templates and entry is not None:
-                        _slots(module)[pname] = self._wrapped(entry, pname, templates[pname], dry)
+                        template = templates[pname]
+                        proxy = self._wrapped(entry, pname, template, dry)
+                        self._direct.register(proxy, _Direct(entry, pname, template, dry))
                     elif live is not None:
-                        _slots(module)[pname] = _guard(f"{name}.{pname}" if name else pname, live)
+                        qualified = f"{name}.{pname}" if name else pname
+                        proxy = _guard(qualified, live)
+                        self._direct.register(proxy, qualified)
+                    else:
+                        continue
+                    _slots(module)[pname] = proxy
             yield
         finally:
             for module, params in saved:
@@ -548,6 +562,7 @@ class LoadRouter:
                 module._parameters.update(params)
             self._live.clear()
             self._originals.clear()
+            self._direct = None
 
     def _wrapped(
         self, entry: ModuleEntry, pname: str, template: torch.Tensor, dry: bool
@@ -569,7 +584,7 @@ class LoadRouter:
                 positions.__class__ = template.__class__
                 positions.__dict__ = template.__dict__.copy()
                 bound.arguments["param"] = positions
-                result = original(*bound.args, **bound.kwargs)
+                result = self._accounted(original, bound)
                 if result is not False:
                     self._coords[(entry.name, pname)] = positions
                 return result
@@ -589,24 +604,87 @@ class LoadRouter:
                 assert self._dry_keys is not None
                 self._dry_keys.extend(keys)
                 bound.arguments["param"] = proxy
-                return original(*bound.args, **bound.kwargs)
+                return self._accounted(original, bound)
             self.ledger.check(keys)
             staging = self._staging_tensor(entry, pname, template)
             bound.arguments["param"] = staging
-            result = original(*bound.args, **bound.kwargs)
+            result = self._accounted(original, bound)
             if result is False:  # an expert this rank does not own: nothing was written
                 return result
-            if isinstance(loaded, torch.Tensor):
-                self.bytes_loaded += loaded.numel() * loaded.element_size()
-            for key in keys:
-                self.ledger.record(key)
-            if keys and self.ledger.is_complete(entry.name):
-                self._failpoint("load.staged")
-                self._complete(entry)
+            self._staged(entry, keys, loaded)
             return result
 
         proxy.weight_loader = weightroll_loader  # type: ignore[attr-defined]
         return proxy
+
+    def _accounted(self, loader: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+        """Run a parameter's own loader: its writes are accounted here, not direct ones."""
+        assert self._direct is not None
+        with self._direct.accounted():
+            return loader(*bound.args, **bound.kwargs)
+
+    def _staged(self, entry: ModuleEntry, keys: list[ShardKey], loaded: Any) -> None:
+        """``keys`` of ``entry`` were written into staging: record them; process the module
+        once it is complete."""
+        if isinstance(loaded, torch.Tensor):
+            self.bytes_loaded += loaded.numel() * loaded.element_size()
+        for key in keys:
+            self.ledger.record(key)
+        if keys and self.ledger.is_complete(entry.name):
+            self._failpoint("load.staged")
+            self._complete(entry)
+
+    def _route_direct(self, target: Any, tensor: Any) -> None:
+        """A loader wrote ``tensor`` whole into a parameter itself (:mod:`.direct`): account it
+        as that parameter's loader receiving it whole, every shard of it at once."""
+        if isinstance(target, str):  # a guarded tensor: no checkpoint may write it
+            self._refuse_direct(target, "the model's loader writes it")
+        assert isinstance(target, _Direct)
+        entry, pname, template = target.entry, target.param, target.template
+        where = f"{entry.name}.{pname}"
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(template.shape):
+            got = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ShapeMismatch(
+                f"{where}: the model's loader writes {got} into it directly; the parameter's "
+                f"shape is {list(template.shape)}",
+                field=where,
+            )
+        if self._coords is not None:  # sparse coordinate pass: where each element lands
+            self._coords[(entry.name, pname)] = tensor.detach().to("cpu", copy=True)
+            return
+        if not _same_kind(tensor.dtype, template.dtype):
+            raise ShapeMismatch(
+                f"{where}: checkpoint dtype {tensor.dtype} cannot be loaded into a "
+                f"{template.dtype} parameter",
+                field=where,
+            )
+        if not self.ledger.in_scope(entry.name):
+            raise UnknownTensor(f"{where} is outside this update's scope", field=where)
+        keys = sorted(k for k in entry.required if k.param == pname) or [
+            ShardKey(entry.name, pname, WHOLE)
+        ]
+        if target.dry:
+            assert self._dry_keys is not None
+            self._dry_keys.extend(keys)
+            return
+        self.ledger.check(keys)
+        self._staging_tensor(entry, pname, template).copy_(tensor)
+        self._staged(entry, keys, tensor)
+
+    @staticmethod
+    def _refuse_direct(target: Any, what: str) -> None:
+        if isinstance(target, str):
+            raise UnknownTensor(
+                f"{target} is not a checkpoint parameter of this model (derived or runtime "
+                f"state), but {what}; remove it from the checkpoint",
+                field=target,
+            )
+        where = f"{target.entry.name}.{target.param}"
+        raise LoaderUnsupported(
+            f"{where}: {what}; such a write cannot be accounted shard by shard, so this "
+            "model's update is refused (report the architecture)",
+            field=where,
+        )
 
     def _staging_tensor(
         self, entry: ModuleEntry, pname: str, template: torch.Tensor
@@ -1039,6 +1117,16 @@ class LoadRouter:
         """Drop every staging tensor (abort or failure): live storage is left as it is."""
         self._staging.clear()
         self._deferred.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _Direct:
+    """A proxy's parameter, as :class:`~engine_agent.reload.direct.DirectWrites` reports it."""
+
+    entry: ModuleEntry
+    param: str
+    template: torch.Tensor
+    dry: bool
 
 
 def _slots(module: nn.Module) -> dict[str, Any]:

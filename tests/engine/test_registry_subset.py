@@ -10,7 +10,11 @@ the families already tested do not cover (DeepSeek-V3, GPT-2 and MiniMax-M2 are 
 * ``Gemma2ForCausalLM``: the ``1 + weight`` norms (four per layer), logit soft-capping, tied
   embeddings (the LM head reads the embedding), sliding-window layers;
 * ``Phi3ForCausalLM``: fused ``qkv_proj`` and ``gate_up_proj`` in the checkpoint itself;
-* ``MixtralForCausalLM``: a mixture of experts (the CPU fused-MoE kernel's own weight layout).
+* ``MixtralForCausalLM``: a mixture of experts (the CPU fused-MoE kernel's own weight layout);
+* ``GptOssForCausalLM``: a loader that writes parameters itself, not through their weight
+  loaders (its experts' fused weights and biases with ``param.copy_``, its attention sinks with
+  ``param.data.copy_``; ``engine_agent/reload/direct.py``) — every full update of it failed
+  coverage after writing, and the replica was poisoned.
 
 For each, a tiny random checkpoint is built from transformers' config class, and a full update
 A -> B, a partial update of decoder layer 1 and a sparse patch of a norm must each equal a cold
@@ -24,7 +28,13 @@ from pathlib import Path
 import pytest
 from weightroll_dev.engine_sweep import EQUAL, check_architecture
 
-SUBSET = ("Qwen3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+SUBSET = (
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+)
 
 
 @pytest.mark.parametrize("architecture", SUBSET)
