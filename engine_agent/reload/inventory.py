@@ -174,6 +174,7 @@ def build_inventory(
             vLLM quant method) — the refresher of its kernel objects.
     """
     indexed_ids = {id(e.module): n for n, e in entries.items()}
+    aliased = _checkpoint_storages(model, holders)
     items: dict[str, Item] = {}
     for mname, module in model.named_modules():
         own_sources = {holders[id(p)] for p in module._parameters.values() if id(p) in holders}
@@ -190,6 +191,8 @@ def build_inventory(
             qualified = f"{mname}.{attr}" if mname else attr
             record = storage_record(obj) if isinstance(obj, torch.Tensor) else None
             ref = None if record is not None else _weak(obj)
+            storage = _storage_key(obj) if isinstance(obj, torch.Tensor) else None
+            viewed = None if storage is None else aliased.get(storage)
             if qualified in derived:
                 refresher, from_ = derived[qualified]
                 items[qualified] = Item(qualified, mname, DERIVED, from_, refresher, record, ref)
@@ -198,12 +201,40 @@ def build_inventory(
                 items[qualified] = Item(
                     qualified, mname, CHECKPOINT, frozenset({holder}), None, record
                 )
-            elif attr.rsplit(".", 1)[-1] in _RUNTIME_ATTRS or not sources:
+            elif viewed is not None:
+                # A view of a checkpoint parameter's storage (mamba's ``conv_weights``, a
+                # reshaped ``conv1d.weight``): it reads the parameter's bytes, which the update
+                # writes in place; the parameter's own identity check covers a moved storage.
+                items[qualified] = Item(
+                    qualified, mname, CHECKPOINT, frozenset({viewed}), None, record
+                )
+            elif any(part in _RUNTIME_ATTRS for part in attr.split(".")) or not sources:
                 items[qualified] = Item(qualified, mname, RUNTIME, frozenset(), None, record, ref)
             else:
                 rebuilt_by = post_load if attr in _KERNEL_CALLABLES else None
                 items[qualified] = Item(qualified, mname, DERIVED, sources, rebuilt_by, record, ref)
     return Inventory(items)
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The start of ``tensor``'s storage (None: no bytes, or no storage to share)."""
+    if tensor.device.type == "meta":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # tensor subclasses without a storage
+        return None
+    return int(storage.data_ptr()) if storage.nbytes() else None
+
+
+def _checkpoint_storages(model: nn.Module, holders: Mapping[int, str]) -> dict[int, str]:
+    """Storage start -> the indexed module holding the checkpoint parameter that owns it."""
+    storages: dict[int, str] = {}
+    for param in model.parameters():
+        key = _storage_key(param) if id(param) in holders else None
+        if key is not None:
+            storages[key] = holders[id(param)]
+    return storages
 
 
 def _weak(obj: Any) -> Callable[[], Any]:

@@ -113,3 +113,31 @@ def test_a_moved_tensor_is_a_problem() -> None:
     model.rotary.cos_sin_cache = torch.randn(4, 2)
     problems = inventory.compare(model, set(), set())
     assert len(problems) == 1 and problems[0].startswith("rotary.cos_sin_cache: storage changed")
+
+
+def test_runtime_state_kept_in_a_list_is_runtime_state() -> None:
+    """Qwen3-Next's linear-attention layers keep their state caches as ``kv_cache = [conv,
+    ssm]`` on a module that holds checkpoint weights: the items are ``kv_cache.0`` and
+    ``kv_cache.1``, and were classified derived with no refresher, so every update touching
+    the layer was refused (docs/models.md)."""
+    model = _Model()
+    model.embed.kv_cache = [torch.zeros(2, 4), torch.zeros(3)]
+    model.embed.impl_state = [torch.ones(2)]  # any other list on it stays derived
+    items = _inventory(model).items
+    assert items["embed.kv_cache.0"].kind == RUNTIME
+    assert items["embed.kv_cache.1"].kind == RUNTIME
+    assert items["embed.impl_state.0"].kind == DERIVED
+
+
+def test_a_view_of_a_checkpoint_parameter_reads_its_bytes() -> None:
+    """Mamba mixers keep ``conv_weights``, a reshaped view of ``conv1d.weight``, as a buffer of
+    a module that holds other checkpoint weights: it was classified derived with no refresher,
+    so GraniteMoeHybrid, Falcon-H1 and the other mamba hybrids refused every update. It reads
+    the parameter's storage, which the update writes in place: a checkpoint item of its
+    holder. A copy of it (not a view) is still derived."""
+    model = _Model()
+    model.embed.register_buffer("flat", model.embed.weight.detach().view(-1), persistent=False)
+    model.embed.copied = model.embed.weight.detach().clone().view(-1)
+    items = _inventory(model).items
+    assert items["embed.flat"].kind == CHECKPOINT and items["embed.flat"].sources == {"embed"}
+    assert items["embed.copied"].kind == DERIVED and items["embed.copied"].refresher is None
