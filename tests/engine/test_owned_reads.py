@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from engine_agent.manifest import build_manifest, read_safetensors_header, write_manifest
+from engine_agent.manifest import build_manifest, write_manifest
 from engine_agent.reload import digest, modelwise
-from engine_agent.reload.digest import host_bytes
 from engine_agent.reload.sources import open_source
 from engine_agent.reload.sparse import write_patch
 from tests.harness.engines import Engine, start_engine
+from tests.harness.inplace import rewrite_in_place
 from tests.harness.models import load_tensors
 
 NORM = "model.norm.weight"
@@ -57,17 +57,6 @@ def _file(directory: Path) -> Path:
     return file
 
 
-def _rewrite_in_place(file: Path, name: str, tensor: torch.Tensor) -> None:
-    """Overwrite one tensor's bytes inside ``file``: same inode, as ``rsync --inplace`` does."""
-    with file.open("r+b") as handle:
-        data_start, header = read_safetensors_header(handle, file.name)
-        start, end = header[name]["data_offsets"]
-        raw = host_bytes(tensor).tobytes()
-        assert len(raw) == end - start
-        handle.seek(data_start + start)
-        handle.write(raw)
-
-
 def _hash_after_the_writer(
     monkeypatch: pytest.MonkeyPatch, file: Path, name: str, final: torch.Tensor
 ) -> list[str]:
@@ -86,7 +75,7 @@ def _hash_after_the_writer(
     def now(self: Any) -> None:
         held = self.__dict__.pop("later", [])
         if not late and any(n == name for n, _, _ in held):
-            _rewrite_in_place(file, name, final)
+            rewrite_in_place(file, name, final)
             late.extend(n for n, _, _ in held)
         for item in held:
             submit(self, *item)
@@ -118,7 +107,7 @@ def test_a_checkpoint_rewritten_in_place_after_the_loaders_copy_is_refused(
     write_manifest(build_manifest(source, version="b"), source / "m.json")  # pins B
     name = _first_tensor(source)
     pinned = load_tensors(source)[name].clone()  # not a view of the file we rewrite
-    _rewrite_in_place(_file(source), name, _differs(pinned))  # the file as the load starts
+    rewrite_in_place(_file(source), name, _differs(pinned))  # the file as the load starts
     late = _hash_after_the_writer(monkeypatch, _file(source), name, pinned)
 
     assert engine.rpc("weightroll_begin", {"updateId": "inplace-1", "version": "b"})[0]["ok"]
@@ -146,7 +135,7 @@ def test_without_a_manifest_the_digest_is_of_the_bytes_loaded(
     name = _first_tensor(source)
     final = load_tensors(source)[name].clone()  # not a view of the file we rewrite
     loaded = _differs(final)
-    _rewrite_in_place(_file(source), name, loaded)
+    rewrite_in_place(_file(source), name, loaded)
     expected = build_manifest(source).rank_digest()  # the digest of the bytes as the load starts
     late = _hash_after_the_writer(monkeypatch, _file(source), name, final)
 
@@ -177,8 +166,8 @@ def test_a_sparse_patch_rewritten_after_its_verification_applies_the_verified_by
     apply_sparse = modelwise.LoadRouter.apply_sparse
 
     def rewritten_after_the_check(self: Any, patches: Any) -> Any:
-        _rewrite_in_place(path, f"{NORM}::values", torch.full_like(verified, 7.0))
-        _rewrite_in_place(path, f"{NORM}::indices", torch.tensor([0, 2, 3]))
+        rewrite_in_place(path, f"{NORM}::values", torch.full_like(verified, 7.0))
+        rewrite_in_place(path, f"{NORM}::indices", torch.tensor([0, 2, 3]))
         return apply_sparse(self, patches)
 
     monkeypatch.setattr(modelwise.LoadRouter, "apply_sparse", rewritten_after_the_check)

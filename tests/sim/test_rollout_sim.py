@@ -703,21 +703,30 @@ def test_revert_after_a_failed_unit_reports_what_the_pods_serve() -> None:
             raise Broken(f"halted for a failure at a version the spec left: {wu['message']}")
 
 
+def _restart_two_verified_pods_onto_boot_weights_while_the_budget_is_held(
+    sim: RolloutMachine,
+) -> None:
+    """The shared start of two shrunk schedules: all three pods verified at v2 with budget 2,
+    the budget cut to 1, then p0 and p1 restart without their agents' state onto the boot
+    weights (v1), and a pass runs."""
+    sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
+    for _ in range(3):
+        sim.progress(0.0)
+    sim.edit_budget("wu-a", 1)
+    sim.restart_pod("p0", keep_state=False)
+    sim.restart_pod("p1", keep_state=False)
+    sim.progress(5.0)
+    sim.progress(30.0)
+    sim.reconcile("wu-a", None, True)
+
+
 def test_a_withdrawn_verdict_is_not_listed_verified_at_its_version_after_a_revert() -> None:
     """A verified pod restarted without its agent's state onto the boot weights while the
     budget is held: its verdict at v2 is withdrawn; spec.version then goes back to v1, which
     it serves. The status listed it ``Verified`` at v2 (its record's version). Fails on
     33e769e (there the record stayed ``Verified`` at v2, listed the same way)."""
     with replay("e", "Verified at v2") as sim:
-        sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
-        for _ in range(3):
-            sim.progress(0.0)
-        sim.edit_budget("wu-a", 1)
-        sim.restart_pod("p0", keep_state=False)
-        sim.restart_pod("p1", keep_state=False)
-        sim.progress(5.0)
-        sim.progress(30.0)
-        sim.reconcile("wu-a", None, True)
+        _restart_two_verified_pods_onto_boot_weights_while_the_budget_is_held(sim)
         sim.edit_version("wu-a", "v1")
         sim.reconcile("wu-a", None, True)
 
@@ -752,15 +761,7 @@ def test_a_verdict_contradicted_while_the_budget_is_spent_is_withdrawn() -> None
     gate and its weight-state saying ``Verified`` at v2 (and the ``weight-version=v2`` label)
     for as long as the budget was held. Fails on 33e769e."""
     with replay("b", "") as sim:
-        sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
-        for _ in range(3):
-            sim.progress(0.0)
-        sim.edit_budget("wu-a", 1)
-        sim.restart_pod("p0", keep_state=False)
-        sim.restart_pod("p1", keep_state=False)
-        sim.progress(5.0)
-        sim.progress(30.0)
-        sim.reconcile("wu-a", None, True)
+        _restart_two_verified_pods_onto_boot_weights_while_the_budget_is_held(sim)
         sim.safety()
 
 

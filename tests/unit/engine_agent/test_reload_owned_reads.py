@@ -19,26 +19,16 @@ import torch
 from safetensors.torch import save_file
 
 from engine_agent.errors import ManifestMismatch, SourceUnavailable
-from engine_agent.manifest import build_manifest, content_hash, read_safetensors_header
+from engine_agent.manifest import build_manifest, content_hash
 from engine_agent.reload import digest
 from engine_agent.reload.digest import host_bytes
 from engine_agent.reload.sources import open_source
 from engine_agent.reload.sparse import read_patches, write_patch
+from tests.harness.inplace import rewrite_in_place
 
 #: The bytes the manifest pins, and other bytes of the same layout the file holds at first.
 PINNED = torch.arange(64, dtype=torch.float32)
 OTHER = PINNED + 1000
-
-
-def rewrite_in_place(file: Path, name: str, tensor: torch.Tensor) -> None:
-    """Overwrite one tensor's bytes inside ``file`` (same inode, as ``rsync --inplace`` does)."""
-    with file.open("r+b") as handle:
-        data_start, header = read_safetensors_header(handle, file.name)
-        start, end = header[name]["data_offsets"]
-        raw = host_bytes(tensor).tobytes()
-        assert len(raw) == end - start
-        handle.seek(data_start + start)
-        handle.write(raw)
 
 
 @pytest.fixture
