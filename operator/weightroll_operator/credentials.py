@@ -5,7 +5,7 @@ agents. When the Secret is missing, has no such key, or the operator may not rea
 ``rbac.agentTokenSecretNames``), the pass does nothing (no agent can be asked, so no unit may
 move) and says why in three places: the condition ``AgentTokenAvailable=False`` with a reason
 below, the gauge ``weightroll_agent_token_unavailable{reason}`` (alert
-WeightAgentTokenUnavailable) and the status message. The condition is removed, and the gauge
+WeightrollAgentTokenUnavailable) and the status message. The condition is removed, and the gauge
 cleared, on the first pass that reads the token again.
 """
 

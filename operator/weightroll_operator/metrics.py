@@ -119,7 +119,7 @@ class Metrics:
         A deleted WeightUpdate's last phase gauge would otherwise stay exported until the
         operator restarts, and alerts such as a Failed phase would keep firing for an object
         that no longer exists. Pods it left drained (``keep_drained``: pod -> drained since)
-        keep their ``drained_since`` series, so ``WeightReplicaLeftDrained`` keeps firing while
+        keep their ``drained_since`` series, so ``WeightrollReplicaLeftDrained`` keeps firing while
         the capacity is lost; :meth:`restored` removes them once the pod serves again.
         """
         keep = dict(keep_drained or {})
@@ -204,7 +204,7 @@ class Metrics:
     def observe_phase(self, namespace: str, name: str, phase: Phase) -> None:
         """The phase gauge alone: also for a WeightUpdate whose spec is invalid (phase
         ``Failed``, ``InvalidSpec``), which has no plan and no counts, but must raise the
-        ``WeightUpdateFailed`` alert like any other failure."""
+        ``WeightrollUpdateFailed`` alert like any other failure."""
         for p in Phase:
             self.update_phase.labels(namespace, name, p.value).set(1 if p is phase else 0)
 

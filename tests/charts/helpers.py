@@ -22,16 +22,16 @@ SCENARIOS = sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))
 RELEASE = "weightroll"
 NAMESPACE = "weightroll-system"
 ALERTS = (
-    "WeightUpdateFailed",
-    "WeightUpdateStuck",
-    "WeightFleetStale",
-    "WeightReplicaLeftDrained",
-    "WeightAgentUnreachable",
+    "WeightrollUpdateFailed",
+    "WeightrollUpdateStuck",
+    "WeightrollFleetStale",
+    "WeightrollReplicaLeftDrained",
+    "WeightrollAgentUnreachable",
     "WeightrollOperatorDown",
-    "WeightTrainerPushFailed",
-    "WeightReplicaBehindFleet",
-    "WeightAgentTokenUnavailable",
-    "WeightReplicaWeightsChanged",
+    "WeightrollTrainerPushFailed",
+    "WeightrollReplicaBehindFleet",
+    "WeightrollAgentTokenUnavailable",
+    "WeightrollReplicaWeightsChanged",
 )
 NO_CRD_REASON = (
     "charts/weightroll/files/crds/weightupdates.weightroll.io.yaml is not generated yet "
@@ -98,11 +98,11 @@ FAST_RULES: dict[str, Any] = {
     "prometheusRule": {
         "enabled": True,
         "customRules": {
-            "WeightUpdateFailed": {"for": "2s"},
-            "WeightUpdateStuck": {"for": "2s"},
-            "WeightFleetStale": {"for": "2s"},
-            "WeightReplicaLeftDrained": {"for": "2s", "thresholdSeconds": 5},
-            "WeightAgentUnreachable": {"for": "2s"},
+            "WeightrollUpdateFailed": {"for": "2s"},
+            "WeightrollUpdateStuck": {"for": "2s"},
+            "WeightrollFleetStale": {"for": "2s"},
+            "WeightrollReplicaLeftDrained": {"for": "2s", "thresholdSeconds": 5},
+            "WeightrollAgentUnreachable": {"for": "2s"},
             "WeightrollOperatorDown": {"for": "2s"},
         },
     }

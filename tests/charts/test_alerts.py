@@ -77,7 +77,7 @@ def test_unit_tests_fail_on_a_broken_rule(tmp_path: Path) -> None:
         {
             "prometheusRule": {
                 "enabled": True,
-                "customRules": {"WeightAgentUnreachable": {"severity": "critical"}},
+                "customRules": {"WeightrollAgentUnreachable": {"severity": "critical"}},
             }
         },
         tmp_path,

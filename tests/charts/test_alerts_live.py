@@ -3,10 +3,11 @@
 The operator's :class:`~weightroll_operator.metrics.Metrics` is served over HTTP in this process
 (the exposition the operator serves), and a Prometheus server (``tests/harness/prometheus.py``)
 scrapes it as the chart's ServiceMonitor would (job ``weightroll-metrics``, the release
-namespace, ``honorLabels``) with the rendered PrometheusRule loaded (test-only ``for`` overrides,
-``FAST_RULES``). Every rule evaluates without error; WeightUpdateFailed fires on a Failed phase and
-resolves when the phase moves on; WeightrollOperatorDown fires once the operator's endpoint stops
-answering. The same rules on the real fleet: ``tests/e2e/test_observability.py``.
+namespace, ``honorLabels``) with the rendered PrometheusRule loaded (test-only ``for``
+overrides, ``FAST_RULES``). Every rule evaluates without error; WeightrollUpdateFailed fires on a
+Failed phase and resolves when the phase moves on; WeightrollOperatorDown fires once the
+operator's endpoint stops answering. The same rules on the real fleet:
+``tests/e2e/test_observability.py``.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def test_rules_fire_and_resolve_on_a_real_prometheus(
     assert all(h == "ok" for h in health.values()), health
     # the WeightUpdate's namespace survives the scrape (honorLabels): alerts group by it
     firing = prom.wait(
-        "WeightUpdateFailed firing",
-        lambda: prom.alerts("WeightUpdateFailed"),
+        "WeightrollUpdateFailed firing",
+        lambda: prom.alerts("WeightrollUpdateFailed"),
         timeout=60,
     )
     assert firing[0]["namespace"] == "ml" and firing[0]["name"] == "llama"
@@ -78,10 +79,10 @@ def test_rules_fire_and_resolve_on_a_real_prometheus(
 
     metrics.observe_status("ml", "llama", Phase.PROGRESSING, ReplicaCounts(total=2), 60, 1.0)
     prom.wait(
-        "WeightUpdateFailed resolved",
+        "WeightrollUpdateFailed resolved",
         lambda: (
-            not prom.alerts("WeightUpdateFailed")
-            and not prom.alerts("WeightUpdateFailed", "pending")
+            not prom.alerts("WeightrollUpdateFailed")
+            and not prom.alerts("WeightrollUpdateFailed", "pending")
         ),
         timeout=60,
     )

@@ -70,16 +70,16 @@ def test_at_least_two_ci_scenarios() -> None:
         ({"operator": {"ports": {"health": 0}}}, "at '/operator/ports/health': minimum"),
         ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "at '/operator/watchNamespaces/0'"),
         (
-            {"prometheusRule": {"customRules": {"WeightUpdateStuck": {"for": "5 minutes"}}}},
-            "at '/prometheusRule/customRules/WeightUpdateStuck/for'",
+            {"prometheusRule": {"customRules": {"WeightrollUpdateStuck": {"for": "5 minutes"}}}},
+            "at '/prometheusRule/customRules/WeightrollUpdateStuck/for'",
         ),
         (
-            {"prometheusRule": {"customRules": {"WeightFleetStale": {"severity": "page"}}}},
-            "at '/prometheusRule/customRules/WeightFleetStale/severity'",
+            {"prometheusRule": {"customRules": {"WeightrollFleetStale": {"severity": "page"}}}},
+            "at '/prometheusRule/customRules/WeightrollFleetStale/severity'",
         ),
         (
-            {"prometheusRule": {"disabled": {"WeightUpdateFailed": "yes"}}},
-            "at '/prometheusRule/disabled/WeightUpdateFailed': got string, want boolean",
+            {"prometheusRule": {"disabled": {"WeightrollUpdateFailed": "yes"}}},
+            "at '/prometheusRule/disabled/WeightrollUpdateFailed': got string, want boolean",
         ),
         ({"prometheusRule": {"disabled": {"WeightTypo": True}}}, "'WeightTypo' not allowed"),
         ({"installCRDs": "true"}, "at '/installCRDs': got string, want boolean"),
@@ -162,7 +162,7 @@ def test_rbac_is_per_namespace_when_namespaces_are_named(
     or the explicit `operator.clusterWide` puts the rules into a ClusterRole."""
     objs = objects(render({"operator": operator}))
     if cluster is None:
-        assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+        assert not _operator_cluster_rbac(objs)
     else:
         assert _granted(find(objs, "ClusterRole", "weightroll-operator")) == cluster
     found = [
@@ -192,7 +192,7 @@ def test_rbac_is_least_privilege() -> None:
     """By default the operator watches the release namespace alone: a Role there, no
     ClusterRole (issue 28 item 7); cluster-wide is the explicit `operator.clusterWide`."""
     objs = objects(render())
-    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert not _operator_cluster_rbac(objs)
     role = find(objs, "Role", "weightroll-operator")
     assert role["metadata"]["namespace"] == NAMESPACE
     assert _granted(role) == NAMESPACED
@@ -229,9 +229,51 @@ def test_secret_access_can_be_narrowed_to_names() -> None:
     }
 
 
+def _operator_cluster_rbac(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ClusterRoles and their bindings other than the users' aggregated view/edit roles."""
+    users = {"weightroll-view", "weightroll-edit"}
+    return [
+        o
+        for o in objs
+        if o["kind"] in ("ClusterRole", "ClusterRoleBinding") and o["metadata"]["name"] not in users
+    ]
+
+
+def test_weightupdates_are_aggregated_into_the_default_user_roles() -> None:
+    """Issue 31 item 3: namespace users with Kubernetes' default view/edit/admin bindings read,
+    create and steer WeightUpdates (the CLI's verbs patch the spec or the status subresource);
+    the two ClusterRoles are bound to nobody and leave the operator's own RBAC as it was."""
+    objs = objects(render())
+    view = find(objs, "ClusterRole", "weightroll-view")
+    edit = find(objs, "ClusterRole", "weightroll-edit")
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {
+        k for k, v in view["metadata"]["labels"].items() if k.startswith(aggregate) and v == "true"
+    } == {aggregate + "view", aggregate + "edit", aggregate + "admin"}
+    assert {
+        k for k, v in edit["metadata"]["labels"].items() if k.startswith(aggregate) and v == "true"
+    } == {aggregate + "edit", aggregate + "admin"}
+    assert _granted(view) == {
+        ("weightroll.io", resource, verb)
+        for resource in ("weightupdates", "weightupdates/status")
+        for verb in ("get", "list", "watch")
+    }
+    assert _granted(edit) == {
+        ("weightroll.io", "weightupdates", verb)
+        for verb in ("create", "update", "patch", "delete", "deletecollection")
+    } | {("weightroll.io", "weightupdates/status", "patch")}
+    bound = {
+        o["roleRef"]["name"] for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")
+    }
+    assert not bound & {"weightroll-view", "weightroll-edit"}
+    off = objects(render({"rbac": {"aggregateToDefaultRoles": False}}))
+    assert not [o for o in off if o["kind"] == "ClusterRole"]
+
+
 def test_rbac_and_serviceaccount_switches() -> None:
-    kinds = {o["kind"] for o in objects(render({"rbac": {"create": False}}))}
-    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    objs = objects(render({"rbac": {"create": False}}))
+    assert not {o["kind"] for o in objs} & {"Role", "RoleBinding"}
+    assert not _operator_cluster_rbac(objs)
     objs = objects(render({"serviceAccount": {"create": False, "name": "existing-sa"}}))
     assert "ServiceAccount" not in {o["kind"] for o in objs}
     deploy = find(objs, "Deployment")
@@ -433,22 +475,22 @@ def test_alert_metric_names_follow_the_contract() -> None:
 
 def test_alerts_can_be_disabled_and_overridden() -> None:
     values = scenario_values("monitoring-values.yaml")
-    values["prometheusRule"]["disabled"] = {"WeightAgentUnreachable": True}
+    values["prometheusRule"]["disabled"] = {"WeightrollAgentUnreachable": True}
     rules = _rules(values)
-    assert set(rules) == set(ALERTS) - {"WeightAgentUnreachable"}
-    assert rules["WeightFleetStale"]["for"] == "45m"
-    assert rules["WeightFleetStale"]["labels"]["severity"] == "info"
-    assert rules["WeightFleetStale"]["labels"]["team"] == "ml-platform"
-    assert "for more than 45m" in rules["WeightFleetStale"]["annotations"]["description"]
-    assert rules["WeightReplicaLeftDrained"]["expr"].endswith("> 600")
+    assert set(rules) == set(ALERTS) - {"WeightrollAgentUnreachable"}
+    assert rules["WeightrollFleetStale"]["for"] == "45m"
+    assert rules["WeightrollFleetStale"]["labels"]["severity"] == "info"
+    assert rules["WeightrollFleetStale"]["labels"]["team"] == "ml-platform"
+    assert "for more than 45m" in rules["WeightrollFleetStale"]["annotations"]["description"]
+    assert rules["WeightrollReplicaLeftDrained"]["expr"].endswith("> 600")
     for rule in rules.values():
         # WeightrollOperatorDown reads `up` of the operator's job; the others our own metrics
         selectors = re.findall(r"(?:\bweightroll_[a-z_]+|\bup)(\{[^}]*\})?", rule["expr"])
         # Agent metrics come from the workload pods, under their own selector.
         sidecar = rule["alert"] in (
-            "WeightTrainerPushFailed",
-            "WeightReplicaBehindFleet",
-            "WeightReplicaWeightsChanged",
+            "WeightrollTrainerPushFailed",
+            "WeightrollReplicaBehindFleet",
+            "WeightrollReplicaWeightsChanged",
         )
         job = "vllm-weightroll-agent" if sidecar else "weightroll-metrics"
         assert selectors and all(f'job="{job}"' in s for s in selectors), rule["expr"]

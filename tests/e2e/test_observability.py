@@ -14,8 +14,8 @@ The tests share one fleet and run in file order:
 1. ``v1 -> v2`` succeeds; ``kubectl describe pod`` shows each pod's WeightsDrained,
    WeightsUpdating and WeightsVerified (with v2); no alert fires.
 2. ``v2 -> v4`` with one pod's copy of v4 corrupt (``onFailure: Halt``): Failed;
-   WeightUpdateFailed fires for it, WeightReplicaLeftDrained fires for the drained pod, whose
-   Events say why it failed.
+   WeightrollUpdateFailed fires for it, WeightrollReplicaLeftDrained fires for the drained pod,
+   whose Events say why it failed.
 3. Every panel query of the chart's Grafana dashboard parses and returns data.
 4. The retry: the same WeightUpdate is pointed at a good checkpoint ``v5`` (the retry that works
    on a halted rollout on main: clearing ``status.abortedAt`` alone halts again while the failed
@@ -170,22 +170,22 @@ def test_rollout_tells_each_pod_its_story(fleet: Fleet, prom: Prometheus) -> Non
         ),
         timeout=ALERT_SLACK,
     )
-    for alert in ("WeightUpdateFailed", "WeightrollOperatorDown"):
+    for alert in ("WeightrollUpdateFailed", "WeightrollOperatorDown"):
         assert prom.alerts(alert) == [], alert
     # A unit in flight is drained, so under load a pod can pass the test-only 5 s threshold while
     # it updates: then the alert may still be listed until the rules are evaluated on the scrape
     # that saw the rollout finish. It must be gone then (scrape + evaluation, 1 s each).
     prom.wait(
-        "WeightReplicaLeftDrained resolved after the rollout",
-        lambda: not prom.alerts("WeightReplicaLeftDrained"),
+        "WeightrollReplicaLeftDrained resolved after the rollout",
+        lambda: not prom.alerts("WeightrollReplicaLeftDrained"),
         timeout=ALERT_SLACK,
     )
     DONE.add("v2")
 
 
 def test_failed_rollout_fires_its_alerts(fleet: Fleet, prom: Prometheus) -> None:
-    """v2 -> v4 with one pod's v4 corrupt, Halt: WeightUpdateFailed and WeightReplicaLeftDrained
-    fire; the drained pod's Events say why."""
+    """v2 -> v4 with one pod's v4 corrupt, Halt: WeightrollUpdateFailed and
+    WeightrollReplicaLeftDrained fire; the drained pod's Events say why."""
     if "v2" not in DONE:
         pytest.skip("needs the fleet on v2 (test_rollout_tells_each_pod_its_story)")
     fleet.publish("v4", seed=3)
@@ -196,18 +196,18 @@ def test_failed_rollout_fires_its_alerts(fleet: Fleet, prom: Prometheus) -> None
     assert status["phase"] == "Failed", status
     assert fleet.condition(bad, GATE) == "False"
     failed = prom.wait(
-        "WeightUpdateFailed firing for obs-v4",
-        lambda: _firing(prom, "WeightUpdateFailed", namespace=NAMESPACE, name="obs-v4"),
+        "WeightrollUpdateFailed firing for obs-v4",
+        lambda: _firing(prom, "WeightrollUpdateFailed", namespace=NAMESPACE, name="obs-v4"),
         timeout=ALERT_SLACK,
     )
     assert failed[0]["phase"] == "Failed" and failed[0]["severity"] == "critical"
     drained = prom.wait(
-        f"WeightReplicaLeftDrained firing for {bad}",
-        lambda: _firing(prom, "WeightReplicaLeftDrained", pod=bad),
+        f"WeightrollReplicaLeftDrained firing for {bad}",
+        lambda: _firing(prom, "WeightrollReplicaLeftDrained", pod=bad),
         timeout=ALERT_SLACK,
     )
     assert drained[0]["name"] == "obs-v4"
-    assert not _firing(prom, "WeightUpdateFailed", name="obs-v2")
+    assert not _firing(prom, "WeightrollUpdateFailed", name="obs-v2")
     events = _pod_events(fleet, bad)
     assert events[-1]["reason"] == "WeightsUpdateFailed", events
     assert events[-1]["type"] == "Warning"
@@ -239,10 +239,10 @@ def test_retry_succeeds_and_the_alerts_resolve(fleet: Fleet, prom: Prometheus) -
     assert status["phase"] == "Succeeded", status
     fleet.wait_pods("Ready", "True", PODS, timeout=60)
     prom.wait(
-        "WeightUpdateFailed and WeightReplicaLeftDrained resolved",
+        "WeightrollUpdateFailed and WeightrollReplicaLeftDrained resolved",
         lambda: (
-            not _firing(prom, "WeightUpdateFailed", name="obs-v4")
-            and not _firing(prom, "WeightReplicaLeftDrained")
+            not _firing(prom, "WeightrollUpdateFailed", name="obs-v4")
+            and not _firing(prom, "WeightrollReplicaLeftDrained")
         ),
         timeout=ALERT_SLACK,
     )

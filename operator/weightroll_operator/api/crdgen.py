@@ -176,18 +176,23 @@ def _schema_of(model: type[api.Model]) -> dict[str, Any]:
     return structural(raw, defs)
 
 
-def _column(name: str, kind: str, path: str, description: str) -> dict[str, Any]:
-    return {"name": name, "type": kind, "jsonPath": path, "description": description}
+def _column(
+    name: str, kind: str, path: str, description: str, *, wide: bool = False
+) -> dict[str, Any]:
+    column = {"name": name, "type": kind, "jsonPath": path, "description": description}
+    # priority 1: shown only by ``kubectl get -o wide``, as kubectl does for a pod's IP/node.
+    return {**column, "priority": 1} if wide else column
 
 
-#: ``kubectl get wu``: phase, version, updated/total, the message (and age).
+#: ``kubectl get wu``: phase, version, updated/total and age; ``-o wide`` adds the message (a
+#: sentence that would wrap every row of the default view).
 PRINTER_COLUMNS = [
     _column("Phase", "string", ".status.phase", "Where the rollout stands"),
     _column("Version", "string", ".spec.version", "The version being rolled out"),
     _column("Updated", "integer", ".status.replicas.updated", "Pods serving the version"),
     _column("Total", "integer", ".status.replicas.total", "Pods the selector selects"),
     _column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
-    _column("Message", "string", ".status.message", "The rollout in one line"),
+    _column("Message", "string", ".status.message", "The rollout in one line", wide=True),
 ]
 # The standard texts Kubernetes gives these three fields of every object.
 _API_VERSION_DOC = (

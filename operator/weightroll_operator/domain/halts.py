@@ -15,7 +15,7 @@ complete Deployment is no new rollout and is never judged by ``progressDeadlineS
 the attempt's last transition (a claim, a verdict), never from creation: time before the
 operator's process started (``clock_floor``), before ``weightroll retry``, and on hold (paused,
 canary hold, ``Blocked``) does not count. After completion nothing halts (above), but the clock
-still runs for the ``WeightUpdateStuck`` alert: the first pass that finds work after
+still runs for the ``WeightrollUpdateStuck`` alert: the first pass that finds work after
 ``Succeeded`` restarts it (``Persisted.idle``), as the end of a hold does, so
 ``lastProgressTime`` measures the convergence, not the hours since completion.
 

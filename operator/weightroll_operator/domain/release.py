@@ -12,7 +12,7 @@ Per owned pod, from what its agent says now:
   held) at a known version: traffic restored, released — ``Verified`` when that is this
   attempt's version, ``RolledBack`` when it is the recorded previous one;
 * otherwise (held, poisoned, failed): released but left drained, its reason recorded; the
-  operator keeps exporting its drained series, so ``WeightReplicaLeftDrained`` keeps firing;
+  operator keeps exporting its drained series, so ``WeightrollReplicaLeftDrained`` keeps firing;
 * agent unreachable, unauthorized or unreadable while an update may still run: not released,
   retried with backoff (``pending``).
 

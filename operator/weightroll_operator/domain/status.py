@@ -60,7 +60,8 @@ def compute_counts(plan: Plan, spec: WeightUpdateSpec) -> ReplicaCounts:
 
     After a halt with ``onFailure: Rollback`` the rollout's aim is the previous version again:
     pods it never touched already serve it, so they are not stale (the fleet is uniform, and
-    ``WeightFleetStale`` must not fire next to ``WeightUpdateFailed`` for the same rollback).
+    ``WeightrollFleetStale`` must not fire next to ``WeightrollUpdateFailed`` for the same
+    rollback).
     """
     classes = list(plan.classes.values())
     aborted = plan.persisted.aborted_at is not None

@@ -4,7 +4,7 @@ The rank's guard (engine_agent/reload/guard.py; the real-engine test is
 tests/engine/test_still_true.py) poisons a rank with ``still_true_violated: ...``. The agent
 must then hold the replica under that code (not the generic ``engine_not_clean``), report it
 not ready, and export ``weightroll_agent_still_true_violated 1`` for the alert
-WeightReplicaWeightsChanged; a full update clears all three.
+WeightrollReplicaWeightsChanged; a full update clears all three.
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ async def test_invalid_spec_is_reported(h: Harness) -> None:
 
 async def test_invalid_spec_sets_the_failed_phase_metric(h: Harness) -> None:
     """Issue 27 item 12: an invalid spec wrote phase Failed to the status but never to the
-    phase gauge, so the WeightUpdateFailed alert (``weightroll_update_phase{phase="Failed"}``)
+    phase gauge, so the WeightrollUpdateFailed alert (``weightroll_update_phase{phase="Failed"}``)
     stayed silent."""
     await h.add_pods(1)
     await h.create_wu("wu", "v2", source={"uri": "/w", "mode": "sparse"})

@@ -1,6 +1,6 @@
 """A missing or unreadable agent token Secret is reported (issue 11 finding 9), against kmock:
 condition ``AgentTokenAvailable=False`` naming the Secret, the gauge behind the alert
-WeightAgentTokenUnavailable, and nothing drained until the token can be read."""
+WeightrollAgentTokenUnavailable, and nothing drained until the token can be read."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def test_tolerated_failures_with_room_left_go_on() -> None:
 
 def test_a_straggler_starts_the_progress_clock_of_the_convergence() -> None:
     """The first pass that finds work after Succeeded restarts the progress clock (as the end
-    of a hold does): ``lastProgressTime`` (and with it the WeightUpdateStuck alert) measures the
+    of a hold does): ``lastProgressTime`` (and with it the WeightrollUpdateStuck alert) measures the
     convergence, not the hours since completion."""
     status = WeightUpdateStatus(
         phase=Phase.SUCCEEDED,
