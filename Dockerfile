@@ -3,7 +3,7 @@
 #   operator  the kopf operator, slim: weightroll without the engine extra (no torch, no vLLM)
 #   agent     a vLLM image plus weightroll: the worker extension
 #             (--worker-extension-cls engine_agent.vllm_extension.WeightRollExtension) and the
-#             `weightroll agent` sidecar; the same image serves both containers of a vLLM pod
+#             `weightroll-agent` sidecar; the same image serves both containers of a vLLM pod
 #
 # Build arguments:
 #   BASE       Python base of the build and operator stages (Debian, python3 with venv and pip)
@@ -81,8 +81,7 @@ RUN python3 -m venv /opt/weightroll \
 WORKDIR /opt/weightroll
 USER 65532:65532
 EXPOSE 8080 8081
-ENTRYPOINT ["weightroll"]
-CMD ["operator"]
+ENTRYPOINT ["weightroll-operator"]
 
 # ---- agent: vLLM + worker extension + sidecar --------------------------------------------------
 FROM ${VLLM_BASE} AS agent

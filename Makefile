@@ -14,11 +14,11 @@ SCENARIO ?= ok
 ON_FAILURE ?= Halt
 demo:
 	@bash scripts/demo-prereqs.sh
-	$(VENV)/bin/weightroll demo --scenario $(SCENARIO) --on-failure $(ON_FAILURE)
+	PYTHONPATH=devtools $(PY) -m weightroll_dev demo --scenario $(SCENARIO) --on-failure $(ON_FAILURE)
 
 ## The single-engine demo (no cluster): a verified update on one vLLM engine and the failure modes.
 demo-engine: venv
-	$(VENV)/bin/weightroll demo --engine
+	PYTHONPATH=devtools $(PY) -m weightroll_dev demo --engine
 
 ## Run every test tier that can run on this machine, after the static checks.
 test: venv lint

@@ -8,7 +8,7 @@ Goal (issue 3): <= 1 s plus the drain wait; reported with and without the drain.
 
 Backends:
     ``vllm`` (default): a real vLLM OpenAI server on CPU (tiny random Llama, dev mode, the
-        weightroll extension) for each ``--tp``, driven by ``weightroll agent`` as a subprocess.
+        weightroll extension) for each ``--tp``, driven by ``weightroll-agent`` as a subprocess.
     ``fake``: the in-process fake vLLM of ``tests/harness/fake_vllm.py`` (agent cost only).
 
 Usage::
@@ -178,7 +178,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     import aiohttp.web  # noqa: F401  (used by bench_fake)
 
     report: dict[str, Any] = {
-        "benchmark": "weightroll agent control overhead per update",
+        "benchmark": "weightroll-agent control overhead per update",
         "backend": args.backend,
         "goal_overhead_excl_drain_s": GOAL_S,
         "repeats": args.repeats,

@@ -5,7 +5,7 @@ This module is the one contract between the three processes that take part in an
 * the **worker extension** (``engine_agent.vllm_extension``) runs inside every vLLM rank and is
   called through ``collective_rpc``; its methods take one JSON string and return a plain dict
   that validates as :class:`RankReport` or :class:`RankStatus`;
-* the **sidecar** (``weightroll agent``) serves the operator over HTTP with :class:`UpdateRequest`,
+* the **sidecar** (``weightroll-agent``) serves the operator over HTTP with :class:`UpdateRequest`,
   :class:`UpdateStatus` and :class:`AgentState`;
 * the **operator** imports nothing else from the agent side.
 

@@ -2,14 +2,15 @@
 
 Nothing here ships: the wheel and the images contain ``engine_agent`` and ``weightroll_operator``
 only (``tests/unit/test_packaging.py`` builds the wheel and checks it), and no product module
-imports this package (an import-linter contract). ``weightroll dev`` and ``weightroll demo`` reach
-it from a checkout through :mod:`weightroll_operator.cli`, which puts ``devtools/`` on the path.
+imports this package (an import-linter contract). ``python -m weightroll_dev demo|dev``
+(:mod:`.__main__`) runs its commands from a checkout, with ``devtools/`` on ``PYTHONPATH``
+(``make demo`` sets it).
 
 Modules:
     * :mod:`.devcluster`: a local kube-apiserver, a kubelet stand-in running pods as processes,
-      the operator as a process, and ``weightroll dev up|down``;
-    * :mod:`.demo_cluster`, :mod:`.demo_view`: ``weightroll demo`` (``make demo``);
-    * :mod:`.demo_engine`: ``weightroll demo --engine`` (one vLLM engine, no cluster);
+      the operator as a process, and ``weightroll_dev dev up|down``;
+    * :mod:`.demo_cluster`, :mod:`.demo_view`: ``weightroll_dev demo`` (``make demo``);
+    * :mod:`.demo_engine`: ``weightroll_dev demo --engine`` (one vLLM engine, no cluster);
     * :mod:`.tinymodels`: tiny Hugging Face checkpoints built locally (tests, benches, demos).
 """
 

@@ -1,10 +1,10 @@
-"""``weightroll demo`` (``make demo``): a verified rollout through three real vLLM pods, locally.
+"""``weightroll_dev demo`` (``make demo``): a verified rollout through three vLLM pods, locally.
 
-It runs on the dev cluster of ``weightroll dev up`` (:mod:`weightroll_dev.devcluster.bringup`,
+It runs on the dev cluster of ``weightroll_dev dev up`` (:mod:`weightroll_dev.devcluster.bringup`,
 the same bring-up as the e2e tier), all on this machine and all stopped at the end (also on
 Ctrl-C / SIGTERM): the local kube-apiserver + etcd (built once into the cache, after
 ``scripts/system-deps.sh`` when the toolchain is missing and we are root), the chart with its
-example workload, ``weightroll operator`` as the chart's ServiceAccount, and three pods run by
+example workload, ``weightroll-operator`` as the chart's ServiceAccount, and three pods run by
 the kubelet stand-in, each a real vLLM CPU server plus the agent on its own loopback IP. The
 checkpoints are tiny llamas trained on the spot (:mod:`weightroll_dev.demomodels`) to answer the
 demo's prompt with one readable sentence per version.
@@ -90,7 +90,7 @@ class ClusterDemo:
         self.out = console
         self.scenario = scenario
         self.on_failure = on_failure
-        #: The dev cluster (``weightroll dev up``) the demo runs on, once it is up.
+        #: The dev cluster (``weightroll_dev dev up``) the demo runs on, once it is up.
         self.info: ClusterInfo | None = None
         self.bad = PODS[1] if scenario == "fail" else None
         self.before: dict[str, str | None] = {}
@@ -170,10 +170,10 @@ class ClusterDemo:
     # ------------------------------------------------------------------ steps
 
     def bring_up(self) -> None:
-        """``weightroll dev up --pods 3`` in the work directory (pod IPs 127.0.0.100 and up,
+        """``weightroll_dev dev up --pods 3`` in the work directory (pod IPs 127.0.0.100 and up,
         away from the e2e tier's, so a concurrent test fleet never answers for a demo pod)."""
         self.out.step(
-            "Dev cluster (weightroll dev up): kube-apiserver, chart, operator, 3 vLLM pods",
+            "Dev cluster (weightroll_dev dev up): kube-apiserver, chart, operator, 3 vLLM pods",
             "checkpoints v1, v2, v3 are tiny llamas trained to answer the prompt (cached)",
         )
         self.info = up(
@@ -389,7 +389,9 @@ class ClusterDemo:
 
     def close(self) -> None:
         """Stop everything started, newest first; each step runs even if another fails."""
-        self.out.step("Shutting down (weightroll dev down): operator, pods, kube-apiserver, etcd")
+        self.out.step(
+            "Shutting down (weightroll_dev dev down): operator, pods, kube-apiserver, etcd"
+        )
         if self._api is not None:
             with contextlib.suppress(Exception):
                 self._loop.run_until_complete(self._api.close())
@@ -400,7 +402,7 @@ class ClusterDemo:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="weightroll demo",
+        prog="python -m weightroll_dev demo",
         description="Roll new weights through three real vLLM CPU pods on a local kube-apiserver "
         "with the operator, live (make demo). Builds the kube-apiserver once when it is not "
         "cached (installing go and etcd first when run as root).",
@@ -409,7 +411,7 @@ def _parser() -> argparse.ArgumentParser:
         "--engine",
         action="store_true",
         help="run the single-engine demo instead (no cluster: one vLLM engine, a verified "
-        "update, a half-sent update refused; `weightroll demo --engine --help`)",
+        "update, a half-sent update refused; `python -m weightroll_dev demo --engine --help`)",
     )
     p.add_argument(
         "--scenario",
@@ -437,15 +439,16 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.engine:  # `weightroll demo --engine` is routed by the CLI before this module
+    if args.engine:  # routed to demo_engine by weightroll_dev.__main__ before this module
         print(
-            "weightroll demo: run the single-engine demo as `weightroll demo --engine`",
+            "weightroll_dev demo: run the single-engine demo as `python -m weightroll_dev demo "
+            "--engine` (make demo-engine)",
             file=sys.stderr,
         )
         return 2
     if importlib.util.find_spec("vllm") is None:
         print(
-            "weightroll demo: vLLM is not installed; run `make demo` (it installs it)",
+            "weightroll_dev demo: vLLM is not installed; run `make demo` (it installs it)",
             file=sys.stderr,
         )
         return 2

@@ -1,4 +1,4 @@
-"""``weightroll demo``: a verified in-place weight update on a real vLLM engine, on this machine.
+"""``weightroll_dev demo --engine``: a verified in-place update on a real vLLM engine, here.
 
 What it shows, on one replica (a real vLLM CPU engine with weightroll's worker extension):
 
@@ -83,10 +83,10 @@ class _Replica:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="weightroll demo --engine",
+        prog="python -m weightroll_dev demo --engine",
         description="Roll a verified in-place weight update through a real vLLM engine on CPU, "
         "then show a half-sent update refused (make demo-engine). Without --engine, `weightroll "
-        "demo` runs the cluster demo (`weightroll demo --help`).",
+        "demo` runs the cluster demo (`python -m weightroll_dev demo --help`).",
     )
     parser.add_argument(
         "--scenario",
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import vllm  # noqa: F401
     except ImportError:
         print(
-            "weightroll demo --engine: vLLM is not installed; "
+            "python -m weightroll_dev demo --engine: vLLM is not installed; "
             "run `make demo-engine` (it installs it)",
             file=sys.stderr,
         )

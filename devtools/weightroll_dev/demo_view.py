@@ -1,4 +1,4 @@
-"""The cluster demo's terminal output and its prompt asker (``weightroll demo``).
+"""The cluster demo's terminal output and its prompt asker (``weightroll_dev demo``).
 
 :class:`Console` prints step headers, event lines and the per-pod view (redrawn in place on a
 TTY, one line per change otherwise, e.g. in CI). :class:`Asker` asks every serving pod the same

@@ -1,4 +1,4 @@
-"""``weightroll agent``: the pod sidecar that drives one vLLM replica through verified updates.
+"""``weightroll-agent``: the pod sidecar that drives one vLLM replica through verified updates.
 
 Layers (one concern each): ``engine`` is the only client of the local vLLM server; ``ranks``
 holds the pure all-rank agreement rules; ``state`` the update records and persisted memory;

@@ -1,4 +1,4 @@
-"""``weightroll agent``: parse flags and environment, then serve the sidecar until stopped.
+"""``weightroll-agent``: parse flags and environment, then serve the sidecar until stopped.
 
 Every flag has an environment variable (``WEIGHTROLL_AGENT_*``) so the Helm chart can configure
 the container without templating the command line; a flag wins over its variable. The process

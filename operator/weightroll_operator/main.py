@@ -1,4 +1,4 @@
-"""``weightroll operator``: run the WeightUpdate operator (kopf) in this process.
+"""``weightroll-operator``: run the WeightUpdate operator (kopf) in this process.
 
 Builds the clients, the reconciler and the metrics endpoint, registers the handlers and runs
 ``kopf.operator``. With ``--leader-elect`` (the chart's default, two replicas) kopf runs only
@@ -31,6 +31,7 @@ from weightroll_operator.agent_client import AgentClient
 from weightroll_operator.gc_pacing import GcPacer
 from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
+from weightroll_operator.k8s.describe import kubeconfig_line
 from weightroll_operator.k8s.lease import LeaderElector
 from weightroll_operator.metrics import Metrics
 from weightroll_operator.reconcile import Reconciler
@@ -42,7 +43,7 @@ __all__ = ["build_runtime", "main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="weightroll operator",
+        prog="weightroll-operator",
         description=(
             "Run the WeightUpdate operator (kopf) in this process. Standalone by default: run one "
             "replica, or pass --peering NAME --priority N with a distinct priority per replica."
@@ -196,7 +197,7 @@ async def _serve(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(argv or []))
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -212,14 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             webhook_cert_dir=args.webhook_cert_dir,
         )
     except ValueError as e:
-        print(f"weightroll operator: {e}", file=sys.stderr)
+        print(f"weightroll-operator: {e}", file=sys.stderr)
         return 2
     try:
         kube_config = KubeConfig.load(args.kubeconfig, args.context)
     except Exception as e:  # the kubernetes client raises several unrelated types here
         print(
-            f"weightroll operator: cannot load Kubernetes credentials ({e}); run in a pod with a "
-            "ServiceAccount, or pass --kubeconfig FILE (or set $KUBECONFIG)",
+            f"weightroll-operator: {kubeconfig_line(e, args.kubeconfig, args.context)}; in a "
+            "pod it uses its ServiceAccount",
             file=sys.stderr,
         )
         return 2

@@ -42,6 +42,7 @@ import yaml
 from weightroll_operator.api.names import is_dns_label, is_dns_subdomain
 from weightroll_operator.errors import KubeError, KubeNotFound, KubeUnavailable
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
+from weightroll_operator.k8s.describe import kubeconfig_line, unreachable_line
 
 __all__ = [
     "VIEW_SCHEMA",
@@ -464,11 +465,10 @@ def kube_error_line(
     if isinstance(error, KubeNotFound):
         return _not_found(error, namespace, name)
     if isinstance(error, KubeUnavailable):
-        return (
-            f"cannot reach the API server {server} ({error}); check "
-            "--kubeconfig/--context and that the cluster is up"
-        )
-    hint = {401: _UNAUTHORIZED, 403: forbidden}.get(error.status, "")
+        return unreachable_line(error, server)
+    if error.status == 401:
+        return "You must be logged in to the server (Unauthorized)" + _UNAUTHORIZED
+    hint = {403: forbidden}.get(error.status, "")
     return f"{error}{hint}"
 
 
@@ -483,12 +483,7 @@ def load_config(prog: str, kubeconfig: str | None, context: str | None) -> KubeC
     try:
         return KubeConfig.load(kubeconfig, context)
     except Exception as e:  # kubernetes' ConfigException, OSError, ...: all mean "no cluster"
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(
-            f"{prog}: cannot load a kubeconfig ({detail}); pass --kubeconfig FILE "
-            "or set KUBECONFIG to a file with a reachable cluster",
-            file=sys.stderr,
-        )
+        print(f"{prog}: {kubeconfig_line(e, kubeconfig, context)}", file=sys.stderr)
         return None
 
 

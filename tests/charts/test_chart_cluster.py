@@ -309,7 +309,7 @@ def test_kubectl_explain_shows_every_field_description(installed: KubeCluster) -
 
 
 def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) -> None:
-    """`weightroll operator` authenticated as the chart's ServiceAccount, watching the release
+    """`weightroll-operator` authenticated as the chart's ServiceAccount, watching the release
     namespace as the chart's Deployment does, reads the fleet, the token Secret and writes status
     and Events without a single 403 (the full rollout under this identity is the e2e tier's and
     test_rbac_audit_cluster.py's)."""

@@ -293,7 +293,7 @@ def test_operator_deployment() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (ctr,) = pod["containers"]
-    assert ctr["command"] == ["weightroll", "operator"]
+    assert ctr["command"] == ["weightroll-operator"]
     # the release namespace only (issue 28 item 7), INFO logging
     assert ctr["args"] == [f"--namespace={NAMESPACE}", "--leader-elect"]
     assert ctr["image"] == "ghcr.io/weightroll/weightroll-operator:0.1.0"
@@ -535,7 +535,7 @@ def test_workload_example_is_prepared_for_weightroll() -> None:
     assert "--host=127.0.0.1" in vllm["args"] and "--port=8000" in vllm["args"]
     assert "--max-model-len=2048" in vllm["args"]
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in vllm["env"]
-    assert agent["command"] == ["weightroll", "agent"]
+    assert agent["command"] == ["weightroll-agent"]
     assert agent["args"][:2] == [
         "--vllm-url=http://127.0.0.1:8000",
         "--token-file=/var/run/weightroll/token",

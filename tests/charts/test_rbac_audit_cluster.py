@@ -4,7 +4,7 @@ operator uses, as the API server's audit log records it.
 The expected verbs do not come from the chart (a list written next to the rules would only
 repeat them): a kube-apiserver of its own runs with the audit log on
 (``tests/harness/apiserver.py`` ``audited_kube_cluster``), the chart is installed with its
-defaults, and ``weightroll operator`` runs as the chart's ServiceAccount with the arguments and
+defaults, and ``weightroll-operator`` runs as the chart's ServiceAccount with the arguments and
 environment of the chart's Deployment (so it watches what the chart tells it to). It rolls a
 WeightUpdate to one version, to another and back to the first (the third rollout repeats the
 pod Events of the first, which the operator counts up with ``patch``, as it does for any

@@ -1,6 +1,6 @@
 """Cluster tier: bad WeightUpdates are rejected at the door (issue 11 finding 9, item I).
 
-``weightroll operator --webhook-port`` runs as a local process with a certificate for
+``weightroll-operator --webhook-port`` runs as a local process with a certificate for
 127.0.0.1; a ValidatingWebhookConfiguration like the chart's, but pointing the real
 kube-apiserver 1.20 at that loopback URL, sends it every CREATE and UPDATE of a WeightUpdate in
 one test namespace. Each invalid spec is refused by ``kubectl apply`` with a message naming the

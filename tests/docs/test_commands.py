@@ -29,6 +29,7 @@ import shlex
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from weightroll_operator import cli
@@ -49,15 +50,19 @@ _SEPARATORS = {"|", "||", "&&", ";", "&", "(", ")"}
 #: Modules whose ``main`` parses a subcommand's arguments (``demo`` builds its parser inline).
 #: A module serving several subcommands (its ``VERBS``) builds the parser of one: ``_parser(sub)``.
 _PARSERS = {
-    "operator": "weightroll_operator.main",
-    "agent": "engine_agent.sidecar.main",
     "manifest": "engine_agent.manifest",
+    "lint": "weightroll_operator.lint",
     "status": "weightroll_operator.status_view",
     "pause": "weightroll_operator.control",
     "resume": "weightroll_operator.control",
     "promote": "weightroll_operator.control",
 }
-_OWN_PACKAGES = ("weightroll_operator", "engine_agent", "tests", "bench")
+#: The daemons' own commands (console scripts) -> the module whose ``_parser()`` they run.
+_DAEMONS = {
+    "weightroll-operator": "weightroll_operator.main",
+    "weightroll-agent": "engine_agent.sidecar.main",
+}
+_OWN_PACKAGES = ("weightroll_operator", "engine_agent", "weightroll_dev", "tests", "bench")
 
 
 def _rel(path: Path) -> str:
@@ -150,33 +155,62 @@ def check_paths(argv: list[str]) -> list[str]:
     return problems
 
 
-def check_weightroll(argv: list[str]) -> list[str]:
-    args = argv[1:]
-    if not args or args[0] in ("-h", "--help"):
-        return []
-    sub, rest = args[0], args[1:]
-    if sub not in {**cli.SUBCOMMANDS, **cli.DEV_COMMANDS}:
-        return [f"weightroll {sub}: no such subcommand"]
+def check_flags(label: str, help_text: str, rest: list[str], parser: Any = None) -> list[str]:
+    """Every flag of ``rest`` is in ``help_text``; then ``rest`` parses with ``parser``."""
     problems = []
-    help_text = subcommand_help(sub)
-    if sub == "dev" and rest and not rest[0].startswith("-"):  # `dev up|down` own their options
-        help_text += subcommand_help(sub, rest[0])
     for token in rest:
         if token.startswith("-") and token != "-":
             flag = token.split("=", 1)[0]
             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text):
-                problems.append(f"weightroll {sub}: no option {flag}")
-    if sub in _PARSERS and not problems:
-        module = importlib.import_module(_PARSERS[sub])
-        parser = module._parser(sub) if sub in getattr(module, "VERBS", ()) else module._parser()
+                problems.append(f"{label}: no option {flag}")
+    if parser is not None and not problems:
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
                 parser.parse_args(rest)
         except SystemExit as e:
             if e.code:
-                problems.append(f"weightroll {sub}: {err.getvalue().strip().splitlines()[-1]}")
+                problems.append(f"{label}: {err.getvalue().strip().splitlines()[-1]}")
     return problems
+
+
+def check_weightroll(argv: list[str]) -> list[str]:
+    args = argv[1:]
+    if not args or args[0] in ("-h", "--help", "--version"):
+        return []
+    sub, rest = args[0], args[1:]
+    if sub not in cli.SUBCOMMANDS:
+        return [f"weightroll {sub}: no such subcommand"]
+    parser = None
+    if sub in _PARSERS:
+        module = importlib.import_module(_PARSERS[sub])
+        parser = module._parser(sub) if sub in getattr(module, "VERBS", ()) else module._parser()
+    return check_flags(f"weightroll {sub}", subcommand_help(sub), rest, parser)
+
+
+def check_daemon(argv: list[str]) -> list[str]:
+    parser = importlib.import_module(_DAEMONS[Path(argv[0]).name])._parser()
+    return check_flags(Path(argv[0]).name, parser.format_help(), argv[1:], parser)
+
+
+def check_dev(args: list[str]) -> list[str]:
+    """``python -m weightroll_dev demo|dev ...``: the command exists, its flags too."""
+    from weightroll_dev.__main__ import COMMANDS, ENGINE_DEMO
+
+    if not args or args[0] in ("-h", "--help"):
+        return []
+    if args[0] not in COMMANDS:
+        return [f"python -m weightroll_dev {args[0]}: no such command"]
+    target = ENGINE_DEMO if "--engine" in args else COMMANDS[args[0]][0]
+    rest = [a for a in args[1:] if a != "--engine"]
+    module = importlib.import_module(target)
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+        module.main(["--help"])
+    if rest and not rest[0].startswith("-") and args[0] == "dev":  # `dev up|down` own options
+        with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+            module.main([rest[0], "--help"])
+    return check_flags(f"python -m weightroll_dev {args[0]}", help_text.getvalue(), rest)
 
 
 def check_python(argv: list[str]) -> list[str]:
@@ -185,6 +219,8 @@ def check_python(argv: list[str]) -> list[str]:
         module = args[1]
         if module.split(".")[0] in _OWN_PACKAGES and importlib.util.find_spec(module) is None:
             return [f"python -m {module}: no such module"]
+        if module == "weightroll_dev":
+            return check_dev(args[2:])
         return []
     if args and not args[0].startswith("-") and not (ROOT / args[0]).is_file():
         return [f"python {args[0]}: no such file"]
@@ -202,8 +238,10 @@ def check_command(command: str) -> list[str]:
                 for t in argv[1:]
                 if not t.startswith("-") and "=" not in t and t not in make_targets()
             ]
-        elif program == "weightroll":
+        elif program in ("weightroll", "kubectl-weightroll"):
             problems += check_weightroll(argv)
+        elif program in _DAEMONS:
+            problems += check_daemon(argv)
         elif re.fullmatch(r"python3?(\.\d+)?", program):
             problems += check_python(argv)
     return problems

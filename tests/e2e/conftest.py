@@ -1,13 +1,13 @@
-"""Fixtures of the e2e tier: a dev cluster (``weightroll dev up``) and its access helpers.
+"""Fixtures of the e2e tier: a dev cluster (``weightroll_dev dev up``) and its access helpers.
 
-One fleet per module (``fleet``) is exactly what ``make demo`` runs on: ``weightroll dev up
+One fleet per module (``fleet``) is exactly what ``make demo`` runs on: ``weightroll_dev dev up
 --pods 3 --reference v2`` (:mod:`weightroll_dev.devcluster.bringup`) starts the local
 kube-apiserver, installs the chart as release ``weightroll`` with its example workload
 (readiness gate, agent sidecar, worker extension, token Secret), runs the operator as the
 chart's ServiceAccount, and three pods (real vLLM CPU servers with their agents) played by the
 kubelet stand-in, plus a reference pod ``vllm-cold`` that boots v2 cold (the independent oracle
 of "serves like a fresh engine"). The fixture reads ``cluster.json`` (:class:`ClusterInfo`) and
-stops everything with ``weightroll dev down`` afterwards.
+stops everything with ``weightroll_dev dev down`` afterwards.
 
 Checkpoints v1 (boot), v2 and v3 come with the cluster; :meth:`Fleet.publish` adds more. Each
 pod sees a node-local copy of the checkpoint volume, so one pod's copy can be corrupted alone
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from weightroll_dev import checkout_pythonpath
 from weightroll_dev.devcluster.apiserver import BUILD_HINT, apiserver_binary
 from weightroll_dev.devcluster.bringup import REFERENCE_POD, ClusterInfo, leftovers
 from weightroll_dev.devcluster.operator_process import write_token_kubeconfig
@@ -66,7 +67,9 @@ __all__ = [
 
 logger = logging.getLogger("tests.e2e")
 REPO = Path(__file__).resolve().parents[2]
-WEIGHTROLL = str(Path(sys.executable).parent / "weightroll")
+#: ``python -m weightroll_dev`` of this checkout (devtools/ on the child's path, as make does).
+DEV_COMMAND = [sys.executable, "-m", "weightroll_dev"]
+DEV_ENV = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
 NAMESPACE = "weightroll-system"
 RELEASE = "weightroll"
 GATE = "weightroll.io/weights-ready"
@@ -80,7 +83,7 @@ DEV_UP_TIMEOUT = 720
 
 
 def skip_without_dev_cluster() -> None:
-    """Skip (with the fix) where ``weightroll dev up`` cannot run."""
+    """Skip (with the fix) where ``weightroll_dev dev up`` cannot run."""
     if os.environ.get("WEIGHTROLL_KUBECONFIG"):
         pytest.skip(
             "the e2e tier runs its pods with the kubelet stand-in, which needs the built-in "
@@ -94,29 +97,31 @@ def skip_without_dev_cluster() -> None:
 
 
 def dev_up(directory: Path, *args: str) -> tuple[ClusterInfo, str]:
-    """``weightroll dev up --dir DIRECTORY ARGS`` as a user runs it; its info and output.
+    """``weightroll_dev dev up --dir DIRECTORY ARGS`` as a user runs it; its info and output.
 
     Raises:
         AssertionError: with the command's output when it fails (it stopped what it started).
     """
     began = time.monotonic()
     proc = subprocess.run(
-        [WEIGHTROLL, "dev", "up", "--dir", str(directory), *args],
+        [*DEV_COMMAND, "dev", "up", "--dir", str(directory), *args],
+        env=DEV_ENV,
         capture_output=True,
         text=True,
         timeout=DEV_UP_TIMEOUT + 60,
         check=False,
     )
     out = proc.stdout + proc.stderr
-    logger.info("weightroll dev up %s: %.0fs", " ".join(args), time.monotonic() - began)
+    logger.info("weightroll_dev dev up %s: %.0fs", " ".join(args), time.monotonic() - began)
     assert proc.returncode == 0, out[-6000:]
     return ClusterInfo.load(directory), out
 
 
 def dev_down(directory: Path) -> str:
-    """``weightroll dev down --dir DIRECTORY``; its output (fails the caller when it fails)."""
+    """``weightroll_dev dev down --dir DIRECTORY``; its output (fails the caller when it fails)."""
     proc = subprocess.run(
-        [WEIGHTROLL, "dev", "down", "--dir", str(directory)],
+        [*DEV_COMMAND, "dev", "down", "--dir", str(directory)],
+        env=DEV_ENV,
         capture_output=True,
         text=True,
         timeout=300,
@@ -447,8 +452,8 @@ def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """``weightroll dev up`` with three pods Ready on v1 and a reference pod on v2 (see the
-    module doc); ``weightroll dev down`` afterwards, which must leave no process behind."""
+    """``weightroll_dev dev up`` with three pods Ready on v1 and a reference pod on v2 (see the
+    module doc); ``weightroll_dev dev down`` afterwards, which must leave no process behind."""
     skip_without_dev_cluster()
     directory = tmp_path_factory.mktemp("e2e") / "dev"
     began = time.monotonic()

@@ -1,4 +1,4 @@
-"""The cluster demo end to end (issue 6, acceptance 1 and 2): ``weightroll demo`` (``make demo``).
+"""The cluster demo end to end (issue 6, acceptance 1 and 2): ``make demo``.
 
 Runs the command itself, non-TTY (one line per change), for both scenarios, and reads its output:
 every pod moves to v2, its answer changes from v1's sentence to v2's only at its commit (issue
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from weightroll_dev.demomodels import answer
 
-from tests.e2e.conftest import processes_naming, skip_without_dev_cluster
+from tests.e2e.conftest import DEV_COMMAND, DEV_ENV, processes_naming, skip_without_dev_cluster
 
 #: Dev up (up to 480 s for three vLLM pods to serve), the rollout (up to 300 s), the questions
 #: and the shut-down, with room: a slow machine finishes, a wedged demo fails.
@@ -38,7 +38,8 @@ def _demo(tmp_path: Path, *args: str) -> str:
     work = tmp_path / "demo"
     began = time.monotonic()
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "weightroll"), "demo", "--workdir", str(work), *args],
+        [*DEV_COMMAND, "demo", "--workdir", str(work), *args],
+        env=DEV_ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,4 +1,4 @@
-"""``weightroll dev up`` / ``weightroll dev down`` (issue 13 B) as a user runs them.
+"""``weightroll_dev dev up`` / ``weightroll_dev dev down`` (issue 13 B) as a user runs them.
 
 ``dev up --pods 3 --dir D`` returns with the cluster running in the background and
 ``D/cluster.json`` describing it; ``kubectl --kubeconfig <its kubeconfig> get pods`` shows three

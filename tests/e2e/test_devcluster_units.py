@@ -31,7 +31,7 @@ VLLM = {
 }
 AGENT = {
     "name": "weightroll-agent",
-    "command": ["weightroll", "agent"],
+    "command": ["weightroll-agent"],
     "args": [
         "--vllm-url=http://127.0.0.1:8000",
         "--token-file=/var/run/weightroll/token",
@@ -60,15 +60,14 @@ def test_vllm_serve_runs_the_api_server_on_the_pod_ip_with_pod_paths() -> None:
 
 def test_agent_gets_pod_ip_source_root_and_keeps_pod_view_sources() -> None:
     argv = _argv(AGENT)
+    assert Path(argv[0]).name == "weightroll-agent"
     assert argv[1:] == [
-        "agent",
         f"--vllm-url=http://{IP}:8000",
         f"--token-file={ROOT}/var/run/weightroll/token",
         "--initial-source=file:///models/v1",
         f"--host={IP}",
         f"--source-root={ROOT}",
     ]
-    assert Path(argv[0]).name == "weightroll"
 
 
 def test_env_is_rewritten_except_pod_view_uris() -> None:

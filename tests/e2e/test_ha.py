@@ -1,7 +1,7 @@
 """Two operator replicas with leader election on the real API server (issue 11 finding 6, F).
 
 Cheap pods (``tests.harness.fake_agent_process``, updates of about 3 s) under the pod
-simulator, as in ``test_light_fleet.py``. Two ``weightroll operator --leader-elect`` processes
+simulator, as in ``test_light_fleet.py``. Two ``weightroll-operator --leader-elect`` processes
 run as the chart's ServiceAccount (the chart's Role grants the Lease); the leader is killed with
 SIGKILL while a unit is in flight. The standby takes the Lease once it expired and finishes the
 rollout. A sampler watches the pods all along (``ReadySampler``): never more than

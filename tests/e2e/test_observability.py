@@ -60,7 +60,7 @@ DONE: set[str] = set()
 
 
 # The fleet is the e2e tier's (tests/e2e/conftest.py): these three read it whether it runs the
-# dev cluster itself (simulator, operator process) or reads `weightroll dev up`'s cluster.json.
+# dev cluster itself (simulator, operator process) or reads `weightroll_dev dev up`'s cluster.json.
 
 
 def _operator_metrics_url(fleet: Fleet) -> str:

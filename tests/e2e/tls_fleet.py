@@ -1,7 +1,8 @@
 """The chart-installed fleet of the TLS e2e test (tests/e2e/test_agent_tls.py): the chart with
 any values (here ``agentTLS``), simulated vLLM pods from its Deployment, and the operator as a
-local process with extra environment (the CA file). ``weightroll dev up`` (tests/e2e/conftest.py)
-installs the chart with fixed values; this keeps the values open until dev up takes them.
+local process with extra environment (the CA file). ``weightroll_dev dev up``
+(tests/e2e/conftest.py) installs the chart with fixed values; this keeps the values open until
+dev up takes them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The single-engine demo, ``weightroll demo --engine`` (``make demo-engine``), runs to the end."""
+"""The single-engine demo, ``make demo-engine``, runs to the end."""
 
 from __future__ import annotations
 
@@ -7,14 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from weightroll_dev import checkout_pythonpath
+
 
 def test_demo_runs_both_scenarios_and_exits_cleanly(tmp_path: Path) -> None:
-    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = os.environ | {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONPATH": checkout_pythonpath(),
+    }
     run = subprocess.run(
         [
             sys.executable,
             "-m",
-            "weightroll_operator.cli",
+            "weightroll_dev",
             "demo",
             "--engine",
             "--workdir",

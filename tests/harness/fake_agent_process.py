@@ -1,7 +1,7 @@
 """``python -m tests.harness.fake_agent_process``: one :class:`FakeAgent` as a process.
 
 The container of a cheap simulated pod (tests/e2e RBAC and simulator tests): the pod simulator
-runs it like the real ``weightroll agent`` — same flags for host, port and token file — so a
+runs it like the real ``weightroll-agent`` — same flags for host, port and token file — so a
 fleet of pods can be rolled out in seconds without vLLM. Updates "load" by sleeping; every
 version succeeds unless named in ``--fail``. Stops on SIGTERM/SIGINT.
 """

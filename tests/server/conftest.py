@@ -1,4 +1,4 @@
-"""Fixtures for the server tier: real vLLM servers on CPU driven by a real ``weightroll agent``.
+"""Fixtures for the server tier: real vLLM servers on CPU driven by a real ``weightroll-agent``.
 
 Marked ``server``; skipped where vLLM is not installed. Each test module starts one vLLM server
 (~25-60 s on 2 cores) and shares it between its tests, in file order, so the tests of a module

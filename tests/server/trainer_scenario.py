@@ -1,7 +1,7 @@
 """Shared pieces of the trainer-path server tests: replicas with ``weightroll_gloo``, a trainer.
 
 A replica is a :class:`~tests.server.conftest.Scenario` (a real vLLM server started with
-``--weight-transfer-config '{"backend":"weightroll_gloo"}'`` plus a real ``weightroll agent``);
+``--weight-transfer-config '{"backend":"weightroll_gloo"}'`` plus a real ``weightroll-agent``);
 the trainer is ``tests/server/trainer_proc.py`` in its own process.
 """
 

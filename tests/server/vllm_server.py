@@ -154,7 +154,7 @@ class VllmServer:
 
 @dataclass
 class AgentProcess:
-    """``weightroll agent`` as a subprocess (so tests can SIGKILL it)."""
+    """``weightroll-agent`` as a subprocess (so tests can SIGKILL it)."""
 
     vllm_url: str
     token_file: Path

@@ -97,8 +97,32 @@ def test_installed_cli_neither_lists_nor_runs_dev_commands(wheel: Path, tmp_path
     assert helped.returncode == 0, helped.stderr
     # argparse lists one command per line, indented by four: "    NAME  help".
     listed = [ln.split()[0] for ln in helped.stdout.splitlines() if re.match(r"    [a-z]", ln)]
-    assert "operator" in listed and "demo" not in listed and "dev" not in listed, listed
+    assert "status" in listed and "lint" in listed, listed
+    assert not {"demo", "dev", "operator", "agent"} & set(listed), listed
     for argv in (("demo",), ("dev", "up"), ("demo", "--engine")):
         done = _installed_cli(wheel, tmp_path, *argv)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
-        assert f"weightroll {argv[0]}: this command needs a checkout" in done.stderr, done.stderr
+        assert f"weightroll {argv[0]}: a development command of the repository checkout" in (
+            done.stderr
+        ), done.stderr
+
+
+def test_the_wheel_installs_one_command_per_role(wheel: Path) -> None:
+    """Issue 31 item 2: the user's CLI (twice: kubectl runs it as a plugin) and one command per
+    container, each pointing at a module of the wheel."""
+    names = zipfile.ZipFile(wheel).namelist()
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    scripts = text.split("[console_scripts]")[1].split("[")[0]
+    found = dict(
+        (k.strip(), v.strip())
+        for k, v in (ln.split("=") for ln in scripts.splitlines() if "=" in ln)
+    )
+    assert found == {
+        "weightroll": "weightroll_operator.cli:main",
+        "kubectl-weightroll": "weightroll_operator.cli:main",
+        "weightroll-operator": "weightroll_operator.main:main",
+        "weightroll-agent": "engine_agent.sidecar.main:main",
+    }
+    for target in found.values():
+        assert target.split(":")[0].replace(".", "/") + ".py" in names

@@ -242,7 +242,7 @@ readinessGates:
 {{- $w := .Values.workloadExample -}}
 - name: weightroll-agent
   image: {{ $w.agent.image }}
-  command: ["weightroll", "agent"]
+  command: ["weightroll-agent"]
   args:
     - --vllm-url=http://127.0.0.1:{{ $w.vllm.port }}
     - --token-file=/var/run/weightroll/token

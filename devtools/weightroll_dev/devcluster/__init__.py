@@ -3,7 +3,7 @@
 The test kube-apiserver (``scripts/kube-apiserver.sh``) has no scheduler and no kubelet, so pods
 stay ``Pending`` forever. :class:`PodSimulator` plays kubelet for one namespace: each pod gets a
 loopback IP ``127.0.0.N``, its containers run as local processes (the real vLLM OpenAI server
-with the weightroll worker extension, the real ``weightroll agent``), and its status is written
+with the weightroll worker extension, the real ``weightroll-agent``), and its status is written
 the way kubelet writes it, readiness gates included. The e2e tests and the cluster demo use it.
 
 Modules: :mod:`.podspec` (pure: pod spec -> command lines, kubelet's status),

@@ -1,8 +1,8 @@
 """The local kube-apiserver (+ etcd) of ``scripts/kube-apiserver.sh``: build check, start, stop.
 
 Used by the cluster test tier (``tests/harness/apiserver.py``) and the cluster demo
-(``weightroll demo --cluster``). It starts etcd and kube-apiserver 1.20.2 on free loopback ports in
-a run directory, with RBAC authorization and two static tokens: an admin (``system:masters``) and
+(``weightroll_dev demo``). It starts etcd and kube-apiserver 1.20.2 on free loopback ports
+in a run directory, with RBAC authorization and two static tokens: an admin (``system:masters``) and
 the operator's ServiceAccount identity (the chart's ServiceAccount ``weightroll-operator`` in
 ``weightroll-system`` for the release name ``weightroll``). The script lives in the source
 tree: this module works from a checkout (an editable install), not from a wheel.

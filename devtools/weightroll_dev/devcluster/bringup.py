@@ -1,4 +1,4 @@
-"""One local dev cluster: what ``weightroll dev up`` starts, ``make demo`` shows and e2e tests use.
+"""One local dev cluster: what ``weightroll_dev dev up`` starts, ``make demo`` shows, e2e uses.
 
 :func:`up` runs the one bring-up in a detached *supervisor* process (its own session, output in
 ``DIR/dev.log``) and returns when every pod is Ready:
@@ -8,9 +8,9 @@
    in the pods' persistent volume ``DIR/pv-models`` (trained tiny llamas that answer the demo's
    prompt with one sentence per version, :mod:`weightroll_dev.demomodels`);
 3. the chart (release ``weightroll`` in ``weightroll-system``) with its example workload;
-4. ``weightroll operator`` as a process authenticated as the chart's ServiceAccount;
+4. ``weightroll-operator`` as a process authenticated as the chart's ServiceAccount;
 5. ``--pods N`` pods from the workload's Deployment template, run by the kubelet stand-in
-   (:mod:`.kubelet`): each a real vLLM CPU server plus ``weightroll agent`` on its own loopback
+   (:mod:`.kubelet`): each a real vLLM CPU server plus ``weightroll-agent`` on its own loopback
    IP, admitted into traffic by the operator (Ready) on their boot weights.
 
 Then the supervisor writes ``DIR/cluster.json`` (:class:`ClusterInfo`: kubeconfig, namespace,
@@ -446,7 +446,7 @@ class _Supervisor:
 
     def _start_operator(self) -> None:
         assert self.cluster is not None and self.cluster.operator_kubeconfig is not None
-        self.say("Starting `weightroll operator` as the chart's ServiceAccount")
+        self.say("Starting `weightroll-operator` as the chart's ServiceAccount")
         wait_authorized(self.cluster.kubeconfig, NAMESPACE, "weightroll-operator")
         try:
             running = start_operator(
@@ -667,7 +667,7 @@ def up(opts: Options, say: Say = print) -> ClusterInfo:
     if pid is not None and _ours(pid, directory):
         raise DevError(
             f"a dev cluster already runs in {directory} (supervisor {pid}); "
-            f"stop it first: weightroll dev down --dir {directory}"
+            f"stop it first: python -m weightroll_dev dev down --dir {directory}"
         )
     ensure_apiserver(say)
     with contextlib.suppress(FileNotFoundError):

@@ -1,4 +1,4 @@
-"""``weightroll dev up`` / ``weightroll dev down``: a local dev cluster from a checkout.
+"""``weightroll_dev dev up`` / ``weightroll_dev dev down``: a local dev cluster from a checkout.
 
 ``up`` starts the one bring-up of :mod:`.bringup` (shared by ``make demo`` and the e2e tier) in
 the background and returns when the pods are Ready, printing how to reach it; ``down`` stops
@@ -22,7 +22,7 @@ DEFAULT_DIR = REPO / ".cache" / "dev"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="weightroll dev",
+        prog="python -m weightroll_dev dev",
         description="A local dev cluster (from a checkout): kube-apiserver + etcd, the chart, "
         "the operator and N pods, each a real vLLM CPU server with the agent, run by a kubelet "
         "stand-in; checkpoints v1 (boot), v2 and v3 with manifests. `up` returns once the pods "
@@ -68,24 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dev cluster in {args.dir.resolve()} stopped", flush=True)
             return 0
         if args.pods < 1:
-            print("weightroll dev up: --pods must be at least 1", file=sys.stderr)
+            print("weightroll_dev dev up: --pods must be at least 1", file=sys.stderr)
             return 2
         info = up(
             Options(args.dir, args.pods, args.first_ip, args.reference, args.timeout),
             say=lambda line: print(line, flush=True),
         )
     except DevError as e:
-        print(f"weightroll dev {args.action}: {e}", file=sys.stderr)
+        print(f"weightroll_dev dev {args.action}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("weightroll dev up: interrupted; everything started is stopped", file=sys.stderr)
+        print("weightroll_dev dev up: interrupted; everything started is stopped", file=sys.stderr)
         return 130
     print(
         f"\nDev cluster up: {Path(info.dir) / CLUSTER_JSON}\n"
         f"  kubectl --kubeconfig {info.kubeconfig} get pods -n {info.namespace}\n"
         + "".join(f"  {pod}: {url}\n" for pod, url in info.pods.items())
         + f"  checkpoints: {', '.join(info.checkpoints)} (source and manifest URIs in the json)\n"
-        f"  stop it: weightroll dev down --dir {info.dir}",
+        f"  stop it: python -m weightroll_dev dev down --dir {info.dir}",
         flush=True,
     )
     return 0

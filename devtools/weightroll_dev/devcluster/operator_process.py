@@ -1,4 +1,4 @@
-"""Running ``weightroll operator`` as a local process against a (simulated) cluster.
+"""Running ``weightroll-operator`` as a local process against a (simulated) cluster.
 
 Shared by the cluster demo and the cluster/e2e tests: the operator authenticates with a
 ServiceAccount token (the chart's identity) through its own kubeconfig and binds its metrics
@@ -59,7 +59,7 @@ def launch_operator(
     new_session: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``weightroll operator`` (1 s timer, metrics on 127.0.0.1) with output to ``log``.
+    """Start ``weightroll-operator`` (1 s timer, metrics on 127.0.0.1) with output to ``log``.
 
     ``new_session`` keeps a terminal's Ctrl-C away from it (the caller stops it); ``env`` adds
     variables (``WEIGHTROLL_*``, ``POD_NAME``) to this process's environment.
@@ -67,8 +67,7 @@ def launch_operator(
     with log.open("wb") as handle:
         return subprocess.Popen(
             [
-                str(Path(sys.executable).parent / "weightroll"),
-                "operator",
+                str(Path(sys.executable).parent / "weightroll-operator"),
                 f"--kubeconfig={kubeconfig}",
                 "--interval=1",
                 f"--metrics-port={metrics_port}",
@@ -106,7 +105,7 @@ def log_tail(log: Path, lines: int = 30) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RunningOperator:
-    """A started ``weightroll operator`` whose metrics endpoint answered."""
+    """A started ``weightroll-operator`` whose metrics endpoint answered."""
 
     process: subprocess.Popen[bytes]
     log: Path

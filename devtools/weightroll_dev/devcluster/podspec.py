@@ -13,13 +13,13 @@ network or mount namespaces):
 * **Network.** Every pod gets its own loopback address ``127.0.0.N`` (its ``podIP``). Inside a
   real pod ``127.0.0.1``/``localhost`` is the pod itself and ``0.0.0.0`` listens on the pod's
   interfaces, so those literals in ``args`` and ``env`` values become the pod IP; a known server
-  (vLLM, ``weightroll agent``) without ``--host`` gets ``--host=<podIP>``.
+  (vLLM, ``weightroll-agent``) without ``--host`` gets ``--host=<podIP>``.
 * **Files.** Each container sees its ``volumeMounts`` under its own root directory
   ``<pod dir>/rootfs/<container>`` (a symlink per mount path, to the pod's volume directory).
   Absolute paths in ``args`` and ``env`` values that lie under a mount path (also as ``file://``
   URIs) are rewritten to that root. The agent's ``--initial-source`` (a *pod-view* URI reported
   back to the operator) and ``--model-dir`` (the pod-view directory sources must stay in), and
-  their env vars, are left as they are; instead ``weightroll agent`` gets
+  their env vars, are left as they are; instead ``weightroll-agent`` gets
   ``--source-root=<its root>`` and resolves every weight source (and the model dir) under it.
 
 Status follows kubelet: ``Ready`` is True only when every container is ready **and** every
@@ -124,7 +124,7 @@ def is_vllm(command: Sequence[str]) -> bool:
 
 
 def is_agent(command: Sequence[str]) -> bool:
-    return len(command) >= 2 and Path(command[0]).name == "weightroll" and command[1] == "agent"
+    return len(command) >= 1 and Path(command[0]).name == "weightroll-agent"
 
 
 def _resolve(exe: str, bin_dir: Path) -> str:

@@ -1,6 +1,6 @@
 """The chart's example vLLM workload, sized for tiny CPU models on a simulated cluster.
 
-Shared by the e2e tests and ``weightroll demo --cluster`` so both install exactly the same
+Shared by the e2e tests and ``weightroll_dev demo --cluster`` so both install exactly the same
 workload: ``replicas`` pods of the chart's ``workloadExample`` Deployment, booting the model at
 ``/models/<boot_version>`` (the checkpoint claim, see :mod:`.kubelet`), with an agent that knows
 the boot source and version.
@@ -37,7 +37,7 @@ SERVED_MODEL = "tiny"
 def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[str, Any]:
     """Helm values that enable the example workload on tiny bf16 models (eager, 256 tokens)."""
     return {
-        # Opt-outs of the chart's defaults, because the demo runs `weightroll operator` as a
+        # Opt-outs of the chart's defaults, because the demo runs `weightroll-operator` as a
         # local process, not the chart's Deployment: that process watches every namespace (so
         # the ClusterRole) and is given no agent CA (so plain HTTP; tests/e2e/test_agent_tls.py
         # turns agentTLS back on and hands the operator the CA).

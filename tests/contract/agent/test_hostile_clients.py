@@ -1,4 +1,4 @@
-"""Contract: the real ``weightroll agent`` process against hostile clients (issue 28, item 8).
+"""Contract: the real ``weightroll-agent`` process against hostile clients (issue 28, item 8).
 
 Each test starts the agent as its own process (``python -m engine_agent.sidecar.main``) in front
 of the fake vLLM, configured through its environment variables, and attacks its HTTP surface:

@@ -1,4 +1,4 @@
-"""Contract: the real ``weightroll agent`` process refuses a trainer rendezvous outside the
+"""Contract: the real ``weightroll-agent`` process refuses a trainer rendezvous outside the
 trainer networks before vLLM is asked anything (issue 28, item 2).
 
 A trainer's ``init_info`` names the peer every vLLM worker connects to, and vLLM's NCCL

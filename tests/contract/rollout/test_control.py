@@ -204,7 +204,10 @@ def test_unreachable_api_server_is_one_line(
     assert main(["pause", NAME, "--kubeconfig", str(config)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("weightroll pause: cannot reach the API server http://127.0.0.1:9")
+    assert err == (
+        "weightroll pause: The connection to the server 127.0.0.1:9 was refused - did you "
+        "specify the right host or port?\n"
+    ), "kubectl's words, not a library's repr"
 
 
 _FORBIDDEN = (

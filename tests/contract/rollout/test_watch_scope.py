@@ -1,5 +1,5 @@
 """The operator's pod watch is scoped server-side by a label selector when one is configured
-(issue 11 finding 7). (Namespaces: ``weightroll operator -n NS`` makes kopf watch only those;
+(issue 11 finding 7). (Namespaces: ``weightroll-operator -n NS`` makes kopf watch only those;
 kmock cannot serve kopf's namespace listing, so that part is kopf's own and not re-tested here.)"""
 
 from __future__ import annotations

@@ -1,24 +1,28 @@
-"""The ``weightroll`` command: ``--help`` of the command and of every subcommand is complete,
-and usage errors are one line that names the fix.
+"""The ``weightroll`` command (the user's verbs) and the two daemons' commands
+(``weightroll-operator``, ``weightroll-agent``): ``--help`` of each is complete, and usage errors
+are one line that names the fix.
 
 ``--help`` runs in a subprocess (the real console script path, argparse's exit included) for the
-top level, and through ``main(argv)`` for the subcommands (each imports its module lazily; the
-``demo`` help must not need vLLM).
+top level, and through ``main(argv)`` for the subcommands (each imports its module lazily).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from weightroll_operator import cli
+from weightroll_operator.main import main as operator_main
+
+from engine_agent.sidecar.main import main as agent_main
 
 #: Options each subcommand's --help must list (the documented surface, docs/ and the chart).
-EXPECTED_OPTIONS = {
-    "operator": [
+DAEMON_OPTIONS = {
+    "weightroll_operator.main": [
         "--namespace",
         "--all-namespaces",
         "--kubeconfig",
@@ -30,7 +34,7 @@ EXPECTED_OPTIONS = {
         "--priority",
         "--verbose",
     ],
-    "agent": [
+    "engine_agent.sidecar.main": [
         "--host",
         "--port",
         "--vllm-url",
@@ -46,6 +50,9 @@ EXPECTED_OPTIONS = {
         "--watch-interval",
         "--log-level",
     ],
+}
+#: Options each verb's --help must list (the documented surface, docs/ and the chart).
+EXPECTED_OPTIONS = {
     "manifest": ["DIR", "--out", "--version", "--base-version"],
     "status": [
         "NAME",
@@ -70,26 +77,80 @@ EXPECTED_OPTIONS = {
         "spec.strategy.pauseAfterCanary",
         "CanaryComplete",
     ],
-    "demo": ["--scenario", "--workdir"],
-    "dev": ["up", "down"],
+    "lint": ["FILE"],
+    "completion": ["bash", "zsh"],
 }
 
 
-def test_subcommands_are_the_documented_ones() -> None:
+def test_subcommands_are_the_users_verbs_only() -> None:
+    """Issue 31 item 2: the daemons have their own commands; demo and dev stay in a checkout."""
     assert list(cli.SUBCOMMANDS) == [
-        "operator",
-        "agent",
-        "manifest",
         "status",
         "pause",
         "resume",
         "promote",
         "abort",
         "retry",
+        "manifest",
+        "lint",
+        "completion",
     ]
-    # Checkout-only (devtools/): listed where devtools/ is found, as in this checkout.
-    assert list(cli.DEV_COMMANDS) == ["demo", "dev"]
-    assert cli.devtools_dir() is not None
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        ("operator", "weightroll-operator"),
+        ("agent", "weightroll-agent"),
+        ("demo", "make demo"),
+        ("dev", "python -m weightroll_dev dev up|down"),
+    ],
+)
+def test_a_command_that_moved_says_where(
+    command: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([command, "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"weightroll {command}: ") and err.count("\n") == 1
+    assert said in err
+
+
+def test_version_is_the_installed_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"weightroll {importlib.metadata.version('weightroll')}\n"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_script_is_valid_and_lists_every_verb(
+    shell: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    checked = subprocess.run(
+        ["bash", "-n"], input=script, capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stderr
+    for verb in cli.SUBCOMMANDS:
+        assert verb in script
+    assert "kubectl get weightupdates -o name" in script
+    assert "complete -F _weightroll weightroll kubectl-weightroll" in script
+
+
+def test_completion_completes_verbs_and_files_in_bash(tmp_path: Path) -> None:
+    """The script run by bash itself: a verb prefix completes to the verb."""
+    (tmp_path / "wu.yaml").write_text("")
+    probe = (
+        f"{cli.completion_script('bash')}\n"
+        'COMP_WORDS=(weightroll pa); COMP_CWORD=1; _weightroll; echo "${COMPREPLY[@]}"\n'
+        'COMP_WORDS=(weightroll lint wu); COMP_CWORD=2; _weightroll; echo "${COMPREPLY[@]}"\n'
+    )
+    done = subprocess.run(
+        ["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["pause", "wu.yaml"]
 
 
 def test_top_level_help_lists_every_subcommand() -> None:
@@ -101,10 +162,12 @@ def test_top_level_help_lists_every_subcommand() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    for name, (_, help_text) in {**cli.SUBCOMMANDS, **cli.DEV_COMMANDS}.items():
+    for name, (_, help_text) in cli.SUBCOMMANDS.items():
         assert name in done.stdout
         assert help_text.split()[0] in done.stdout
     assert "weightroll COMMAND --help" in done.stdout
+    for gone in cli.MOVED:
+        assert f"\n    {gone} " not in done.stdout
 
 
 def test_no_arguments_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,8 +184,19 @@ def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture
     assert out.startswith(f"usage: weightroll {command}")
     for option in EXPECTED_OPTIONS[command]:
         assert option in out, f"weightroll {command} --help does not mention {option}"
-    if command != "operator":  # its description is main.py's reST docstring (reported)
-        assert "``" not in out and ":func:" not in out
+    assert "``" not in out and ":func:" not in out
+
+
+@pytest.mark.parametrize("module", sorted(DAEMON_OPTIONS))
+def test_daemon_help_is_complete(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    main = importlib.import_module(module)
+    with pytest.raises(SystemExit) as done:
+        main.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {main._parser().prog}")
+    for option in DAEMON_OPTIONS[module]:
+        assert option in out, f"{module} --help does not mention {option}"
 
 
 @pytest.mark.parametrize(
@@ -131,6 +205,7 @@ def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture
         ("weightroll_operator.main", ()),
         ("engine_agent.sidecar.main", ()),
         ("engine_agent.manifest", ()),
+        ("weightroll_operator.lint", ()),
         ("weightroll_operator.status_view", ()),
         *(("weightroll_operator.control", (verb,)) for verb in ("pause", "resume", "promote")),
     ],
@@ -144,7 +219,7 @@ def test_every_option_has_a_help_text(module: str, args: tuple[str, ...]) -> Non
 def test_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["stauts"]) == 2
     err = capsys.readouterr().err.splitlines()
-    choices = "operator, agent, manifest, status, pause, resume, promote, abort, retry, demo, dev"
+    choices = "status, pause, resume, promote, abort, retry, manifest, lint, completion"
     assert err[-1] == f"weightroll: unknown command 'stauts'; choose one of {choices}"
 
 
@@ -166,7 +241,7 @@ def test_agent_without_token_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("WEIGHTROLL_AGENT_TOKEN_FILE", raising=False)
-    assert cli.main(["agent"]) == 2
+    assert agent_main([]) == 2
     assert capsys.readouterr().err == (
         "weightroll agent: --token-file (or WEIGHTROLL_AGENT_TOKEN_FILE) is required\n"
     )
@@ -177,8 +252,8 @@ def test_agent_refuses_a_remote_vllm_url(
 ) -> None:
     token = tmp_path / "token"
     token.write_text("t")
-    argv = ["agent", "--token-file", str(token), "--vllm-url", "http://10.0.0.5:8000"]
-    assert cli.main(argv) == 2
+    argv = ["--token-file", str(token), "--vllm-url", "http://10.0.0.5:8000"]
+    assert agent_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("weightroll agent: ") and err.count("\n") == 1
     assert "loopback" in err
@@ -190,7 +265,7 @@ def test_control_verbs_reach_their_module(
 ) -> None:
     assert cli.main([verb, "llama-v2", "--kubeconfig", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"weightroll {verb}: cannot load a kubeconfig")
+    assert err == f"weightroll {verb}: stat {tmp_path / 'nope'}: no such file or directory\n"
 
 
 def test_status_missing_kubeconfig_is_one_line(
@@ -198,15 +273,15 @@ def test_status_missing_kubeconfig_is_one_line(
 ) -> None:
     assert cli.main(["status", "llama-v2", "--kubeconfig", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "set KUBECONFIG" in err
+    assert err == f"weightroll status: stat {tmp_path / 'nope'}: no such file or directory\n"
 
 
 def test_operator_refuses_an_out_of_range_setting_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("WEIGHTROLL_BURST", "0")
-    assert cli.main(["operator"]) == 2
+    assert operator_main([]) == 2
     assert capsys.readouterr().err == (
-        "weightroll operator: WEIGHTROLL_BURST=0: must be at least 1 "
+        "weightroll-operator: WEIGHTROLL_BURST=0: must be at least 1 "
         "(pods one pass starts a forward step on)\n"
     )

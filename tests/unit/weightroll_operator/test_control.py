@@ -325,5 +325,4 @@ def test_missing_kubeconfig_is_one_line(
     assert main([verb, "llama-v2", "--kubeconfig", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith(f"weightroll {verb}: cannot load a kubeconfig (")
-    assert "pass --kubeconfig FILE or set KUBECONFIG" in err
+    assert err == f"weightroll {verb}: stat {tmp_path / 'absent'}: no such file or directory\n"
