@@ -207,6 +207,6 @@ def test_operator_refuses_an_out_of_range_setting_in_one_line(
     monkeypatch.setenv("WEIGHTROLL_BURST", "0")
     assert cli.main(["operator"]) == 2
     assert capsys.readouterr().err == (
-        "weightroll operator: WEIGHTROLL_BURST=0: must be at least 1 "
+        "weightroll operator: WEIGHTROLL_BURST='0': must be a whole number at least 1 "
         "(pods one pass starts a forward step on)\n"
     )
