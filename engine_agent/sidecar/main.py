@@ -26,17 +26,20 @@ import argparse
 import asyncio
 import ipaddress
 import logging
-import math
 import os
 import signal
 import socket
 import ssl
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Annotated, Any, Final, NoReturn
 
 from aiohttp import web
+from annotated_types import Ge, Gt, Le
+from pydantic import BeforeValidator, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine_agent.protocol import SourceSpec
 from engine_agent.sidecar.agent import Agent
@@ -46,190 +49,179 @@ from engine_agent.sidecar.engine import require_loopback
 from engine_agent.sidecar.signing import ManifestVerifier
 from engine_agent.transfer.rendezvous import Network, parse_networks
 
-__all__ = ["DEFAULT_PORT", "ReloadingTLS", "build_config", "listen_host", "main", "tls_context"]
+__all__ = [
+    "DEFAULT_PORT",
+    "AgentSettings",
+    "ReloadingTLS",
+    "build_config",
+    "listen_host",
+    "main",
+    "parse_args",
+    "tls_context",
+]
 
 #: Agent port (container port name ``weightroll``, docs/contracts.md).
 DEFAULT_PORT: Final = 8470
+#: Prefix of every setting's variable.
+ENV_PREFIX: Final = "WEIGHTROLL_AGENT_"
+
+_CONFIG, _LIMITS = AgentConfig(), HttpLimits()
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"WEIGHTROLL_AGENT_{name}", default)
+def _seconds(default: float, meaning: str) -> Any:
+    """A finite number of seconds above zero (a zero or negative timeout would end every call,
+    or every push, at once; NaN and infinities are refused by the model's ``allow_inf_nan``)."""
+    return Field(default, gt=0, description=meaning)
 
 
-def _positive_seconds(env: str) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number of seconds above zero (a zero or negative timeout
-    would end every call, or every push, at once)."""
+class AgentSettings(BaseSettings):
+    """The agent's settings: a flag (a constructor argument), else its ``WEIGHTROLL_AGENT_<NAME>``
+    variable (an empty one counts as unset), else the default. The descriptions are the flags'
+    help texts; ``_parser`` builds the command line from these fields."""
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a number of seconds above 0 (e.g. 30); "
-                f"it comes from the flag or from WEIGHTROLL_AGENT_{env}"
-            )
-        return value
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,
+        frozen=True,
+        extra="forbid",
+        allow_inf_nan=False,
+    )
 
-    return parse
-
-
-def _positive_int(env: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a whole number above 0; it comes from the flag or from "
-                f"WEIGHTROLL_AGENT_{env}"
-            )
-        return value
-
-    return parse
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a TCP port (1-65535); it comes from the flag or from "
-            "WEIGHTROLL_AGENT_PORT"
+    host: str | None = Field(
+        default_factory=lambda: os.environ.get("POD_IP") or None,
+        description="listen address: the pod IP, never a wildcard (default $POD_IP)",
+    )
+    tls_cert_file: str | None = Field(None, description="serve TLS: certificate (PEM)")
+    tls_key_file: str | None = Field(None, description="serve TLS: private key (PEM)")
+    port: int = Field(
+        DEFAULT_PORT, ge=1, le=65535, description=f"listen port (default {DEFAULT_PORT})"
+    )
+    vllm_url: str = Field(_CONFIG.vllm_url, description="loopback URL of the local vLLM server")
+    token_file: str | None = Field(
+        None, description="file holding the bearer token for /v1 (a mounted Secret key 'token')"
+    )
+    state_dir: str | None = Field(
+        None, description="directory (emptyDir) where the agent persists its state"
+    )
+    initial_version: str | None = Field(
+        None, description="version vLLM starts with; default: adopt what the ranks report"
+    )
+    initial_source: str | None = Field(
+        None, description="path or file:// URI of the weights vLLM starts with"
+    )
+    initial_manifest: str | None = Field(
+        None,
+        description="manifest of --initial-source, as a WeightUpdate names it: the operator "
+        "counts a booted pod at the target only when both match spec.source",
+    )
+    source_root: str | None = Field(
+        None, description="resolve weight sources and manifests under this directory"
+    )
+    model_dir: str | None = Field(
+        None,
+        description="directory (the model volume's mount path) every update source and "
+        "manifest must lie in, symlinks resolved",
+    )
+    manifest_public_key: str | None = Field(
+        None,
+        description="PEM public key (EC) every update's manifest must be signed with: "
+        "<manifest>.sig, an OpenSSF model-signing bundle; needs the model-signing package",
+    )
+    max_connections: int = Field(
+        _LIMITS.max_connections,
+        ge=1,
+        description="connections served at once; more are closed on accept",
+    )
+    trainer_token_file: str | None = Field(
+        None,
+        description="file holding the trainers' bearer tokens, one per line: the only tokens "
+        "the native weight-transfer routes accept (unset: those routes are closed)",
+    )
+    #: Not JSON (``NoDecode``): the variable is the list as written, parsed by ``parse_networks``.
+    trainer_networks: Annotated[tuple[Network, ...], NoDecode, BeforeValidator(parse_networks)] = (
+        Field(
+            (),
+            description="IP networks (CIDR, comma separated) a trainer's rendezvous address "
+            "(init_info.master_address) may lie in; empty refuses every trainer push",
         )
-    return port
+    )
+    header_timeout: float = _seconds(
+        _LIMITS.header_timeout, "seconds a connection may take to send a request head"
+    )
+    body_timeout: float = _seconds(
+        _LIMITS.body_timeout, "seconds a request may take to send its body"
+    )
+    begin_timeout: float = _seconds(_CONFIG.begin_timeout, "seconds for weightroll_begin")
+    load_timeout: float = _seconds(_CONFIG.load_timeout, "seconds for weightroll_load")
+    finish_timeout: float = _seconds(_CONFIG.finish_timeout, "seconds for weightroll_finish")
+    control_timeout: float = _seconds(_CONFIG.control_timeout, "seconds for weightroll_state/abort")
+    abort_pause_timeout: float = _seconds(
+        _CONFIG.abort_pause_timeout, "seconds for /pause?mode=abort"
+    )
+    watch_interval: float = _seconds(_CONFIG.watch_interval, "seconds between guard passes")
+    push_idle_timeout: float = _seconds(
+        _CONFIG.push_idle_timeout, "seconds a trainer push may stay open without a call"
+    )
+    log_level: str = Field("INFO", description="logging level")
 
 
-def _networks(text: str) -> tuple[Network, ...]:
-    """An argparse ``type``: the trainer networks (``engine_agent.transfer.rendezvous``)."""
-    try:
-        return parse_networks(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(
-            f"{e}; it comes from the flag or from WEIGHTROLL_AGENT_TRAINER_NETWORKS"
-        ) from e
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _parser() -> argparse.ArgumentParser:
-    defaults = AgentConfig()
+    """The command line: one flag per :class:`AgentSettings` field, its help the field's
+    description and variable. Flags default to ``None`` (not given: the variable or default)."""
     parser = argparse.ArgumentParser(
-        prog="weightroll agent",
+        prog="weightroll-agent",
         description="Serve the pod sidecar that drives one vLLM replica through verified updates.",
     )
-    add = parser.add_argument
-    add(
-        "--host",
-        default=_env("HOST", os.environ.get("POD_IP")),
-        help="listen address: the pod IP, never a wildcard [HOST; default $POD_IP]",
-    )
-    add("--tls-cert-file", default=_env("TLS_CERT_FILE"), help="serve TLS: certificate (PEM)")
-    add("--tls-key-file", default=_env("TLS_KEY_FILE"), help="serve TLS: private key (PEM)")
-    add(
-        "--port",
-        type=_port,
-        # a string default goes through ``type`` too: a bad variable is reported like a bad flag
-        default=_env("PORT", str(DEFAULT_PORT)),
-        help=f"listen port [PORT] (default {DEFAULT_PORT})",
-    )
-    add(
-        "--vllm-url",
-        default=_env("VLLM_URL", defaults.vllm_url),
-        help="loopback URL of the local vLLM server [VLLM_URL]",
-    )
-    add(
-        "--token-file",
-        default=_env("TOKEN_FILE"),
-        help="file holding the bearer token for /v1 (a mounted Secret key 'token') [TOKEN_FILE]",
-    )
-    add(
-        "--state-dir",
-        default=_env("STATE_DIR"),
-        help="directory (emptyDir) where the agent persists its state [STATE_DIR]",
-    )
-    add(
-        "--initial-version",
-        default=_env("INITIAL_VERSION"),
-        help="version vLLM starts with; default: adopt what the ranks report [INITIAL_VERSION]",
-    )
-    add(
-        "--initial-source",
-        default=_env("INITIAL_SOURCE"),
-        help="path or file:// URI of the weights vLLM starts with [INITIAL_SOURCE]",
-    )
-    add(
-        "--initial-manifest",
-        default=_env("INITIAL_MANIFEST"),
-        help="manifest of --initial-source, as a WeightUpdate names it: the operator counts a "
-        "booted pod at the target only when both match spec.source [INITIAL_MANIFEST]",
-    )
-    add(
-        "--source-root",
-        default=_env("SOURCE_ROOT"),
-        help="resolve weight sources and manifests under this directory [SOURCE_ROOT]",
-    )
-    add(
-        "--model-dir",
-        default=_env("MODEL_DIR"),
-        help="directory (the model volume's mount path) every update source and manifest must "
-        "lie in, symlinks resolved [MODEL_DIR]",
-    )
-    add(
-        "--manifest-public-key",
-        default=_env("MANIFEST_PUBLIC_KEY"),
-        help="PEM public key (EC) every update's manifest must be signed with: <manifest>.sig, "
-        "an OpenSSF model-signing bundle; needs the model-signing package [MANIFEST_PUBLIC_KEY]",
-    )
-    limits = HttpLimits()
-    add(
-        "--max-connections",
-        type=_positive_int("MAX_CONNECTIONS"),
-        default=_env("MAX_CONNECTIONS") or str(limits.max_connections),
-        help="connections served at once; more are closed on accept [MAX_CONNECTIONS]",
-    )
-    add(
-        "--trainer-token-file",
-        default=_env("TRAINER_TOKEN_FILE"),
-        help="file holding the trainers' bearer tokens, one per line: the only tokens the native "
-        "weight-transfer routes accept (unset: those routes are closed) [TRAINER_TOKEN_FILE]",
-    )
-    add(
-        "--trainer-networks",
-        type=_networks,
-        # a string default goes through ``type`` too: a bad variable is reported like a bad flag
-        default=_env("TRAINER_NETWORKS", ""),
-        help="IP networks (CIDR, comma separated) a trainer's rendezvous address "
-        "(init_info.master_address) may lie in; empty refuses every trainer push "
-        "[TRAINER_NETWORKS]",
-    )
-    seconds: tuple[tuple[object, str, str], ...] = (
-        (limits, "header_timeout", "seconds a connection may take to send a request head"),
-        (limits, "body_timeout", "seconds a request may take to send its body"),
-        (defaults, "begin_timeout", "seconds for weightroll_begin"),
-        (defaults, "load_timeout", "seconds for weightroll_load"),
-        (defaults, "finish_timeout", "seconds for weightroll_finish"),
-        (defaults, "control_timeout", "seconds for weightroll_state/abort"),
-        (defaults, "abort_pause_timeout", "seconds for /pause?mode=abort"),
-        (defaults, "watch_interval", "seconds between guard passes"),
-        (defaults, "push_idle_timeout", "seconds a trainer push may stay open without a call"),
-    )
-    for owner, name, help_text in seconds:
-        env = name.upper()
-        add(
-            f"--{name.replace('_', '-')}",
-            type=_positive_seconds(env),
-            default=_env(env) or str(getattr(owner, name)),
-            help=f"{help_text} [{env}]",
-        )
-    add("--log-level", default=_env("LOG_LEVEL", "INFO"), help="logging level [LOG_LEVEL]")
+    for name, field in AgentSettings.model_fields.items():
+        parser.add_argument(_flag(name), help=f"{field.description} [{name.upper()}]")
     return parser
 
 
-def build_config(args: argparse.Namespace) -> AgentConfig:
-    """Turn parsed arguments into an :class:`AgentConfig` (validates URL and source)."""
+def parse_args(argv: Sequence[str] | None = None) -> AgentSettings:
+    """The settings from ``argv`` (default ``sys.argv[1:]``) and the ``WEIGHTROLL_AGENT_*``
+    variables; a value out of its range exits 2 with one line naming its flag or variable."""
+    parser = _parser()
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    try:
+        return AgentSettings(**given)
+    except ValidationError as e:
+        _refuse(parser, e, given)
+
+
+def _refuse(
+    parser: argparse.ArgumentParser, error: ValidationError, flags: Mapping[str, Any]
+) -> NoReturn:
+    problems: dict[str, None] = {}
+    for problem in error.errors():
+        name = str(problem["loc"][0]) if problem["loc"] else ""
+        where = _flag(name) if name in flags else f"{ENV_PREFIX}{name.upper()}"
+        field = AgentSettings.model_fields.get(name)
+        if problem["type"] == "value_error":  # a validator's own message (the networks)
+            accepts = str(problem["ctx"]["error"])
+        else:
+            accepts = f"must be {_accepts(field)}" if field else problem["msg"]
+        problems[f"{where}={problem['input']!r}: {accepts}"] = None
+    parser.error("; ".join(problems))
+
+
+def _accepts(field: FieldInfo) -> str:
+    """What ``field`` accepts, from its type and constraints."""
+    gt = next((m.gt for m in field.metadata if isinstance(m, Gt)), None)
+    ge = next((m.ge for m in field.metadata if isinstance(m, Ge)), None)
+    le = next((m.le for m in field.metadata if isinstance(m, Le)), None)
+    if le is not None:
+        return f"a TCP port ({ge}-{le})"
+    if field.annotation is float:
+        return f"a finite number of seconds above {gt:g} (e.g. 30; {field.description})"
+    return f"a whole number at least {ge} ({field.description})"
+
+
+def build_config(args: AgentSettings) -> AgentConfig:
+    """Turn the settings into an :class:`AgentConfig` (validates URL and source)."""
     require_loopback(args.vllm_url)
     if args.model_dir and not args.model_dir.startswith("/"):
         raise ValueError(f"--model-dir {args.model_dir!r} must be an absolute path")
@@ -262,14 +254,14 @@ def build_config(args: argparse.Namespace) -> AgentConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sidecar; returns 2 on bad configuration (never returns otherwise)."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not args.token_file:
         print(
-            "weightroll agent: --token-file (or WEIGHTROLL_AGENT_TOKEN_FILE) is required",
+            "weightroll-agent: --token-file (or WEIGHTROLL_AGENT_TOKEN_FILE) is required",
             file=sys.stderr,
         )
         return 2
@@ -281,13 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.manifest_public_key is not None:
             ManifestVerifier.load(config.manifest_public_key)  # SigningUnavailable: exit 2
     except ValueError as e:
-        print(f"weightroll agent: {e}", file=sys.stderr)
+        print(f"weightroll-agent: {e}", file=sys.stderr)
         return 2
     try:
         host = listen_host(args.host)
         tls = tls_context(args.tls_cert_file, args.tls_key_file)
     except (ValueError, OSError) as e:
-        print(f"weightroll agent: {e}", file=sys.stderr)
+        print(f"weightroll-agent: {e}", file=sys.stderr)
         return 2
     limits = HttpLimits(
         header_timeout=args.header_timeout,

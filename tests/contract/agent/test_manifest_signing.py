@@ -212,5 +212,5 @@ async def test_an_unusable_public_key_stops_the_agent_at_start(
     lines = started.log.read_text().strip().splitlines()
     assert code == 2, lines
     assert len(lines) == 1, lines
-    assert lines[0].startswith("weightroll agent: --manifest-public-key"), lines
+    assert lines[0].startswith("weightroll-agent: --manifest-public-key"), lines
     assert "WEIGHTROLL_AGENT_MANIFEST_PUBLIC_KEY" in lines[0] and str(path) in lines[0], lines

@@ -151,8 +151,8 @@ def test_agent_refuses_wildcard_or_missing_listen_address(host: str | None) -> N
 
 
 def test_agent_listens_on_pod_ip_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine_agent.sidecar.main import _parser
+    from engine_agent.sidecar.main import parse_args
 
     monkeypatch.setenv("POD_IP", "10.1.2.3")
     monkeypatch.delenv("WEIGHTROLL_AGENT_HOST", raising=False)
-    assert listen_host(_parser().parse_args([]).host) == "10.1.2.3"
+    assert listen_host(parse_args([]).host) == "10.1.2.3"

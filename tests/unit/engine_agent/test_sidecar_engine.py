@@ -133,13 +133,13 @@ def test_bad_timeouts_and_ports_are_refused_at_start_naming_the_setting(
 
 
 def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from engine_agent.sidecar.main import _parser, build_config
+    from engine_agent.sidecar.main import build_config, parse_args
 
     monkeypatch.setenv("WEIGHTROLL_AGENT_VLLM_URL", "http://127.0.0.1:18000")
     monkeypatch.setenv("WEIGHTROLL_AGENT_LOAD_TIMEOUT", "42")
     monkeypatch.setenv("WEIGHTROLL_AGENT_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("WEIGHTROLL_AGENT_INITIAL_SOURCE", "file:///models/a")
-    config = build_config(_parser().parse_args(["--finish-timeout", "7"]))
+    config = build_config(parse_args(["--finish-timeout", "7"]))
     assert config.vllm_url == "http://127.0.0.1:18000"
     assert config.load_timeout == 42.0
     assert config.finish_timeout == 7.0
@@ -151,11 +151,11 @@ def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_the_boot_source_carries_its_manifest() -> None:
     """The operator counts a booted pod at the target version only when the agent's source
     equals ``spec.source``, manifest included."""
-    from engine_agent.sidecar.main import _parser, build_config
+    from engine_agent.sidecar.main import build_config, parse_args
 
     args = ["--initial-source", "file:///models/a", "--initial-manifest", "/models/a/m.json"]
-    config = build_config(_parser().parse_args(args))
+    config = build_config(parse_args(args))
     assert config.initial_source is not None
     assert config.initial_source.manifest == "/models/a/m.json"
     with pytest.raises(ValueError, match="--initial-manifest needs --initial-source"):
-        build_config(_parser().parse_args(["--initial-manifest", "/models/a/m.json"]))
+        build_config(parse_args(["--initial-manifest", "/models/a/m.json"]))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine_agent.sidecar.main import _parser, build_config
+from engine_agent.sidecar.main import build_config, parse_args
 from engine_agent.transfer.rendezvous import (
     RendezvousRefused,
     check_init_info,
@@ -88,18 +88,18 @@ def test_a_setting_that_is_not_a_network_is_an_error_naming_it(bad: str) -> None
     with pytest.raises(RendezvousRefused, match="WEIGHTROLL_TRAINER_NETWORKS"):
         networks_from_env({"WEIGHTROLL_TRAINER_NETWORKS": bad})
     with pytest.raises(SystemExit) as exit_:
-        _parser().parse_args(["--trainer-networks", bad])
+        parse_args(["--trainer-networks", bad])
     assert exit_.value.code == 2
 
 
 def test_the_agent_setting_reaches_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build_config(_parser().parse_args([])).trainer_networks == ()
+    assert build_config(parse_args([])).trainer_networks == ()
     monkeypatch.setenv("WEIGHTROLL_AGENT_TRAINER_NETWORKS", "10.20.0.0/16 fd00:1::/64")
-    assert build_config(_parser().parse_args([])).trainer_networks == (
+    assert build_config(parse_args([])).trainer_networks == (
         ipaddress.ip_network("10.20.0.0/16"),
         ipaddress.ip_network("fd00:1::/64"),
     )
-    args = _parser().parse_args(["--trainer-networks", "127.0.0.1"])  # the flag wins
+    args = parse_args(["--trainer-networks", "127.0.0.1"])  # the flag wins
     assert build_config(args).trainer_networks == (ipaddress.ip_network("127.0.0.1/32"),)
     assert networks_from_env({}) == ()
 

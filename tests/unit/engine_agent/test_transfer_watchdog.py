@@ -248,8 +248,8 @@ async def test_a_cancelled_step_releases_the_push_and_keeps_the_hold() -> None:
 
 
 def test_the_agent_flag_sets_the_idle_timeout() -> None:
-    from engine_agent.sidecar.main import _parser, build_config
+    from engine_agent.sidecar.main import build_config, parse_args
 
-    args = _parser().parse_args(["--push-idle-timeout", "42", "--vllm-url", "http://127.0.0.1:1"])
+    args = parse_args(["--push-idle-timeout", "42", "--vllm-url", "http://127.0.0.1:1"])
     assert build_config(args).push_idle_timeout == 42.0
     assert json.dumps(AgentConfig().push_idle_timeout) == "900.0"

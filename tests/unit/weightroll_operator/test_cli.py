@@ -243,7 +243,7 @@ def test_agent_without_token_is_one_line(
     monkeypatch.delenv("WEIGHTROLL_AGENT_TOKEN_FILE", raising=False)
     assert agent_main([]) == 2
     assert capsys.readouterr().err == (
-        "weightroll agent: --token-file (or WEIGHTROLL_AGENT_TOKEN_FILE) is required\n"
+        "weightroll-agent: --token-file (or WEIGHTROLL_AGENT_TOKEN_FILE) is required\n"
     )
 
 
@@ -255,7 +255,7 @@ def test_agent_refuses_a_remote_vllm_url(
     argv = ["--token-file", str(token), "--vllm-url", "http://10.0.0.5:8000"]
     assert agent_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("weightroll agent: ") and err.count("\n") == 1
+    assert err.startswith("weightroll-agent: ") and err.count("\n") == 1
     assert "loopback" in err
 
 
@@ -282,6 +282,6 @@ def test_operator_refuses_an_out_of_range_setting_in_one_line(
     monkeypatch.setenv("WEIGHTROLL_BURST", "0")
     assert operator_main([]) == 2
     assert capsys.readouterr().err == (
-        "weightroll-operator: WEIGHTROLL_BURST=0: must be at least 1 "
+        "weightroll-operator: WEIGHTROLL_BURST='0': must be a whole number at least 1 "
         "(pods one pass starts a forward step on)\n"
     )
