@@ -1,6 +1,6 @@
 """``weightroll pause|resume|promote|abort|retry NAME``: steer a rollout through its intents.
 
-Each verb is one JSON merge patch of a field the operator already honours (``domain/plan.py``),
+Each verb is one JSON merge patch of a field the operator already honours (``domain/plan/``),
 so a verb is exactly the ``kubectl patch`` it replaces — of the spec for ``pause``, ``resume``
 and ``promote``, of the status subresource (the persisted halt intents) for ``abort`` and
 ``retry``:
@@ -28,7 +28,7 @@ and ``promote``, of the status subresource (the persisted halt intents) for ``ab
 Invariants: :func:`decide` is pure and alone decides the patch and the line printed; a verb
 whose intent already holds sends nothing and exits 0 (idempotent). Time on hold does not count
 against ``progressDeadlineSeconds``: the operator restarts the progress clock on the pass that
-finds a hold released (``domain/plan.py``, ``Persisted.held``).
+finds a hold released (``domain/plan/``, ``Persisted.held``).
 
 Limitations: the check reads the status the operator last wrote; it can be up to one pass old.
 ``abort`` and ``retry`` need ``patch`` on ``weightupdates/status``.

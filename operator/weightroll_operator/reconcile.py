@@ -79,7 +79,6 @@ from weightroll_operator.domain.plan import (
     Persisted,
     Plan,
     Query,
-    check_wire,
     parse_time,
     plan,
     queries,
@@ -88,6 +87,7 @@ from weightroll_operator.domain.plan import (
 )
 from weightroll_operator.domain.release import DELETED_SUFFIX, release
 from weightroll_operator.domain.status import build_status, invalid_status, status_patch
+from weightroll_operator.domain.wire import check_wire
 from weightroll_operator.errors import (
     AgentError,
     InvalidSpec,

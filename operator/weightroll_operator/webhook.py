@@ -44,7 +44,7 @@ from aiohttp import web
 
 from weightroll_operator.api.v1alpha1 import parse_spec
 from weightroll_operator.domain.halts import budget_problem, deadline_problem
-from weightroll_operator.domain.plan import check_wire
+from weightroll_operator.domain.wire import check_wire
 
 __all__ = ["WEBHOOK_PATH", "WebhookServer", "review", "validate"]
 

@@ -3,7 +3,8 @@
 Unit-transition Events are aggregated per reason and pass (one Event per batch, not per pod),
 which keeps API writes per pod bounded; each message still names every unit (up to a limit),
 and each aggregate keeps its parts, so apply can leave out the part of a pod whose write failed
-(:func:`emit_holding`). Moved out of ``plan.py`` unchanged (the planner builds, this reports).
+(:func:`emit_holding`). Moved out of the planner (``plan/``) unchanged (the planner builds, this
+reports).
 """
 
 from __future__ import annotations

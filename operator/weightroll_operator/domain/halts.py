@@ -1,4 +1,4 @@
-"""When a rollout attempt halts: the rules of :func:`~weightroll_operator.domain.plan.deadlines`.
+"""When a rollout attempt halts: the rules of the planner's step ``plan/deadlines.py``.
 
 Two concepts live here, so that no step of the planner has to special-case them:
 

@@ -24,12 +24,15 @@ from weightroll_operator.domain.plan import (
     queries,
     target_source,
 )
+from weightroll_operator.domain.plan.classify import Seen, classify_fleet
 
 from engine_agent.protocol import UpdatePhase
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 ME = OwnerKey("ns/wu")
 OTHER = OwnerKey("ns/other")
+#: What a pass at ``spec().version`` persisted before anything happened.
+V2 = Persisted(target_version="v2")
 V1_SRC = SourceRef(uri="/weights/v1")
 V2_SRC = SourceRef(uri="/weights/v2")
 
@@ -155,3 +158,13 @@ def summary(p: Plan) -> list[tuple[str, str]]:
         target = getattr(a, "pod", None)
         out.append((type(a).__name__, target.name if target is not None else a.reason))  # type: ignore[attr-defined]
     return out
+
+
+def classified(
+    pods: list[PodView], agents: dict[str, AgentView] | None = None, **strategy: Any
+) -> tuple[WeightUpdateSpec, Fleet, Seen]:
+    """A spec, a fleet of ``pods`` and step 1's view of them (``classify_fleet``), for the
+    table tests of the steps after it."""
+    s = spec(**strategy)
+    fleet = Fleet(name="wu", owner=ME, pods=tuple(pods), agents=agents or {})
+    return s, fleet, classify_fleet(s, fleet, V2)

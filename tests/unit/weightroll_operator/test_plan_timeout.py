@@ -1,5 +1,6 @@
 """A unit's timeout asks the agent to abort, the verdict is the agent's (issue 27 item 4); a unit
-is restored only at the spec's version (item 8). ``domain/unit_timeout.py``, ``plan._outdated``."""
+is restored only at the spec's version (item 8). ``domain/unit_timeout.py``,
+``domain/plan/advance.py`` ``outdated``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,118 @@
+"""Claims, shared by :func:`~.start.start_units` and :func:`~.rollback.roll_back`: whom a
+pass may claim (:func:`can_claim`) and the claim itself (:func:`claim`: a new attempt recorded
+on the pod, then its drain).
+"""
+
+from __future__ import annotations
+
+from weightroll_operator.domain.actions import Claim, GateOff
+from weightroll_operator.domain.conditions import Reason, timestamp
+from weightroll_operator.domain.fleet import Unit
+from weightroll_operator.domain.model import (
+    AgentView,
+    OwnerKey,
+    PodView,
+    UnitState,
+    UpdateId,
+    WeightState,
+)
+from weightroll_operator.domain.plan.context import PassContext, target_source, unit_label
+
+
+def can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str) -> bool:
+    """Claim only a pod whose agent answers at a known version (``AgentView.claimable``), or
+    one this WeightUpdate already tried at this version (a retry: its previous weights are
+    known) whose ranks answer but disagree on the version (a failed commit left them mixed).
+
+    Never a booting one (vLLM not answering), whoever tried it before: the claim would count
+    its boot time against the update timer, fail the unit and, with ``onFailure: Rollback``,
+    roll the fleet back.
+    """
+    if agent is None or not agent.reachable or agent.active_update_id:
+        return False
+    if agent.claimable:
+        return True
+    st = pod.state
+    return (
+        agent.engine_seen
+        and st is not None
+        and st.by == owner
+        and st.version == version
+        and st.rollback_of is None
+        and bool(st.previous_version)
+    )
+
+
+_NO_STATE = WeightState(
+    state=UnitState.DRAINING, by=OwnerKey("-"), version="-", update_id=UpdateId("-")
+)
+
+
+def _prev(pod: PodView) -> WeightState:
+    return pod.state if pod.state is not None else _NO_STATE
+
+
+def claim(ctx: PassContext, unit: Unit, *, rollback_of: str | None = None) -> None:
+    owner, now = ctx.fleet.owner, ctx.now
+    tl = ctx.spec.strategy.traffic_label
+    for pod in unit.pods:
+        agent = ctx.fleet.agents.get(pod.name)
+        prior = pod.state if pod.state is not None and pod.state.by == owner else None
+        # Counted per pod across WeightUpdates: another's claim overwrote this one's record,
+        # so a count restarted at 1 would repeat an id this WeightUpdate already used here.
+        attempt = (pod.state.attempt if pod.state is not None else 0) + 1
+        if rollback_of is not None:
+            assert pod.state is not None and pod.state.previous_version
+            st = pod.state.evolve(
+                state=UnitState.ROLLING_BACK,
+                version=pod.state.previous_version,
+                source=pod.state.previous_source,
+                update_id=ctx.fleet.attempt_id(pod.state.previous_version, attempt, rollback=True),
+                attempt=attempt,
+                started_at=timestamp(now),
+                reason="",
+                rollback_of=rollback_of,
+            )
+        else:
+            # Another attempt at the same target keeps what the pod served before the first
+            # one (the rollback target); otherwise the previous weights are what it serves now.
+            again = (
+                prior is not None
+                and prior.version == ctx.spec.version
+                and prior.rollback_of is None
+                and bool(prior.previous_version)
+            )
+            if again:
+                assert prior is not None
+                previous, source = prior.previous_version, prior.previous_source
+            elif agent is not None:
+                previous, source = agent.version, agent.source
+            else:
+                previous, source = _prev(pod).previous_version, _prev(pod).previous_source
+            st = WeightState(
+                state=UnitState.DRAINING,
+                by=owner,
+                version=ctx.spec.version,
+                source=target_source(ctx.spec),
+                update_id=ctx.fleet.attempt_id(ctx.spec.version, attempt),
+                previous_version=previous,
+                previous_source=source,
+                started_at=timestamp(now),
+                traffic_label_value=pod.labels.get(tl)
+                if tl and tl in pod.labels
+                else (prior.traffic_label_value if again and prior is not None else None),
+                attempt=attempt,
+            )
+        remove = tl if tl and tl in pod.labels else None
+        ctx.actions.append(Claim(pod, owner, st, remove_label=remove))
+        ctx.actions.append(GateOff(pod, message=f"Draining for weights {st.version}"))
+    if rollback_of is not None:
+        ctx.emit(
+            Reason.UNIT_ROLLING_BACK,
+            f"Draining {unit_label(unit)} to roll back from {rollback_of}",
+            pods=unit.pods,
+        )
+    else:
+        message = f"Draining {unit_label(unit)} for weights {ctx.spec.version}"
+        ctx.emit(Reason.UNIT_DRAINING, message, pods=unit.pods)
+    ctx.progressed = True

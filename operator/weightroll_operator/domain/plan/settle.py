@@ -1,0 +1,226 @@
+"""Step 8, :func:`settle`: this pass's own transitions in the classes, what must be persisted,
+and the :class:`~.context.Plan`; :func:`unsettled` takes back what failed writes did not do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+
+from weightroll_operator.domain.actions import Claim, GateOn, Settle
+from weightroll_operator.domain.conditions import timestamp
+from weightroll_operator.domain.events import aggregate_events
+from weightroll_operator.domain.model import AgentView, OwnerKey, PodView, SourceRef, UnitState
+from weightroll_operator.domain.plan.claim import can_claim
+from weightroll_operator.domain.plan.classify import Seen, serves, spelled, verified_at
+from weightroll_operator.domain.plan.context import (
+    Fleet,
+    PassContext,
+    Persisted,
+    Plan,
+    PodClass,
+    target_source,
+)
+from weightroll_operator.domain.plan.deadlines import Halt
+
+#: The classes of a completed rollout: failed within the tolerance (else it halted) or done.
+_DONE = frozenset({PodClass.UPDATED, PodClass.FOREIGN, PodClass.FAILED})
+#: The classes :func:`_note` may say something about.
+_NOTED = frozenset({PodClass.UNKNOWN, PodClass.PENDING, PodClass.IN_FLIGHT})
+
+
+class _Notes(Mapping[str, str]):
+    """Why a pod is not being worked on, or is worked on again, by pod name (:func:`_note`).
+
+    Worked out per pod when asked: the status names at most ``MAX_POD_RESULTS`` pods, and at
+    10,000 pending pods working out every note cost a tenth of a pass.
+    """
+
+    __slots__ = ("_classes", "_fleet", "_pods", "_source", "_version")
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        version: str,
+        source: SourceRef,
+        classes: Mapping[str, PodClass],
+        pods: Mapping[str, PodView],
+    ) -> None:
+        self._fleet, self._version, self._source = fleet, version, source
+        self._classes, self._pods = classes, pods
+
+    def __getitem__(self, name: str) -> str:
+        cls = self._classes.get(name)
+        note = None
+        if cls in _NOTED:
+            assert cls is not None
+            fleet = self._fleet
+            agent, pod = fleet.agents.get(name), self._pods[name]
+            note = _note(cls, pod, agent, fleet.owner, self._version, self._source)
+        if note is None:
+            raise KeyError(name)
+        return note
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._classes if name in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[str(name)]
+        except KeyError:
+            return False
+        return True
+
+
+def _note(
+    cls: PodClass,
+    pod: PodView,
+    agent: AgentView | None,
+    owner: OwnerKey,
+    version: str,
+    source: SourceRef,
+) -> str | None:
+    """Why ``pod`` (of class ``cls``) is not being worked on, or is worked on again."""
+    st, note = pod.state, None
+    if cls is PodClass.UNKNOWN:
+        note = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
+    elif cls is PodClass.PENDING and not can_claim(pod, agent, owner, version):
+        note = "Joining: waiting for its agent to answer at a known version"
+    if (
+        cls in (PodClass.PENDING, PodClass.IN_FLIGHT)
+        and st is not None
+        and st.state is UnitState.VERIFIED
+        and st.version == version
+        and agent is not None
+        and agent.reachable
+        and not serves(agent, version, source)
+    ):
+        if agent.version != version:
+            why = f"its agent now serves {agent.version or 'an unknown version'}"
+        elif not agent.ready:
+            why = "its agent is not ready (held, paused or poisoned)"
+        else:
+            served, wanted = spelled(agent.source), spelled(source)
+            why = f"it serves {version} from {served}, not from spec.source {wanted}"
+        note = (
+            f"NotServing: verified at {version} by {st.update_id}, but {why}; updated "
+            "again by a new attempt"
+        )
+    return note
+
+
+def settle(
+    ctx: PassContext,
+    seen: Seen,
+    persisted: Persisted,
+    flying: frozenset[str],
+    halt: Halt,
+    rollback: bool,
+    rollback_remaining: int,
+) -> Plan:
+    """Step 8: reflect this pass's own transitions in the classes and persist what must be."""
+    now, version, fleet, target = ctx.now, ctx.spec.version, ctx.fleet, target_source(ctx.spec)
+    classes = dict(seen.classes)
+    restored = {a.pod.name for a in ctx.actions if isinstance(a, GateOn)}
+    for action in ctx.actions:
+        if isinstance(action, Claim):
+            classes[action.pod.name] = PodClass.IN_FLIGHT
+        elif isinstance(action, Settle):
+            done = {
+                # a verdict for other files or an earlier version (the spec changed after the
+                # agent accepted the update) is no verdict for this spec: wanted again
+                UnitState.VERIFIED: PodClass.UPDATED
+                if verified_at(action.state, version, target)
+                else PodClass.PENDING,
+                UnitState.ROLLED_BACK: PodClass.ROLLED_BACK,
+                UnitState.FAILED: PodClass.ROLLBACK_FAILED
+                if action.state.rollback_of
+                else PodClass.FAILED,
+            }
+            if action.state.state in done:
+                classes[action.pod.name] = done[action.state.state]
+    claimed_units = {a.pod.unit for a in ctx.actions if isinstance(a, Claim)}
+    all_done = (
+        bool(seen.units)
+        and halt.aborted_at is None
+        # failed units within maxFailedReplicas are tolerated (``halts``): reported, not waited
+        # for; a fleet of failures alone is no completion
+        and all(c in _DONE for c in classes.values())
+        and PodClass.UPDATED in classes.values()
+        and all(
+            p.gate is True or p.name in restored
+            for p in fleet.pods
+            if classes[p.name] is PodClass.UPDATED
+        )
+    )
+    new_persisted = Persisted(
+        target_version=version,
+        start_time=persisted.start_time or (timestamp(now) if claimed_units else None),
+        completion_time=persisted.completion_time or (timestamp(now) if all_done else None),
+        last_progress_time=timestamp(now)
+        if ctx.progressed or halt.hold_released
+        else persisted.last_progress_time,
+        aborted_at=halt.aborted_at,
+        abort_reason=halt.abort_reason,
+        retried_at=persisted.retried_at,
+    )
+    pods = {p.name: p for p in fleet.pods}
+    return Plan(
+        actions=aggregate_events(ctx.actions),
+        persisted=new_persisted,
+        classes=classes,
+        pods=pods,
+        reasons={**seen.reasons, **ctx.reasons},
+        notes=_Notes(fleet, version, target, classes, pods),
+        units_total=len(seen.units),
+        max_unavailable=seen.max_unavailable,
+        paused_reason=halt.paused_reason,
+        blocked_by=seen.blocked_by,
+        finished=ctx.finished,
+        durations=ctx.durations,
+        in_flight_units=len(flying | claimed_units),
+        pending_units=sum(1 for u in halt.pending if u.key not in claimed_units),
+        completed=new_persisted.completion_time is not None,
+        rolling_back=rollback,
+        rollback_remaining=rollback_remaining,
+        refresh=frozenset(ctx.refresh),
+        deferred=ctx.deferred,
+    )
+
+
+def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
+    """The plan once some of its pod writes failed (``failed``: pod names whose ``GateOn``, or
+    ``Settle`` as verified, did not happen, e.g. a 409 because kubelet wrote the pod meanwhile).
+
+    :func:`settle` counts this pass's GateOns and Settles as done; when one of them failed,
+    a completion reached only through it is none: the rollout is not ``Succeeded`` with a pod
+    out of traffic, and no completion time is persisted. A pod whose verified Settle failed is
+    still in flight, not updated. The next pass reads the pods again and settles for real.
+    (A unit the plan failed stays failed: that verdict is the operator's, whether or not it
+    could be written yet.) A unit with such a pod did not finish this pass either: it leaves
+    ``finished`` and ``durations`` (the unit-duration histogram), since the next pass plans its
+    end again and reports it then, once.
+    """
+    names = frozenset(name for name in failed if name in the_plan.pods)
+    if not names:
+        return the_plan
+    units = {the_plan.pods[name].unit for name in names}
+    classes = dict(the_plan.classes)
+    for name in names:
+        pod = the_plan.pods.get(name)
+        in_flight = pod is not None and pod.state is not None and pod.state.state.in_flight
+        if in_flight and classes.get(name) is PodClass.UPDATED:
+            classes[name] = PodClass.IN_FLIGHT  # its Settle did not happen
+    newly = the_plan.persisted.completion_time is not None and before.completion_time is None
+    persisted = replace(the_plan.persisted, completion_time=None) if newly else the_plan.persisted
+    return replace(
+        the_plan,
+        classes=classes,
+        persisted=persisted,
+        completed=persisted.completion_time is not None,
+        finished={k: v for k, v in the_plan.finished.items() if k not in units},
+        durations={k: v for k, v in the_plan.durations.items() if k not in units},
+    )

@@ -1,0 +1,128 @@
+"""Steps 4 and 5b: the unavailability :func:`budget` and :func:`start_units` (new claims).
+
+What one claim costs is ``domain.availability``'s: a unit the rollout already keeps out of
+traffic (:func:`held`) is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+
+from weightroll_operator.domain.availability import Slots
+from weightroll_operator.domain.fleet import Unit
+from weightroll_operator.domain.plan.claim import can_claim, claim
+from weightroll_operator.domain.plan.classify import Seen
+from weightroll_operator.domain.plan.context import (
+    FAILED_CLASSES,
+    PassContext,
+    PodClass,
+    parse_time,
+)
+from weightroll_operator.domain.plan.deadlines import Halt
+
+
+def budget(
+    seen: Seen,
+    flying: frozenset[str],
+    terminating: Mapping[str, str] | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Step 4: how many more units may become unavailable this pass.
+
+    A unit is unavailable from its drain until its pods are observed Ready after the GateOn:
+    while any pod is not Ready, it is in flight or failed, or it is seen in a view older than
+    the operator's own last write to it. Starting a unit that is already unavailable is free.
+    A unit with a pod being deleted (``Fleet.terminating``) is out of traffic too, whether or
+    not its replacement is seen yet, until its grace period ends.
+    """
+    down = {
+        u.key
+        for u in seen.units
+        if not u.ready
+        or u.key in seen.frozen
+        or u.key in flying
+        or not seen.by_unit[u.key].isdisjoint(FAILED_CLASSES)
+    }
+    leaving = {
+        key
+        for key, until in (terminating or {}).items()
+        if key not in down and (now is None or (parse_time(until) or now) >= now)
+    }
+    return seen.max_unavailable - len(down) - len(leaving)
+
+
+def held(seen: Seen, flying: frozenset[str], unit: Unit) -> bool:
+    """The rollout keeps ``unit`` out of traffic (``domain.availability``)."""
+    return (
+        unit.key in flying
+        or unit.key in seen.frozen
+        or not seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES)
+        or any(p.has_gate and p.gate is not True for p in unit.pods)
+    )
+
+
+def start_units(
+    ctx: PassContext, seen: Seen, flying: frozenset[str], halt: Halt, slots: Slots
+) -> None:
+    """Step 5b: start new units, those held out of traffic by our gate first (free), then
+    while slots remain (what each claim costs: ``domain.availability``).
+
+    The canary goes first; units never touched wait until every canary unit has a verdict
+    that stands (``Halt.canary_done``), while touched units that want the version again (a
+    retried canary among them) may start within the budget. Only units whose pending pods may
+    be claimed (:func:`can_claim`) start.
+    """
+    fleet, owner, version = ctx.fleet, ctx.fleet.owner, ctx.spec.version
+    canary = ctx.spec.strategy.canary
+    touched = {u.key for u in halt.touched}
+    limit = None  # how many units never touched may start
+    if canary is not None and not halt.canary_done:
+        limit = max(0, canary - len(touched))
+
+    def startable(u: Unit) -> bool:
+        return (
+            u.key not in seen.frozen
+            and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
+            and all(
+                can_claim(p, fleet.agents.get(p.name), owner, version)
+                for p in u.pods
+                if seen.classes[p.name] is PodClass.PENDING
+            )
+        )
+
+    # Free units first, then NotReady ones, then Ready ones, each group by key; the test is
+    # evaluated lazily, so a pass that may start a few units does not examine every pending
+    # one (the loop stops early).
+    order = sorted(halt.pending, key=lambda u: (slots.cost(u), u.key))
+    # touched units still to visit: once none is left, a spent limit ends the loop
+    again = sum(1 for u in order if u.key in touched) if limit is not None else 0
+    for unit in order:
+        fresh = unit.key not in touched
+        again -= not fresh
+        if fresh and limit is not None and limit <= 0:
+            if again <= 0:
+                break
+            continue
+        if not slots.affords(unit):
+            if slots.cost(unit) == 2 or slots.rollout <= 0:
+                break  # no later unit is cheaper
+            continue
+        if not startable(unit):
+            continue
+        if not ctx.take_steps(len(unit.pods)):
+            break
+        if fresh and limit is not None:
+            limit -= 1
+        slots.take(unit)
+        # A claim records what the pod serves (the rollback target) and that it runs no
+        # update: only an answer from this pass may say so, never a cached one (a trainer push
+        # changes both without touching the pod). The caller asks afresh, then applies this
+        # plan only if the fresh answers are the cached ones (``provisional``), else plans
+        # again.
+        stale = [p.name for p in unit.pods if p.name in fleet.cached]
+        if stale:
+            ctx.refresh.update(stale)
+            if not ctx.provisional:
+                continue
+        claim(ctx, unit)
