@@ -56,8 +56,9 @@ from datetime import datetime
 from weightroll_operator.api.v1alpha1 import OnFailure, WeightUpdateSpec
 from weightroll_operator.domain.availability import Slots, held_by_agent
 from weightroll_operator.domain.events import aggregate_emits, emit_holding
+from weightroll_operator.domain.plan import deadlines, restore, settle
 from weightroll_operator.domain.plan.advance import advance_units, serves_attempt
-from weightroll_operator.domain.plan.classify import classify, classify_fleet, queries
+from weightroll_operator.domain.plan.classify import classify_fleet, queries
 from weightroll_operator.domain.plan.context import (
     Fleet,
     PassContext,
@@ -68,15 +69,15 @@ from weightroll_operator.domain.plan.context import (
     parse_time,
     target_source,
 )
-from weightroll_operator.domain.plan.deadlines import deadlines
-from weightroll_operator.domain.plan.restore import restore, withdraw
+from weightroll_operator.domain.plan.restore import withdraw
 from weightroll_operator.domain.plan.rollback import roll_back, rollback_target
-from weightroll_operator.domain.plan.settle import settle, unsettled
+from weightroll_operator.domain.plan.settle import unsettled
 from weightroll_operator.domain.plan.start import budget, held, start_units
 from weightroll_operator.domain.wire import build_request, check_wire
 
-# Four steps share their module's name (classify, deadlines, restore, settle): each name bound
-# here, after its module was loaded, is the function, which is what the importers want.
+# Four steps share their module's name (classify, deadlines, restore, settle): the package binds
+# the modules (as Python's import system does) and calls ``deadlines.deadlines``, so
+# ``weightroll_operator.domain.plan.settle`` means one thing wherever it is named.
 __all__ = [
     "Fleet",
     "Persisted",
@@ -86,7 +87,6 @@ __all__ = [
     "aggregate_emits",
     "build_request",
     "check_wire",
-    "classify",
     "emit_holding",
     "parse_time",
     "plan",
@@ -138,7 +138,7 @@ def plan(
     ctx.provisional = provisional
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(ctx, seen)
-    halt = deadlines(ctx, seen, persisted, flying)
+    halt = deadlines.deadlines(ctx, seen, persisted, flying)
     slots = Slots.of(
         seen.max_unavailable,
         budget(seen, flying, fleet.terminating, now),
@@ -152,6 +152,6 @@ def plan(
         remaining = roll_back(ctx, seen, flying, slots)
     elif halt.aborted_at is None and halt.paused_reason is None and not seen.blocked_by:
         start_units(ctx, seen, flying, halt, slots)
-    restore(ctx, seen, rollback_target(ctx) if rollback else None)
+    restore.restore(ctx, seen, rollback_target(ctx) if rollback else None)
     withdraw(ctx)
-    return settle(ctx, seen, persisted, flying, halt, rollback, remaining)
+    return settle.settle(ctx, seen, persisted, flying, halt, rollback, remaining)
