@@ -1,21 +1,20 @@
-"""Modulewise reload inside one vLLM rank: model index, load routing, module processing.
+"""Modulewise reload inside one vLLM rank: load routing and per-module processing.
 
-This is the only module of the reload that knows vLLM's internals. It keeps the model's own
-``load_weights`` in charge of name mapping, TP sharding, fused QKV / gate-up and expert routing,
-and changes only *where the bytes go* and *when a module counts as complete*:
+With :mod:`.index` (which modules the checkpoint fills, and their shard sets) and
+:mod:`.sparse_plan` (where a sparse patch lands), this is the part of the reload that knows
+vLLM's internals. It keeps the model's own ``load_weights`` in charge of name mapping, TP
+sharding, fused QKV / gate-up and expert routing, and changes only *where the bytes go* and
+*when a module counts as complete*:
 
-1. **Index** (:func:`build_index`). For every module with checkpoint-format parameters (vLLM
-   records them as meta tensors at model init, ``get_layerwise_info(m).restore_metadata``) we
-   know each parameter's checkpoint shape and weight loader, and from the module type its shard
-   selectors: ``q/k/v`` for ``QKVParallelLinear``, ``0..n-1`` for ``MergedColumnParallelLinear``,
-   ``e<id>:w1|w2|w3`` for the experts this rank owns, ``*`` otherwise. That is the rank's
-   required shard set.
+1. **Index** (:func:`engine_agent.reload.index.build_index`): every module with
+   checkpoint-format parameters, their meta templates and the rank's required shard set.
 2. **Routing** (:class:`LoadRouter`). For the duration of one ``model.load_weights`` call every
    indexed parameter is replaced by its meta template whose ``weight_loader`` is wrapped. The
    wrapper computes the shard keys of the call from the bound loader arguments, refuses
    duplicates and out-of-scope keys *before* writing, and writes into a per-module **staging**
    tensor in checkpoint layout (never into live storage). A dry run over meta tensors validates
-   a whole batch (unknown names, shapes, duplicates) before any byte is written.
+   a whole batch (unknown names, shapes, duplicates) before any byte is written. A loader that
+   writes a parameter itself is routed the same way (:mod:`.direct`).
 3. **Processing** (:meth:`LoadRouter.process`). When a module's staging covers its required set
    (set coverage, never element counts), its post-load processing runs on the staging tensors
    — quant method, the experts' kernel-format prepack, then every derived-state refresher
@@ -24,25 +23,21 @@ and changes only *where the bytes go* and *when a module counts as complete*:
    of its parameter objects (tied embeddings) re-runs its own post-load step. The rank is
    marked dirty before the first of these steps: a post-load step already swaps the live
    module's kernel (on CPU a new ``cpu_linear`` closure).
+4. **Sparse patches** (:meth:`LoadRouter.apply_sparse`): planned by :mod:`.sparse_plan`
+   before any write, written in place here, then the patched modules' kernel state rebuilt.
 
 Limitations:
     1. Models with a model-level ``process_weights_after_loading`` hook are refused at begin.
     2. Deferred attention layers that read other modules' weights are supported only where a
        refresher is registered (:mod:`engine_agent.reload.derived`); others fail closed.
-    3. A parameter held by several modules (tied embeddings; the routing bias of MiniMax-M2's
-       block or DeepSeek-V3's gate, also held by the experts) is indexed once, under the first
-       module that holds it; every other holder is a *sharer*. A sharer with no checkpoint
-       parameter of its own (the tied LM head) re-runs its post-load step after the owner's
-       bytes changed (its kernel may keep its own packed copy); an indexed sharer is processed
-       after the owner, from its own staging, and must therefore be reloaded with it (else
-       refused at begin, and sparse patches of the shared parameter are refused).
+    3. A parameter held by several modules is indexed once, under its first holder
+       (:mod:`.index`). A sharer with no checkpoint parameter of its own (the tied LM head)
+       re-runs its post-load step after the owner's bytes changed (its kernel may keep its own
+       packed copy); an indexed sharer is processed after the owner, from its own staging, and
+       must therefore be reloaded with it (else refused at begin, and sparse patches of the
+       shared parameter are refused).
     4. Sparse patches are accepted only for parameters whose live layout is the checkpoint
-       layout (norms, embeddings, and linears whose kernel reads the live weight); everything
-       else is refused with the module named. Checkpoint-coordinate indices are mapped through
-       the parameter's own weight loader (its real TP shard layout), so each rank applies
-       exactly the elements it holds, at their local positions; this needs one temporary
-       int64 tensor of the checkpoint tensor's size, and a probe of its dtype. A loader that
-       computes what it stores (``x + offset``) makes the patch refused, not transformed.
+       layout, mapped through the parameter's own weight loader (see :mod:`.sparse_plan`).
 """
 
 from __future__ import annotations
@@ -50,11 +45,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,324 +58,19 @@ from engine_agent.errors import (
     AgentError,
     DerivedStateUnsupported,
     IdentityChanged,
-    InvalidRequest,
     LoaderUnsupported,
     ShapeMismatch,
-    SparseRefused,
     UnknownTensor,
 )
 from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
-from engine_agent.reload.derived import DerivedRefresher, find_refreshers
 from engine_agent.reload.direct import DirectWrites
-from engine_agent.reload.identity import StorageRecord, kernel_tag, storage_record
-from engine_agent.reload.inventory import Inventory, build_inventory
+from engine_agent.reload.index import ModelIndex, ModuleEntry
+from engine_agent.reload.inventory import Inventory
+from engine_agent.reload.sparse_plan import plan_sparse
 
-__all__ = ["LoadRouter", "ModelIndex", "ModuleEntry", "build_index", "tensor_digest"]
+__all__ = ["LoadRouter", "tensor_digest"]
 
 logger = logging.getLogger(__name__)
-
-#: Parameters vLLM itself never loads through a weight loader (kept in sync with
-#: ``vllm.model_executor.model_loader.reload.meta.SKIP_LOAD_TENSORS``).
-_NEVER_LOADED = frozenset(
-    {
-        "_expert_map",
-        "expert_mask",
-        "expert_global_to_physical",
-        "expert_physical_to_global",
-        "expert_local_to_global",
-    }
-)
-
-
-@dataclass(eq=False)
-class ModuleEntry:
-    """One module with checkpoint-format parameters, as seen by this rank."""
-
-    name: str
-    module: nn.Module
-    #: parameter name -> meta template (checkpoint shape, class and loader attributes).
-    templates: dict[str, torch.Tensor]
-    #: "qkv" | "merged" | "moe" | "plain"
-    kind: str
-    shard_ids: tuple[str, ...] = ()
-    local_experts: frozenset[int] = frozenset()
-    required: frozenset[ShardKey] = frozenset()
-
-    def keys_for_call(self, param: str, args: inspect.BoundArguments) -> list[ShardKey]:
-        """The shard keys one weight-loader call writes (empty: not owned by this rank)."""
-        arguments = args.arguments
-        if self.kind in ("qkv", "merged") and param in self.templates:
-            shard = arguments.get("loaded_shard_id")
-            if shard is None:
-                selected: Iterable[str] = self.shard_ids
-            elif isinstance(shard, tuple | list):
-                selected = [str(s) for s in shard]
-            else:
-                selected = [str(shard)]
-            return [ShardKey(self.name, param, s) for s in selected]
-        if self.kind == "moe" and param.startswith(("w13_", "w2_")):
-            shard_id = str(arguments.get("shard_id"))
-            loaded = arguments.get("loaded_weight")
-            full_load = isinstance(loaded, torch.Tensor) and loaded.dim() == 3
-            experts = (
-                sorted(self.local_experts)
-                if full_load
-                else [int(arguments["expert_id"])]
-                if int(arguments["expert_id"]) in self.local_experts
-                else []
-            )
-            return [ShardKey(self.name, param, f"e{e}:{shard_id}") for e in experts]
-        return [ShardKey(self.name, param, WHOLE)]
-
-    def live_tensors(self) -> dict[str, torch.Tensor]:
-        params = {k: v for k, v in self.module._parameters.items() if v is not None}
-        buffers = {k: v for k, v in self.module._buffers.items() if v is not None}
-        return params | buffers
-
-    def sparse_refusal(self, param: str) -> str | None:
-        """Why a sparse patch of ``param`` cannot be applied in place (None: it can)."""
-        live = self.module._parameters.get(param)
-        template = self.templates.get(param)
-        if live is None or template is None:
-            return "it has no such checkpoint parameter"
-        if tuple(live.shape) != tuple(template.shape):
-            return (
-                f"its live layout {list(live.shape)} is not the checkpoint layout "
-                f"{list(template.shape)} (packed for its kernel)"
-            )
-        quant_method = getattr(self.module, "quant_method", None)
-        method = type(quant_method).__name__ if quant_method is not None else None
-        cpu_linear = self.module.__dict__.get("cpu_linear")
-        if method in (None, "UnquantizedEmbeddingMethod"):
-            return None
-        if method == "UnquantizedLinearMethod" and (
-            cpu_linear is None or cpu_linear is torch.nn.functional.linear
-        ):
-            return None
-        return f"its kernel ({method}) keeps its own copy of the weights"
-
-
-@dataclass(eq=False)
-class ModelIndex:
-    """Every loadable module of one rank's model, plus its derived-state refreshers."""
-
-    model: nn.Module
-    entries: dict[str, ModuleEntry]
-    #: source module name -> refreshers to run after that module is processed.
-    refreshers: dict[str, list[DerivedRefresher]]
-    #: modules whose derived state no refresher covers: updating them fails closed.
-    unsupported: dict[str, str] = field(default_factory=dict)
-    #: owner module name -> (holder name, holder, parameter name) of every *other* module
-    #: holding one of the owner's parameter objects (tied embeddings: ``lm_head``).
-    sharers: dict[str, list[tuple[str, nn.Module, str]]] = field(default_factory=dict)
-
-    def owners_of(self, name: str) -> set[str]:
-        """Indexed modules owning a parameter that module ``name`` also holds."""
-        return {
-            owner
-            for owner, holders in self.sharers.items()
-            if any(holder == name for holder, _module, _param in holders)
-        }
-
-    def holders(self) -> dict[int, str]:
-        """``id(live parameter) -> owner module name`` for every checkpoint parameter."""
-        out: dict[int, str] = {}
-        for name, entry in self.entries.items():
-            for pname in entry.templates:
-                live = entry.module._parameters.get(pname)
-                if live is not None:
-                    out[id(live)] = name
-        return out
-
-    def inventory(self) -> Inventory:
-        """Classify every tensor and kernel object the kernels read (see :mod:`.inventory`)."""
-        derived: dict[str, tuple[str, frozenset[str]]] = {}
-        for source, refreshers in self.refreshers.items():
-            for refresher in refreshers:
-                label = f"{type(refresher).__name__}:{refresher.name}"
-                for qualified in refresher.tensors():
-                    old = derived.get(qualified, (label, frozenset()))[1]
-                    derived[qualified] = (label, old | {source})
-        post_load_ok = {n: _has_quant_method(m) for n, m in self.model.named_modules()}
-        return build_inventory(self.model, self.entries, self.holders(), derived, post_load_ok)
-
-    def required(self, modules: Iterable[str] | None = None) -> dict[str, frozenset[ShardKey]]:
-        names = self.entries.keys() if modules is None else modules
-        return {name: self.entries[name].required for name in names}
-
-    def kernel_visible(self) -> dict[str, torch.Tensor]:
-        """Every tensor a kernel reads, by name: parameters, buffers, registered derived ones."""
-        tensors: dict[str, torch.Tensor] = {
-            name: t
-            for name, t in self.model.named_parameters(remove_duplicate=False)
-            if t.device.type != "meta"
-        }
-        tensors |= {
-            name: t
-            for name, t in self.model.named_buffers(remove_duplicate=False)
-            if t.device.type != "meta"
-        }
-        for refreshers in self.refreshers.values():
-            for refresher in refreshers:
-                tensors |= refresher.tensors()
-        return tensors
-
-    def storage_snapshot(self) -> dict[str, StorageRecord]:
-        return {name: storage_record(t) for name, t in self.kernel_visible().items()}
-
-    def kernel_snapshot(self) -> dict[str, str]:
-        return {name: kernel_tag(m) for name, m in self.model.named_modules()}
-
-    def resolve_scope(self, scope: Iterable[str]) -> set[str]:
-        """Map checkpoint names or name prefixes (ending in ".") to indexed module names.
-
-        Raises:
-            UnknownTensor: a scope entry matches no module of this model.
-        """
-        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
-        fused_of = {part: fused for fused, parts in packed.items() for part in parts}
-        modules: set[str] = set()
-        for item in scope:
-            found = self._resolve_one(item, fused_of)
-            if not found:
-                raise UnknownTensor(
-                    f"scope entry {item!r} matches no parameter of this model; use checkpoint "
-                    "tensor names (model.layers.0.mlp.down_proj.weight) or prefixes ending "
-                    "in '.' (model.layers.0.mlp.)",
-                    field="scope",
-                )
-            modules |= found
-        return modules
-
-    def _resolve_one(self, item: str, fused_of: Mapping[str, str]) -> set[str]:
-        if item.endswith("."):  # a prefix: the module itself ("model.norm.") or below it
-            return {n for n in self.entries if f"{n}.".startswith(item)}
-        path, _, _param = item.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        candidates = [path, f"{parent}.{fused_of[leaf]}" if leaf in fused_of else ""]
-        for candidate in candidates:
-            if candidate in self.entries:
-                return {candidate}
-        if ".experts." in path:
-            owner = path.split(".experts.", 1)[0] + ".experts"
-            return {n for n, e in self.entries.items() if n.startswith(owner) and e.kind == "moe"}
-        return set()
-
-
-def _module_kind(module: nn.Module) -> tuple[str, tuple[str, ...]]:
-    from vllm.model_executor.layers.linear import (
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-    )
-
-    if isinstance(module, QKVParallelLinear):
-        return "qkv", ("q", "k", "v")
-    if isinstance(module, MergedColumnParallelLinear):
-        return "merged", tuple(str(i) for i in range(len(module.output_sizes)))
-    if hasattr(module, "_map_global_expert_id_to_local_expert_id"):
-        return "moe", ()
-    return "plain", ()
-
-
-def _local_experts(module: nn.Module) -> frozenset[int]:
-    moe_config = getattr(module, "moe_config", None)
-    total = int(
-        getattr(moe_config, "num_logical_experts", 0) or getattr(module, "global_num_experts", 0)
-    )
-    mapper = module._map_global_expert_id_to_local_expert_id
-    return frozenset(e for e in range(total) if int(mapper(e)) != -1)  # type: ignore[operator]
-
-
-def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The checkpoint parameters of ``module``: every parameter it held when the model was built.
-
-    vLLM records the parameters of every module right after the model is built, before the
-    checkpoint is loaded (``record_metadata_for_reloading``), so what it recorded is what a
-    cold load fills. Its recorder leaves out some names on purpose (``SKIP_TENSORS``: a
-    ``bias`` is built after ``create_weights``, the routing ``e_score_correction_bias`` is
-    read in place, the expert maps are never loaded); those parameters exist from the start
-    and the checkpoint writes them all the same — through their own ``weight_loader`` or,
-    without one, the model's default loader. Undoing that filter, instead of asking for a
-    ``weight_loader`` attribute, is what makes a loader-less parameter (a LayerNorm's bias,
-    DeepSeek-V3's score correction bias) a checkpoint parameter and not derived state with no
-    refresher (issue 26, items 6 and 7). Parameters created later, by post-load processing,
-    are in neither set: they are derived state.
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-    restore_params, _ = get_layerwise_info(module).restore_metadata
-    templates = {
-        name: restore_layer_refs(to_meta_tensor(meta), module)
-        for name, meta in restore_params.items()
-        if name not in _NEVER_LOADED
-    }
-    unrecorded = _unrecorded_at_build()
-    for name, live in module._parameters.items():
-        if name in templates or live is None or name in _NEVER_LOADED or live.numel() == 0:
-            continue
-        if name in unrecorded or hasattr(live, "weight_loader"):
-            templates[name] = to_meta_tensor(live)
-    return templates
-
-
-def _unrecorded_at_build() -> frozenset[str]:
-    """Parameter names vLLM's build-time recorder leaves out although the model has them."""
-    try:
-        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-    except ImportError:  # a vLLM without the set: the names 0.32.0 skips
-        return frozenset({"bias", "e_score_correction_bias"})
-    return frozenset(SKIP_TENSORS)
-
-
-def _has_quant_method(module: nn.Module) -> bool:
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
-
-
-def build_index(model: nn.Module) -> ModelIndex:
-    """Index every loadable module of ``model`` on this rank (see the module docstring)."""
-    entries: dict[str, ModuleEntry] = {}
-    owner_of: dict[int, str] = {}
-    sharers: dict[str, list[tuple[str, nn.Module, str]]] = {}
-    for name, module in model.named_modules():
-        templates = _templates(module)
-        for pname, live in module._parameters.items():
-            if live is None:
-                continue
-            if id(live) in owner_of:  # tied with an earlier module: that one loads it
-                templates.pop(pname, None)
-                sharers.setdefault(owner_of[id(live)], []).append((name, module, pname))
-            elif pname in templates:
-                owner_of[id(live)] = name
-        if not templates:
-            continue
-        kind, shard_ids = _module_kind(module)
-        entry = ModuleEntry(name, module, templates, kind, shard_ids)
-        if kind == "moe":
-            entry.local_experts = _local_experts(module)
-        entry.required = frozenset(_required_keys(entry))
-        entries[name] = entry
-    refreshers, unsupported = find_refreshers(model, {id(e.module): n for n, e in entries.items()})
-    return ModelIndex(model, entries, refreshers, unsupported, sharers)
-
-
-def _required_keys(entry: ModuleEntry) -> Iterator[ShardKey]:
-    for param in entry.templates:
-        if entry.kind in ("qkv", "merged"):
-            yield from (ShardKey(entry.name, param, s) for s in entry.shard_ids)
-        elif entry.kind == "moe" and param.startswith("w13_"):
-            for e in sorted(entry.local_experts):
-                yield ShardKey(entry.name, param, f"e{e}:w1")
-                yield ShardKey(entry.name, param, f"e{e}:w3")
-        elif entry.kind == "moe" and param.startswith("w2_"):
-            yield from (
-                ShardKey(entry.name, param, f"e{e}:w2") for e in sorted(entry.local_experts)
-            )
-        else:
-            yield ShardKey(entry.name, param, WHOLE)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -926,159 +615,44 @@ class LoadRouter:
     ) -> list[ShardKey]:
         """Apply flat-index patches ``(name, checkpoint shape, indices, values)`` in place.
 
-        Indices are positions in the *checkpoint* tensor. Each is mapped through the
-        parameter's own weight loader (:meth:`_checkpoint_positions`) to the local position
-        where this rank holds that element; elements other ranks hold are skipped here. Every
-        patch is validated (mapping, layout, bounds, dtype, derived state) before the first
-        write.
+        Every patch is planned first (:func:`~engine_agent.reload.sparse_plan.plan_sparse`:
+        mapping through the parameter's own weight loader, layout, bounds, dtype, derived
+        state), before the first write; elements other ranks hold are skipped here. Then the
+        patched modules' kernel state is rebuilt from their live weights.
+
+        Returns:
+            The shard key of every patched parameter (recorded in the ledger).
 
         Raises:
             SparseRefused: a patched module's live layout is not its checkpoint layout, its
                 elements cannot be mapped one-to-one, or derived state of it has no refresher.
         """
-        plan: list[tuple[ModuleEntry, str, torch.Tensor, torch.Tensor]] = []
-        all_keys: list[ShardKey] = []
-        for name, shape, indices, values in patches:
-            keys = self.dry_run([(name, shape, values.dtype)])
-            if len(keys) != 1 or keys[0].shard != WHOLE:
-                raise SparseRefused(
-                    f"{name} maps to {', '.join(map(str, keys)) or 'nothing'}: sparse patches are "
-                    "only accepted for tensors that map one-to-one onto a live parameter",
-                    field=name,
-                )
-            key = keys[0]
-            entry = self.index.entries[key.module]
-            reason = entry.sparse_refusal(key.param) or self._sparse_sharer_refusal(entry)
-            stale = self.inventory.unsupported({entry.name})
-            if reason is None and stale:
-                reason = f"{stale[0].name} is derived from it and nothing rebuilds it"
-            if reason is not None:
-                raise SparseRefused(
-                    f"cannot patch {name} in place: module {entry.name} is refused because "
-                    f"{reason}; send a full or partial update for it instead",
-                    field=name,
-                )
-            live = entry.module._parameters[key.param]
-            assert live is not None
-            if values.dtype != live.dtype:
-                raise ShapeMismatch(
-                    f"{name}: patch values are {values.dtype}, the live parameter is {live.dtype}",
-                    field=name,
-                )
-            if indices.dim() != 1 or values.shape != indices.shape:
-                raise ShapeMismatch(
-                    f"{name}: indices and values must be 1-D and of equal length "
-                    f"(got {list(indices.shape)} and {list(values.shape)})",
-                    field=name,
-                )
-            numel = math.prod(shape)
-            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-                raise ShapeMismatch(f"{name}: patch index out of range [0, {numel})", field=name)
-            if indices.numel() != torch.unique(indices).numel():
-                # index_copy_ with a repeated index leaves either value: ranks holding the same
-                # replicated element could disagree, and no later check would see it.
-                raise InvalidRequest(
-                    f"{name}: a patch index repeats; each element may be patched once",
-                    field=name,
-                )
-            local = self._local_positions(name, shape, entry, key.param, live, indices, values)
-            local = local[indices]
-            mine = local >= 0
-            plan.append((entry, key.param, local[mine], values[mine]))
-            all_keys.append(key)
+        plan = plan_sparse(self, patches)
+        all_keys = [write.key for write in plan]
         self.ledger.check(all_keys)
         self._failpoint("sparse.before_write")
-        for (entry, pname, local, values), key in zip(plan, all_keys, strict=True):
+        for write in plan:
             self._mark_dirty()
-            live = entry.module._parameters[pname]
+            live = write.entry.module._parameters[write.param]
             assert live is not None
-            live.data.view(-1).index_copy_(0, local.to(live.device), values.to(live.device))
-            self.ledger.record(key)
-            self.bytes_loaded += values.numel() * values.element_size()
+            local, values = write.local.to(live.device), write.values.to(live.device)
+            live.data.view(-1).index_copy_(0, local, values)
+            self.ledger.record(write.key)
+            self.bytes_loaded += write.values.numel() * write.values.element_size()
             self._failpoint("sparse.after_write")
-        for entry in {e.name: e for e, *_ in plan}.values():
+        for entry in {write.entry.name: write.entry for write in plan}.values():
             self._rebuild_in_place(entry)
         return all_keys
 
-    def _sparse_sharer_refusal(self, entry: ModuleEntry) -> str | None:
-        """Why a patch of ``entry`` would leave a module sharing its parameter stale (None: it
-        would not). Such a module (experts holding their block's routing bias) has kernel-format
-        weights its post-load step cannot be re-run on (:meth:`_refuse_stale_sharers`)."""
-        for holder_name, _holder, pname in self.index.sharers.get(entry.name, []):
-            if holder_name in self.index.entries:
-                return (
-                    f"its parameter {pname} is also held by {holder_name}, whose kernel-format "
-                    "weights cannot be processed again in place"
-                )
-        return None
-
-    def _local_positions(
-        self,
-        name: str,
-        shape: torch.Size,
-        entry: ModuleEntry,
-        pname: str,
-        live: torch.Tensor,
-        indices: torch.Tensor,
-        values: torch.Tensor,
-    ) -> torch.Tensor:
-        """For every flat checkpoint index of ``name``: where this rank holds it, or -1.
-
-        Loads a tensor of checkpoint positions (``arange + 1``) through the model's own
-        ``load_weights`` into an int64 stand-in of the parameter, so name mapping, TP slicing
-        and padding are exactly the loader's. A position two local elements claim cannot be
-        patched one-to-one and is refused.
-
-        The mapping is only a mapping if the loader moves values without changing them; some
-        loaders compute (Plamo3 norms ``x + offset``, LongCat-Flash ``x * scale``, Mamba2
-        ``A = -exp(x)``), and a cold engine holds what they compute, not the checkpoint value.
-        So positions must land as positions, and a probe of the parameter's dtype — the patch's
-        own values at its indices, values of every magnitude elsewhere — loaded the same way,
-        must land bit for bit where the positions say. Otherwise the patch is refused, naming
-        the loader, before anything is written (issue 26, item 1).
-
-        Raises:
-            SparseRefused: the mapping is not one-to-one, the loader wrote no positions, or the
-                loader transforms the values it loads.
-        """
-        numel = math.prod(shape)
-        positions = torch.arange(1, numel + 1, dtype=torch.int64).reshape(shape)
-        landed = self._land(name, entry, pname, positions)
-        if landed is None or landed.numel() != live.numel():
-            raise SparseRefused(
-                f"cannot patch {name} in place: its weight loader did not map it onto "
-                f"{entry.name}.{pname}",
-                field=name,
-            )
-        flat = landed.reshape(-1) - 1
-        # -1: an element no checkpoint position reaches (padding the loader leaves); anything
-        # else outside [0, numel) was computed, not moved.
-        if flat.numel() and (int(flat.min()) < -1 or int(flat.max()) >= numel):
-            raise self._transforming(name, entry, pname)
-        held = flat >= 0
-        source = flat[held]
-        generator = torch.Generator().manual_seed(numel)
-        scale = torch.exp2(torch.randint(-24, 24, (numel,), generator=generator).float())
-        probe = (torch.randn(numel, generator=generator) * scale).to(live.dtype)
-        probe[indices] = values.to(live.dtype)
-        probed = self._land(name, entry, pname, probe.reshape(shape))
-        if probed is None or not torch.equal(_raw(probed.reshape(-1)[held]), _raw(probe[source])):
-            raise self._transforming(name, entry, pname)
-        if torch.unique(source).numel() != source.numel():
-            raise SparseRefused(
-                f"cannot patch {name} in place: this rank holds some of its elements more than "
-                "once (replicated within the parameter); send a full or partial update instead",
-                field=name,
-            )
-        lookup = torch.full((numel,), -1, dtype=torch.int64)
-        lookup[source] = torch.nonzero(held).reshape(-1)
-        return lookup
-
-    def _land(
+    def land(
         self, name: str, entry: ModuleEntry, pname: str, tensor: torch.Tensor
     ) -> torch.Tensor | None:
         """What the model's ``load_weights`` writes into a CPU stand-in of ``entry.pname`` when
-        fed ``tensor`` as checkpoint tensor ``name`` (None: it wrote nothing there)."""
+        fed ``tensor`` as checkpoint tensor ``name`` (None: it wrote nothing there).
+
+        The coordinate pass of sparse planning (:mod:`.sparse_plan`): nothing is staged,
+        recorded or written to live storage.
+        """
         self._coords = {}
         try:
             with self._installed(dry=False):
@@ -1086,18 +660,6 @@ class LoadRouter:
             return self._coords.get((entry.name, pname))
         finally:
             self._coords = None
-
-    @staticmethod
-    def _transforming(name: str, entry: ModuleEntry, pname: str) -> SparseRefused:
-        loader = getattr(entry.templates[pname], "weight_loader", None)
-        qualname = getattr(loader, "__qualname__", None) or type(loader).__name__
-        label = f"{getattr(loader, '__module__', None) or '?'}.{qualname}"
-        return SparseRefused(
-            f"cannot patch {name} in place: the weight loader of {entry.name}.{pname} "
-            f"({label}) transforms the values it loads, so a checkpoint value is not what a "
-            "cold engine holds; send a full or partial update for it instead",
-            field=name,
-        )
 
     def _rebuild_in_place(self, entry: ModuleEntry) -> None:
         """Re-derive kernel state from a module's (patched) live weights."""
@@ -1133,11 +695,6 @@ def _slots(module: nn.Module) -> dict[str, Any]:
     """A module's parameter slots, typed loosely: staging tensors are swapped in and out."""
     slots: dict[str, Any] = module._parameters
     return slots
-
-
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes (bit-for-bit comparison: NaN equals NaN, -0.0 is not 0.0)."""
-    return tensor.contiguous().view(torch.uint8)
 
 
 def _present(tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
