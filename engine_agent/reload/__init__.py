@@ -8,7 +8,8 @@ Parts, pure first:
     * :mod:`.inventory` — everything the kernels read, classified checkpoint / derived (with
       its refresher) / runtime, and checked as a whole at ``finish``.
     * :mod:`.index` — which modules the checkpoint fills, and the shards each must receive.
-    * :mod:`.modelwise` — the vLLM-facing load routing and per-module processing.
+    * :mod:`.modelwise` — the vLLM-facing load routing into staging.
+    * :mod:`.processing` — post-load processing of a complete module, copied into live storage.
     * :mod:`.sources`, :mod:`.sparse` — reading checkpoints and sparse patches.
     * :mod:`.sparse_plan` — where a sparse patch lands on this rank, planned before any write.
     * :mod:`.engine` — :class:`RankEngine`, one rank's begin/load/finish/abort/state.
