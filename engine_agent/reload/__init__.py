@@ -7,8 +7,11 @@ Parts, pure first:
     * :mod:`.derived` — derived-state refreshers, e.g. MLA ``W_UK_T``/``W_UV`` (gap 3).
     * :mod:`.inventory` — everything the kernels read, classified checkpoint / derived (with
       its refresher) / runtime, and checked as a whole at ``finish``.
-    * :mod:`.modelwise` — the vLLM-facing index, load routing and per-module processing.
+    * :mod:`.index` — which modules the checkpoint fills, and the shards each must receive.
+    * :mod:`.modelwise` — the vLLM-facing load routing into staging.
+    * :mod:`.processing` — post-load processing of a complete module, copied into live storage.
     * :mod:`.sources`, :mod:`.sparse` — reading checkpoints and sparse patches.
+    * :mod:`.sparse_plan` — where a sparse patch lands on this rank, planned before any write.
     * :mod:`.engine` — :class:`RankEngine`, one rank's begin/load/finish/abort/state.
     * :mod:`.registry` — the one :class:`RankEngine` per model in the process, shared by the
       worker extension's RPCs and the weight-transfer backends.

@@ -60,8 +60,9 @@ from engine_agent.reload.coverage import CoverageLedger
 from engine_agent.reload.digest import VerifyPool, rank_digest, tensor_digest
 from engine_agent.reload.guard import DEFAULT_PERIOD_S, StillTrueGuard, kernel_probes
 from engine_agent.reload.identity import StorageRecord, compare_kernels, compare_storage
+from engine_agent.reload.index import ModelIndex, build_index
 from engine_agent.reload.inventory import Inventory
-from engine_agent.reload.modelwise import LoadRouter, ModelIndex, build_index
+from engine_agent.reload.modelwise import LoadRouter
 from engine_agent.reload.sources import open_source
 
 __all__ = ["RankEngine"]

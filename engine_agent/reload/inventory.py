@@ -58,7 +58,7 @@ _RUNTIME_ATTRS = frozenset(
         "_v_scale_cpu",
         "_q_scale_cpu",
         "cos_sin_cache",
-        # expert routing maps (never loaded from a checkpoint; modelwise._NEVER_LOADED)
+        # expert routing maps (never loaded from a checkpoint; index._NEVER_LOADED)
         "_expert_map",
         "expert_mask",
         "expert_global_to_physical",

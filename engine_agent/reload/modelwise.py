@@ -1,387 +1,73 @@
-"""Modulewise reload inside one vLLM rank: model index, load routing, module processing.
+"""Modulewise reload inside one vLLM rank: load routing and per-module processing.
 
-This is the only module of the reload that knows vLLM's internals. It keeps the model's own
-``load_weights`` in charge of name mapping, TP sharding, fused QKV / gate-up and expert routing,
-and changes only *where the bytes go* and *when a module counts as complete*:
+With :mod:`.index` (which modules the checkpoint fills, and their shard sets),
+:mod:`.processing` (what happens to a complete module) and :mod:`.sparse_plan` (where a sparse
+patch lands), this is the part of the reload that knows vLLM's internals. It keeps the model's
+own ``load_weights`` in charge of name mapping, TP sharding, fused QKV / gate-up and expert
+routing, and changes only *where the bytes go* and *when a module counts as complete*:
 
-1. **Index** (:func:`build_index`). For every module with checkpoint-format parameters (vLLM
-   records them as meta tensors at model init, ``get_layerwise_info(m).restore_metadata``) we
-   know each parameter's checkpoint shape and weight loader, and from the module type its shard
-   selectors: ``q/k/v`` for ``QKVParallelLinear``, ``0..n-1`` for ``MergedColumnParallelLinear``,
-   ``e<id>:w1|w2|w3`` for the experts this rank owns, ``*`` otherwise. That is the rank's
-   required shard set.
+1. **Index** (:func:`engine_agent.reload.index.build_index`): every module with
+   checkpoint-format parameters, their meta templates and the rank's required shard set.
 2. **Routing** (:class:`LoadRouter`). For the duration of one ``model.load_weights`` call every
    indexed parameter is replaced by its meta template whose ``weight_loader`` is wrapped. The
    wrapper computes the shard keys of the call from the bound loader arguments, refuses
    duplicates and out-of-scope keys *before* writing, and writes into a per-module **staging**
    tensor in checkpoint layout (never into live storage). A dry run over meta tensors validates
-   a whole batch (unknown names, shapes, duplicates) before any byte is written.
-3. **Processing** (:meth:`LoadRouter.process`). When a module's staging covers its required set
-   (set coverage, never element counts), its post-load processing runs on the staging tensors
+   a whole batch (unknown names, shapes, duplicates) before any byte is written. A loader that
+   writes a parameter itself is routed the same way (:mod:`.direct`).
+3. **Processing** (:class:`engine_agent.reload.processing.ModuleProcessor`, handed each
+   module by the router). When a module's staging covers its required set (set coverage,
+   never element counts), its post-load processing runs on the staging tensors
    — quant method, the experts' kernel-format prepack, then every derived-state refresher
    sourced from this module (MLA ``W_UK_T``/``W_UV``) — and the results are ``copy_``-ed into
    the live tensors, so no kernel-visible address moves; then every other module holding one
    of its parameter objects (tied embeddings) re-runs its own post-load step. The rank is
    marked dirty before the first of these steps: a post-load step already swaps the live
    module's kernel (on CPU a new ``cpu_linear`` closure).
+4. **Sparse patches** (:meth:`LoadRouter.apply_sparse`): planned by :mod:`.sparse_plan`
+   before any write, written in place here, then the patched modules' kernel state rebuilt.
 
 Limitations:
     1. Models with a model-level ``process_weights_after_loading`` hook are refused at begin.
     2. Deferred attention layers that read other modules' weights are supported only where a
        refresher is registered (:mod:`engine_agent.reload.derived`); others fail closed.
-    3. A parameter held by several modules (tied embeddings; the routing bias of MiniMax-M2's
-       block or DeepSeek-V3's gate, also held by the experts) is indexed once, under the first
-       module that holds it; every other holder is a *sharer*. A sharer with no checkpoint
-       parameter of its own (the tied LM head) re-runs its post-load step after the owner's
-       bytes changed (its kernel may keep its own packed copy); an indexed sharer is processed
-       after the owner, from its own staging, and must therefore be reloaded with it (else
-       refused at begin, and sparse patches of the shared parameter are refused).
+    3. A parameter held by several modules is indexed once, under its first holder
+       (:mod:`.index`). A sharer with no checkpoint parameter of its own (the tied LM head)
+       re-runs its post-load step after the owner's bytes changed (its kernel may keep its own
+       packed copy); an indexed sharer is processed after the owner, from its own staging, and
+       must therefore be reloaded with it (else refused at begin, and sparse patches of the
+       shared parameter are refused).
     4. Sparse patches are accepted only for parameters whose live layout is the checkpoint
-       layout (norms, embeddings, and linears whose kernel reads the live weight); everything
-       else is refused with the module named. Checkpoint-coordinate indices are mapped through
-       the parameter's own weight loader (its real TP shard layout), so each rank applies
-       exactly the elements it holds, at their local positions; this needs one temporary
-       int64 tensor of the checkpoint tensor's size, and a probe of its dtype. A loader that
-       computes what it stores (``x + offset``) makes the patch refused, not transformed.
+       layout, mapped through the parameter's own weight loader (see :mod:`.sparse_plan`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
-import math
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine_agent.errors import (
-    AgentError,
-    DerivedStateUnsupported,
-    IdentityChanged,
-    InvalidRequest,
     LoaderUnsupported,
     ShapeMismatch,
-    SparseRefused,
     UnknownTensor,
 )
 from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
-from engine_agent.reload.derived import DerivedRefresher, find_refreshers
 from engine_agent.reload.direct import DirectWrites
-from engine_agent.reload.identity import StorageRecord, kernel_tag, storage_record
-from engine_agent.reload.inventory import Inventory, build_inventory
+from engine_agent.reload.index import ModelIndex, ModuleEntry
+from engine_agent.reload.inventory import Inventory
+from engine_agent.reload.processing import ModuleProcessor, parameter_slots
+from engine_agent.reload.sparse_plan import plan_sparse
 
-__all__ = ["LoadRouter", "ModelIndex", "ModuleEntry", "build_index", "tensor_digest"]
+__all__ = ["LoadRouter", "tensor_digest"]
 
 logger = logging.getLogger(__name__)
-
-#: Parameters vLLM itself never loads through a weight loader (kept in sync with
-#: ``vllm.model_executor.model_loader.reload.meta.SKIP_LOAD_TENSORS``).
-_NEVER_LOADED = frozenset(
-    {
-        "_expert_map",
-        "expert_mask",
-        "expert_global_to_physical",
-        "expert_physical_to_global",
-        "expert_local_to_global",
-    }
-)
-
-
-@dataclass(eq=False)
-class ModuleEntry:
-    """One module with checkpoint-format parameters, as seen by this rank."""
-
-    name: str
-    module: nn.Module
-    #: parameter name -> meta template (checkpoint shape, class and loader attributes).
-    templates: dict[str, torch.Tensor]
-    #: "qkv" | "merged" | "moe" | "plain"
-    kind: str
-    shard_ids: tuple[str, ...] = ()
-    local_experts: frozenset[int] = frozenset()
-    required: frozenset[ShardKey] = frozenset()
-
-    def keys_for_call(self, param: str, args: inspect.BoundArguments) -> list[ShardKey]:
-        """The shard keys one weight-loader call writes (empty: not owned by this rank)."""
-        arguments = args.arguments
-        if self.kind in ("qkv", "merged") and param in self.templates:
-            shard = arguments.get("loaded_shard_id")
-            if shard is None:
-                selected: Iterable[str] = self.shard_ids
-            elif isinstance(shard, tuple | list):
-                selected = [str(s) for s in shard]
-            else:
-                selected = [str(shard)]
-            return [ShardKey(self.name, param, s) for s in selected]
-        if self.kind == "moe" and param.startswith(("w13_", "w2_")):
-            shard_id = str(arguments.get("shard_id"))
-            loaded = arguments.get("loaded_weight")
-            full_load = isinstance(loaded, torch.Tensor) and loaded.dim() == 3
-            experts = (
-                sorted(self.local_experts)
-                if full_load
-                else [int(arguments["expert_id"])]
-                if int(arguments["expert_id"]) in self.local_experts
-                else []
-            )
-            return [ShardKey(self.name, param, f"e{e}:{shard_id}") for e in experts]
-        return [ShardKey(self.name, param, WHOLE)]
-
-    def live_tensors(self) -> dict[str, torch.Tensor]:
-        params = {k: v for k, v in self.module._parameters.items() if v is not None}
-        buffers = {k: v for k, v in self.module._buffers.items() if v is not None}
-        return params | buffers
-
-    def sparse_refusal(self, param: str) -> str | None:
-        """Why a sparse patch of ``param`` cannot be applied in place (None: it can)."""
-        live = self.module._parameters.get(param)
-        template = self.templates.get(param)
-        if live is None or template is None:
-            return "it has no such checkpoint parameter"
-        if tuple(live.shape) != tuple(template.shape):
-            return (
-                f"its live layout {list(live.shape)} is not the checkpoint layout "
-                f"{list(template.shape)} (packed for its kernel)"
-            )
-        quant_method = getattr(self.module, "quant_method", None)
-        method = type(quant_method).__name__ if quant_method is not None else None
-        cpu_linear = self.module.__dict__.get("cpu_linear")
-        if method in (None, "UnquantizedEmbeddingMethod"):
-            return None
-        if method == "UnquantizedLinearMethod" and (
-            cpu_linear is None or cpu_linear is torch.nn.functional.linear
-        ):
-            return None
-        return f"its kernel ({method}) keeps its own copy of the weights"
-
-
-@dataclass(eq=False)
-class ModelIndex:
-    """Every loadable module of one rank's model, plus its derived-state refreshers."""
-
-    model: nn.Module
-    entries: dict[str, ModuleEntry]
-    #: source module name -> refreshers to run after that module is processed.
-    refreshers: dict[str, list[DerivedRefresher]]
-    #: modules whose derived state no refresher covers: updating them fails closed.
-    unsupported: dict[str, str] = field(default_factory=dict)
-    #: owner module name -> (holder name, holder, parameter name) of every *other* module
-    #: holding one of the owner's parameter objects (tied embeddings: ``lm_head``).
-    sharers: dict[str, list[tuple[str, nn.Module, str]]] = field(default_factory=dict)
-
-    def owners_of(self, name: str) -> set[str]:
-        """Indexed modules owning a parameter that module ``name`` also holds."""
-        return {
-            owner
-            for owner, holders in self.sharers.items()
-            if any(holder == name for holder, _module, _param in holders)
-        }
-
-    def holders(self) -> dict[int, str]:
-        """``id(live parameter) -> owner module name`` for every checkpoint parameter."""
-        out: dict[int, str] = {}
-        for name, entry in self.entries.items():
-            for pname in entry.templates:
-                live = entry.module._parameters.get(pname)
-                if live is not None:
-                    out[id(live)] = name
-        return out
-
-    def inventory(self) -> Inventory:
-        """Classify every tensor and kernel object the kernels read (see :mod:`.inventory`)."""
-        derived: dict[str, tuple[str, frozenset[str]]] = {}
-        for source, refreshers in self.refreshers.items():
-            for refresher in refreshers:
-                label = f"{type(refresher).__name__}:{refresher.name}"
-                for qualified in refresher.tensors():
-                    old = derived.get(qualified, (label, frozenset()))[1]
-                    derived[qualified] = (label, old | {source})
-        post_load_ok = {n: _has_quant_method(m) for n, m in self.model.named_modules()}
-        return build_inventory(self.model, self.entries, self.holders(), derived, post_load_ok)
-
-    def required(self, modules: Iterable[str] | None = None) -> dict[str, frozenset[ShardKey]]:
-        names = self.entries.keys() if modules is None else modules
-        return {name: self.entries[name].required for name in names}
-
-    def kernel_visible(self) -> dict[str, torch.Tensor]:
-        """Every tensor a kernel reads, by name: parameters, buffers, registered derived ones."""
-        tensors: dict[str, torch.Tensor] = {
-            name: t
-            for name, t in self.model.named_parameters(remove_duplicate=False)
-            if t.device.type != "meta"
-        }
-        tensors |= {
-            name: t
-            for name, t in self.model.named_buffers(remove_duplicate=False)
-            if t.device.type != "meta"
-        }
-        for refreshers in self.refreshers.values():
-            for refresher in refreshers:
-                tensors |= refresher.tensors()
-        return tensors
-
-    def storage_snapshot(self) -> dict[str, StorageRecord]:
-        return {name: storage_record(t) for name, t in self.kernel_visible().items()}
-
-    def kernel_snapshot(self) -> dict[str, str]:
-        return {name: kernel_tag(m) for name, m in self.model.named_modules()}
-
-    def resolve_scope(self, scope: Iterable[str]) -> set[str]:
-        """Map checkpoint names or name prefixes (ending in ".") to indexed module names.
-
-        Raises:
-            UnknownTensor: a scope entry matches no module of this model.
-        """
-        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
-        fused_of = {part: fused for fused, parts in packed.items() for part in parts}
-        modules: set[str] = set()
-        for item in scope:
-            found = self._resolve_one(item, fused_of)
-            if not found:
-                raise UnknownTensor(
-                    f"scope entry {item!r} matches no parameter of this model; use checkpoint "
-                    "tensor names (model.layers.0.mlp.down_proj.weight) or prefixes ending "
-                    "in '.' (model.layers.0.mlp.)",
-                    field="scope",
-                )
-            modules |= found
-        return modules
-
-    def _resolve_one(self, item: str, fused_of: Mapping[str, str]) -> set[str]:
-        if item.endswith("."):  # a prefix: the module itself ("model.norm.") or below it
-            return {n for n in self.entries if f"{n}.".startswith(item)}
-        path, _, _param = item.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        candidates = [path, f"{parent}.{fused_of[leaf]}" if leaf in fused_of else ""]
-        for candidate in candidates:
-            if candidate in self.entries:
-                return {candidate}
-        if ".experts." in path:
-            owner = path.split(".experts.", 1)[0] + ".experts"
-            return {n for n, e in self.entries.items() if n.startswith(owner) and e.kind == "moe"}
-        return set()
-
-
-def _module_kind(module: nn.Module) -> tuple[str, tuple[str, ...]]:
-    from vllm.model_executor.layers.linear import (
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-    )
-
-    if isinstance(module, QKVParallelLinear):
-        return "qkv", ("q", "k", "v")
-    if isinstance(module, MergedColumnParallelLinear):
-        return "merged", tuple(str(i) for i in range(len(module.output_sizes)))
-    if hasattr(module, "_map_global_expert_id_to_local_expert_id"):
-        return "moe", ()
-    return "plain", ()
-
-
-def _local_experts(module: nn.Module) -> frozenset[int]:
-    moe_config = getattr(module, "moe_config", None)
-    total = int(
-        getattr(moe_config, "num_logical_experts", 0) or getattr(module, "global_num_experts", 0)
-    )
-    mapper = module._map_global_expert_id_to_local_expert_id
-    return frozenset(e for e in range(total) if int(mapper(e)) != -1)  # type: ignore[operator]
-
-
-def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The checkpoint parameters of ``module``: every parameter it held when the model was built.
-
-    vLLM records the parameters of every module right after the model is built, before the
-    checkpoint is loaded (``record_metadata_for_reloading``), so what it recorded is what a
-    cold load fills. Its recorder leaves out some names on purpose (``SKIP_TENSORS``: a
-    ``bias`` is built after ``create_weights``, the routing ``e_score_correction_bias`` is
-    read in place, the expert maps are never loaded); those parameters exist from the start
-    and the checkpoint writes them all the same — through their own ``weight_loader`` or,
-    without one, the model's default loader. Undoing that filter, instead of asking for a
-    ``weight_loader`` attribute, is what makes a loader-less parameter (a LayerNorm's bias,
-    DeepSeek-V3's score correction bias) a checkpoint parameter and not derived state with no
-    refresher (issue 26, items 6 and 7). Parameters created later, by post-load processing,
-    are in neither set: they are derived state.
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-    restore_params, _ = get_layerwise_info(module).restore_metadata
-    templates = {
-        name: restore_layer_refs(to_meta_tensor(meta), module)
-        for name, meta in restore_params.items()
-        if name not in _NEVER_LOADED
-    }
-    unrecorded = _unrecorded_at_build()
-    for name, live in module._parameters.items():
-        if name in templates or live is None or name in _NEVER_LOADED or live.numel() == 0:
-            continue
-        if name in unrecorded or hasattr(live, "weight_loader"):
-            templates[name] = to_meta_tensor(live)
-    return templates
-
-
-def _unrecorded_at_build() -> frozenset[str]:
-    """Parameter names vLLM's build-time recorder leaves out although the model has them."""
-    try:
-        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-    except ImportError:  # a vLLM without the set: the names 0.32.0 skips
-        return frozenset({"bias", "e_score_correction_bias"})
-    return frozenset(SKIP_TENSORS)
-
-
-def _has_quant_method(module: nn.Module) -> bool:
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
-
-
-def build_index(model: nn.Module) -> ModelIndex:
-    """Index every loadable module of ``model`` on this rank (see the module docstring)."""
-    entries: dict[str, ModuleEntry] = {}
-    owner_of: dict[int, str] = {}
-    sharers: dict[str, list[tuple[str, nn.Module, str]]] = {}
-    for name, module in model.named_modules():
-        templates = _templates(module)
-        for pname, live in module._parameters.items():
-            if live is None:
-                continue
-            if id(live) in owner_of:  # tied with an earlier module: that one loads it
-                templates.pop(pname, None)
-                sharers.setdefault(owner_of[id(live)], []).append((name, module, pname))
-            elif pname in templates:
-                owner_of[id(live)] = name
-        if not templates:
-            continue
-        kind, shard_ids = _module_kind(module)
-        entry = ModuleEntry(name, module, templates, kind, shard_ids)
-        if kind == "moe":
-            entry.local_experts = _local_experts(module)
-        entry.required = frozenset(_required_keys(entry))
-        entries[name] = entry
-    refreshers, unsupported = find_refreshers(model, {id(e.module): n for n, e in entries.items()})
-    return ModelIndex(model, entries, refreshers, unsupported, sharers)
-
-
-def _required_keys(entry: ModuleEntry) -> Iterator[ShardKey]:
-    for param in entry.templates:
-        if entry.kind in ("qkv", "merged"):
-            yield from (ShardKey(entry.name, param, s) for s in entry.shard_ids)
-        elif entry.kind == "moe" and param.startswith("w13_"):
-            for e in sorted(entry.local_experts):
-                yield ShardKey(entry.name, param, f"e{e}:w1")
-                yield ShardKey(entry.name, param, f"e{e}:w3")
-        elif entry.kind == "moe" and param.startswith("w2_"):
-            yield from (
-                ShardKey(entry.name, param, f"e{e}:w2") for e in sorted(entry.local_experts)
-            )
-        else:
-            yield ShardKey(entry.name, param, WHOLE)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -396,7 +82,7 @@ def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
 
 
 class LoadRouter:
-    """Routes ``model.load_weights`` into staging tensors and processes complete modules.
+    """Routes ``model.load_weights`` into staging tensors; its processor processes complete modules.
 
     Args:
         index: the rank's model index.
@@ -423,41 +109,55 @@ class LoadRouter:
         self.index = index
         self.ledger = ledger
         self.device = device
-        self.act_dtype = act_dtype
-        self._before_live_write = before_live_write
-        self._wrote_live = False
-        self.inventory = inventory if inventory is not None else index.inventory()
         self._failpoint = failpoint
-        #: derived items (inventory names) rebuilt in this session.
-        self.rebuilt: set[str] = set()
         #: id(module) -> its real parameters while proxies are installed.
         self._originals: dict[int, dict[str, Any]] = {}
         #: sparse coordinate pass: (module, parameter) -> checkpoint positions, else None.
         self._coords: dict[tuple[str, str], torch.Tensor] | None = None
         self._staging: dict[str, dict[str, torch.Tensor]] = {}
-        self.processed: set[str] = set()
-        #: complete modules waiting for the owner of a parameter they share (:meth:`_complete`).
-        self._deferred: dict[str, ModuleEntry] = {}
-        self.derived_refreshed: list[str] = []
-        self.module_digests: dict[str, str] = {}
         self.bytes_loaded = 0
         self._dry_keys: list[ShardKey] | None = None
         #: Watches loaders that write parameters themselves, while the proxies are installed.
         self._direct: DirectWrites | None = None
-        #: seconds per processing step, summed over modules (digest, post_load, copy_live, ...).
-        self.timings: dict[str, float] = {}
-        #: module name -> its live parameters while templates are installed.
-        self._live: dict[str, dict[str, Any]] = {}
-        for name in sorted(ledger.modules):
-            self._refuse_stale_sharers(name)
+        #: Processes complete modules (:mod:`.processing`); refuses stale sharers here, at begin.
+        self.processing = ModuleProcessor(
+            index,
+            ledger,
+            inventory if inventory is not None else index.inventory(),
+            act_dtype,
+            before_live_write,
+            failpoint,
+            self._staging,
+            self._originals,
+        )
 
-    @contextmanager
-    def _timed(self, step: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timings[step] = self.timings.get(step, 0.0) + time.perf_counter() - started
+    # What the session reports, kept by the processor.
+
+    @property
+    def inventory(self) -> Inventory:
+        return self.processing.inventory
+
+    @property
+    def processed(self) -> set[str]:
+        return self.processing.processed
+
+    @property
+    def rebuilt(self) -> set[str]:
+        """Derived items (inventory names) rebuilt in this session."""
+        return self.processing.rebuilt
+
+    @property
+    def derived_refreshed(self) -> list[str]:
+        return self.processing.derived_refreshed
+
+    @property
+    def module_digests(self) -> dict[str, str]:
+        return self.processing.module_digests
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per processing step, summed over modules (digest, post_load, copy_live, ...)."""
+        return self.processing.timings
 
     # -- the two passes -----------------------------------------------------------------
 
@@ -541,8 +241,6 @@ class LoadRouter:
                 self._originals[id(module)] = saved[-1][1]
                 entry = entries.get(id(module))
                 templates = entry.templates if entry is not None else {}
-                if entry is not None:
-                    self._live[entry.name] = saved[-1][1]
                 for pname, live in list(module._parameters.items()):
                     if pname in templates and entry is not None:
                         template = templates[pname]
@@ -554,13 +252,12 @@ class LoadRouter:
                         self._direct.register(proxy, qualified)
                     else:
                         continue
-                    _slots(module)[pname] = proxy
+                    parameter_slots(module)[pname] = proxy
             yield
         finally:
             for module, params in saved:
                 module._parameters.clear()
                 module._parameters.update(params)
-            self._live.clear()
             self._originals.clear()
             self._direct = None
 
@@ -632,7 +329,7 @@ class LoadRouter:
             self.ledger.record(key)
         if keys and self.ledger.is_complete(entry.name):
             self._failpoint("load.staged")
-            self._complete(entry)
+            self.processing.complete(entry)
 
     def _route_direct(self, target: Any, tensor: Any) -> None:
         """A loader wrote ``tensor`` whole into a parameter itself (:mod:`.direct`): account it
@@ -703,222 +400,6 @@ class LoadRouter:
             staged[pname] = tensor
         return tensor
 
-    # -- processing of a complete module -------------------------------------------------
-
-    def process(self, entry: ModuleEntry) -> None:
-        """Run post-load processing on ``entry``'s staging and copy it into live storage."""
-        if entry.name in self.index.unsupported:
-            raise DerivedStateUnsupported(
-                f"{entry.name}: {self.index.unsupported[entry.name]}", field=entry.name
-            )
-        staged = self._staging.pop(entry.name, {})
-        module = entry.module
-        installed = dict(module._parameters)
-        live_params = {
-            k: v for k, v in self._live.get(entry.name, module._parameters).items() if v is not None
-        }
-        live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
-        # A module's post-load step swaps its kernel (on CPU a new ``cpu_linear`` closure) on
-        # the live module, and refreshers write live derived tensors: the rank is dirty from
-        # here on, whatever fails next (issue 10, item 3).
-        self._mark_dirty()
-        try:
-            # Post-load runs as at a cold load: on the module's real parameters (one it shares
-            # with another module, as MiniMax-M2's experts share the block's routing bias, or
-            # derived ones), with the staged checkpoint parameters in their slots. Left at the
-            # load's meta guards, a shared parameter reached the copy back as a meta tensor and
-            # every full update crashed after live writes (issue 26, item 5).
-            module._parameters.clear()
-            module._parameters.update(live_params)
-            for pname, tensor in staged.items():
-                _slots(module)[pname] = tensor
-            try:
-                self._failpoint("post_load.before")
-                with self._timed("post_load"):
-                    self._post_load(entry.name, module)
-                self._failpoint("post_load.after")
-                with self._timed("refresh_derived"):
-                    for refresher in self.index.refreshers.get(entry.name, []):
-                        # The owner's own parameters, not the load's guards: MLA registers
-                        # W_UK_T/W_UV as parameters, and a refresher writing into a guard writes
-                        # nothing (found with derived tensors that do not alias kv_b_proj).
-                        with self._real_parameters(refresher.layer):
-                            names = refresher.refresh(self.act_dtype)
-                        self.derived_refreshed.extend(names)
-                        self.rebuilt.update(names)
-                self._failpoint("refresh.after")
-            except AgentError:
-                raise
-            except Exception as e:  # a vLLM post-load step failed: name the module, not a loader
-                raise AgentError(
-                    f"post-load processing of {entry.name} failed: {type(e).__name__}: {e}",
-                    field=entry.name,
-                ) from e
-            self._failpoint("copy.before")
-            with self._timed("copy_live"):
-                self._copy_into_live(entry, live_params, _present(module._parameters))
-                self._copy_into_live(entry, live_buffers, _present(module._buffers))
-        finally:
-            # Back to what the load installed: a later tensor of this batch for this module
-            # must meet the accounting (a duplicate), never the live parameter's own loader.
-            module._parameters.clear()
-            module._parameters.update(installed)
-            for name, buffer in live_buffers.items():
-                module._buffers[name] = buffer
-        self._failpoint("copy.after")
-        self.processed.add(entry.name)
-        self._reprocess_sharers(entry)
-
-    def _complete(self, entry: ModuleEntry) -> None:
-        """Process a module whose staging covers its required shards, or hold it back.
-
-        A module holding a parameter another module owns (MiniMax-M2's and DeepSeek-V3's
-        experts hold the routing bias of their block or gate) is processed after that owner
-        when the owner is updated in this session too, so its post-load step sees the new
-        value — as at a cold load, where every module is processed after every load.
-        """
-        waiting = [
-            owner
-            for owner in self.index.owners_of(entry.name)
-            if owner in self.ledger.modules and owner not in self.processed
-        ]
-        if waiting:
-            self._deferred[entry.name] = entry
-            return
-        self.process(entry)
-
-    def _refuse_stale_sharers(self, owner: str) -> None:
-        """Refuse, at begin, to update a parameter an unreloaded module also holds.
-
-        Only a module that is itself reloaded here can re-run its post-load step on checkpoint
-        layout: re-running it on its live, already kernel-formatted weights (packed experts)
-        would process them twice. Tied embeddings are not affected (the LM head has no
-        checkpoint parameter of its own, and its post-load step reads the shared one).
-        """
-        for holder_name, _holder, pname in self.index.sharers.get(owner, []):
-            if holder_name in self.index.entries and holder_name not in self.ledger.modules:
-                raise DerivedStateUnsupported(
-                    f"{owner}: its parameter {pname} is also held by {holder_name}, which "
-                    f"this update does not reload; include {holder_name} in the update",
-                    field=f"{holder_name}.{pname}",
-                )
-
-    def _mark_dirty(self) -> None:
-        if not self._wrote_live:
-            self._before_live_write()
-            self._wrote_live = True
-
-    def _post_load(self, name: str, module: nn.Module) -> None:
-        """A module's own post-load step (quant method, experts' kernel format).
-
-        Runs on whatever parameters the module holds now (staging, or live for sharers), and
-        records which of its kernel objects it rebuilt.
-        """
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-        quant_method = getattr(module, "quant_method", None)
-        if not isinstance(quant_method, QuantizeMethodBase):
-            return
-        if hasattr(module, "_already_called_process_weights_after_loading"):
-            delattr(module, "_already_called_process_weights_after_loading")
-        quant_method.process_weights_after_loading(module)
-        self._replay_expert_kernel_format(name, module, quant_method)
-        update_tp_status = getattr(module, "update_param_tp_status", None)
-        if callable(update_tp_status):
-            update_tp_status()
-        self.rebuilt.update(self.inventory.rebuilt_since(name, module))
-
-    def _reprocess_sharers(self, entry: ModuleEntry) -> None:
-        """Re-run the post-load step of every other module holding ``entry``'s parameters.
-
-        Tied embeddings: ``lm_head.weight is embed_tokens.weight``, and on CPU the LM head's
-        GEMM kernel keeps its own packed copy of it, so updating the embedding must rebuild it.
-        A holder that is itself reloaded in this session is processed from its own staging
-        instead (:meth:`_complete`): now, if it was waiting for this owner, else when complete.
-        """
-        for holder_name, holder, pname in self.index.sharers.get(entry.name, []):
-            if holder_name in self.index.entries and holder_name in self.ledger.modules:
-                held = self._deferred.pop(holder_name, None)
-                if held is not None:
-                    self._complete(held)
-                continue
-            self._mark_dirty()
-            with self._real_parameters(holder):
-                shared = holder._parameters.get(pname)
-                try:
-                    self._failpoint("tied.before")
-                    with self._timed("post_load"):
-                        self._post_load(holder_name, holder)
-                    if holder._parameters.get(pname) is not shared:
-                        raise IdentityChanged(
-                            f"{holder_name}.{pname}: the post-load step of a module sharing "
-                            f"{entry.name}'s parameter replaced it; the tie would break",
-                            field=f"{holder_name}.{pname}",
-                        )
-                    self.derived_refreshed.append(f"{holder_name}:post_load(shares {entry.name})")
-                    self._failpoint("tied.after")
-                except AgentError:
-                    raise
-                except Exception as e:
-                    raise AgentError(
-                        f"post-load processing of {holder_name} (sharing {entry.name}'s "
-                        f"parameter) failed: {type(e).__name__}: {e}",
-                        field=holder_name,
-                    ) from e
-                finally:
-                    _slots(holder)[pname] = shared
-
-    @contextmanager
-    def _real_parameters(self, module: nn.Module) -> Iterator[None]:
-        """Run with ``module``'s real parameters in its slots while a load has installed
-        proxies and guards there (:meth:`_installed`); what the block leaves is what the load
-        restores when it ends. Outside a load the module already holds its real parameters.
-        """
-        real = self._originals.get(id(module))
-        if real is None:
-            yield
-            return
-        installed = dict(module._parameters)
-        module._parameters.clear()
-        module._parameters.update(real)
-        try:
-            yield
-        finally:
-            real.clear()
-            real.update(module._parameters)
-            module._parameters.clear()
-            module._parameters.update(installed)
-
-    def _replay_expert_kernel_format(self, name: str, module: nn.Module, quant_method: Any) -> None:
-        # vLLM's unquantized MoE method skips the experts' own post-load step on a weight update
-        # (it only copies into the existing storage), so a CPU/FlashInfer experts kernel would
-        # read checkpoint-layout bytes where it expects its packed layout. Replaying that step on
-        # the staging tensors reproduces the first load exactly.
-        fused = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
-        step = getattr(fused, "process_weights_after_loading", None)
-        if callable(step):
-            step(module)
-            self.derived_refreshed.append(f"{name}:{type(fused).__name__}.kernel_format")
-
-    @staticmethod
-    def _copy_into_live(
-        entry: ModuleEntry, live: Mapping[str, torch.Tensor], processed: Mapping[str, torch.Tensor]
-    ) -> None:
-        for name, target in live.items():
-            new = processed.get(name)
-            if new is None or new is target:
-                continue
-            if new.numel() == 0 and target.numel() == 0:
-                continue  # a placeholder on both sides (weights moved into a kernel closure)
-            if tuple(new.shape) != tuple(target.shape) or new.dtype != target.dtype:
-                raise IdentityChanged(
-                    f"{entry.name}.{name}: processed tensor {new.dtype}{list(new.shape)} does not "
-                    f"fit live storage {target.dtype}{list(target.shape)}; the kernel layout "
-                    "changed since the engine started",
-                    field=f"{entry.name}.{name}",
-                )
-            target.data.copy_(new.data)
-
     # -- sparse patches ----------------------------------------------------------------
 
     def apply_sparse(
@@ -926,159 +407,44 @@ class LoadRouter:
     ) -> list[ShardKey]:
         """Apply flat-index patches ``(name, checkpoint shape, indices, values)`` in place.
 
-        Indices are positions in the *checkpoint* tensor. Each is mapped through the
-        parameter's own weight loader (:meth:`_checkpoint_positions`) to the local position
-        where this rank holds that element; elements other ranks hold are skipped here. Every
-        patch is validated (mapping, layout, bounds, dtype, derived state) before the first
-        write.
+        Every patch is planned first (:func:`~engine_agent.reload.sparse_plan.plan_sparse`:
+        mapping through the parameter's own weight loader, layout, bounds, dtype, derived
+        state), before the first write; elements other ranks hold are skipped here. Then the
+        patched modules' kernel state is rebuilt from their live weights.
+
+        Returns:
+            The shard key of every patched parameter (recorded in the ledger).
 
         Raises:
             SparseRefused: a patched module's live layout is not its checkpoint layout, its
                 elements cannot be mapped one-to-one, or derived state of it has no refresher.
         """
-        plan: list[tuple[ModuleEntry, str, torch.Tensor, torch.Tensor]] = []
-        all_keys: list[ShardKey] = []
-        for name, shape, indices, values in patches:
-            keys = self.dry_run([(name, shape, values.dtype)])
-            if len(keys) != 1 or keys[0].shard != WHOLE:
-                raise SparseRefused(
-                    f"{name} maps to {', '.join(map(str, keys)) or 'nothing'}: sparse patches are "
-                    "only accepted for tensors that map one-to-one onto a live parameter",
-                    field=name,
-                )
-            key = keys[0]
-            entry = self.index.entries[key.module]
-            reason = entry.sparse_refusal(key.param) or self._sparse_sharer_refusal(entry)
-            stale = self.inventory.unsupported({entry.name})
-            if reason is None and stale:
-                reason = f"{stale[0].name} is derived from it and nothing rebuilds it"
-            if reason is not None:
-                raise SparseRefused(
-                    f"cannot patch {name} in place: module {entry.name} is refused because "
-                    f"{reason}; send a full or partial update for it instead",
-                    field=name,
-                )
-            live = entry.module._parameters[key.param]
-            assert live is not None
-            if values.dtype != live.dtype:
-                raise ShapeMismatch(
-                    f"{name}: patch values are {values.dtype}, the live parameter is {live.dtype}",
-                    field=name,
-                )
-            if indices.dim() != 1 or values.shape != indices.shape:
-                raise ShapeMismatch(
-                    f"{name}: indices and values must be 1-D and of equal length "
-                    f"(got {list(indices.shape)} and {list(values.shape)})",
-                    field=name,
-                )
-            numel = math.prod(shape)
-            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-                raise ShapeMismatch(f"{name}: patch index out of range [0, {numel})", field=name)
-            if indices.numel() != torch.unique(indices).numel():
-                # index_copy_ with a repeated index leaves either value: ranks holding the same
-                # replicated element could disagree, and no later check would see it.
-                raise InvalidRequest(
-                    f"{name}: a patch index repeats; each element may be patched once",
-                    field=name,
-                )
-            local = self._local_positions(name, shape, entry, key.param, live, indices, values)
-            local = local[indices]
-            mine = local >= 0
-            plan.append((entry, key.param, local[mine], values[mine]))
-            all_keys.append(key)
+        plan = plan_sparse(self, patches)
+        all_keys = [write.key for write in plan]
         self.ledger.check(all_keys)
         self._failpoint("sparse.before_write")
-        for (entry, pname, local, values), key in zip(plan, all_keys, strict=True):
-            self._mark_dirty()
-            live = entry.module._parameters[pname]
+        for write in plan:
+            self.processing.mark_dirty()
+            live = write.entry.module._parameters[write.param]
             assert live is not None
-            live.data.view(-1).index_copy_(0, local.to(live.device), values.to(live.device))
-            self.ledger.record(key)
-            self.bytes_loaded += values.numel() * values.element_size()
+            local, values = write.local.to(live.device), write.values.to(live.device)
+            live.data.view(-1).index_copy_(0, local, values)
+            self.ledger.record(write.key)
+            self.bytes_loaded += write.values.numel() * write.values.element_size()
             self._failpoint("sparse.after_write")
-        for entry in {e.name: e for e, *_ in plan}.values():
-            self._rebuild_in_place(entry)
+        for entry in {write.entry.name: write.entry for write in plan}.values():
+            self.processing.rebuild_in_place(entry)
         return all_keys
 
-    def _sparse_sharer_refusal(self, entry: ModuleEntry) -> str | None:
-        """Why a patch of ``entry`` would leave a module sharing its parameter stale (None: it
-        would not). Such a module (experts holding their block's routing bias) has kernel-format
-        weights its post-load step cannot be re-run on (:meth:`_refuse_stale_sharers`)."""
-        for holder_name, _holder, pname in self.index.sharers.get(entry.name, []):
-            if holder_name in self.index.entries:
-                return (
-                    f"its parameter {pname} is also held by {holder_name}, whose kernel-format "
-                    "weights cannot be processed again in place"
-                )
-        return None
-
-    def _local_positions(
-        self,
-        name: str,
-        shape: torch.Size,
-        entry: ModuleEntry,
-        pname: str,
-        live: torch.Tensor,
-        indices: torch.Tensor,
-        values: torch.Tensor,
-    ) -> torch.Tensor:
-        """For every flat checkpoint index of ``name``: where this rank holds it, or -1.
-
-        Loads a tensor of checkpoint positions (``arange + 1``) through the model's own
-        ``load_weights`` into an int64 stand-in of the parameter, so name mapping, TP slicing
-        and padding are exactly the loader's. A position two local elements claim cannot be
-        patched one-to-one and is refused.
-
-        The mapping is only a mapping if the loader moves values without changing them; some
-        loaders compute (Plamo3 norms ``x + offset``, LongCat-Flash ``x * scale``, Mamba2
-        ``A = -exp(x)``), and a cold engine holds what they compute, not the checkpoint value.
-        So positions must land as positions, and a probe of the parameter's dtype — the patch's
-        own values at its indices, values of every magnitude elsewhere — loaded the same way,
-        must land bit for bit where the positions say. Otherwise the patch is refused, naming
-        the loader, before anything is written (issue 26, item 1).
-
-        Raises:
-            SparseRefused: the mapping is not one-to-one, the loader wrote no positions, or the
-                loader transforms the values it loads.
-        """
-        numel = math.prod(shape)
-        positions = torch.arange(1, numel + 1, dtype=torch.int64).reshape(shape)
-        landed = self._land(name, entry, pname, positions)
-        if landed is None or landed.numel() != live.numel():
-            raise SparseRefused(
-                f"cannot patch {name} in place: its weight loader did not map it onto "
-                f"{entry.name}.{pname}",
-                field=name,
-            )
-        flat = landed.reshape(-1) - 1
-        # -1: an element no checkpoint position reaches (padding the loader leaves); anything
-        # else outside [0, numel) was computed, not moved.
-        if flat.numel() and (int(flat.min()) < -1 or int(flat.max()) >= numel):
-            raise self._transforming(name, entry, pname)
-        held = flat >= 0
-        source = flat[held]
-        generator = torch.Generator().manual_seed(numel)
-        scale = torch.exp2(torch.randint(-24, 24, (numel,), generator=generator).float())
-        probe = (torch.randn(numel, generator=generator) * scale).to(live.dtype)
-        probe[indices] = values.to(live.dtype)
-        probed = self._land(name, entry, pname, probe.reshape(shape))
-        if probed is None or not torch.equal(_raw(probed.reshape(-1)[held]), _raw(probe[source])):
-            raise self._transforming(name, entry, pname)
-        if torch.unique(source).numel() != source.numel():
-            raise SparseRefused(
-                f"cannot patch {name} in place: this rank holds some of its elements more than "
-                "once (replicated within the parameter); send a full or partial update instead",
-                field=name,
-            )
-        lookup = torch.full((numel,), -1, dtype=torch.int64)
-        lookup[source] = torch.nonzero(held).reshape(-1)
-        return lookup
-
-    def _land(
+    def land(
         self, name: str, entry: ModuleEntry, pname: str, tensor: torch.Tensor
     ) -> torch.Tensor | None:
         """What the model's ``load_weights`` writes into a CPU stand-in of ``entry.pname`` when
-        fed ``tensor`` as checkpoint tensor ``name`` (None: it wrote nothing there)."""
+        fed ``tensor`` as checkpoint tensor ``name`` (None: it wrote nothing there).
+
+        The coordinate pass of sparse planning (:mod:`.sparse_plan`): nothing is staged,
+        recorded or written to live storage.
+        """
         self._coords = {}
         try:
             with self._installed(dry=False):
@@ -1087,36 +453,10 @@ class LoadRouter:
         finally:
             self._coords = None
 
-    @staticmethod
-    def _transforming(name: str, entry: ModuleEntry, pname: str) -> SparseRefused:
-        loader = getattr(entry.templates[pname], "weight_loader", None)
-        qualname = getattr(loader, "__qualname__", None) or type(loader).__name__
-        label = f"{getattr(loader, '__module__', None) or '?'}.{qualname}"
-        return SparseRefused(
-            f"cannot patch {name} in place: the weight loader of {entry.name}.{pname} "
-            f"({label}) transforms the values it loads, so a checkpoint value is not what a "
-            "cold engine holds; send a full or partial update for it instead",
-            field=name,
-        )
-
-    def _rebuild_in_place(self, entry: ModuleEntry) -> None:
-        """Re-derive kernel state from a module's (patched) live weights."""
-        quant_method = getattr(entry.module, "quant_method", None)
-        if type(quant_method).__name__ == "UnquantizedEmbeddingMethod":
-            self._post_load(entry.name, entry.module)
-        for refresher in self.index.refreshers.get(entry.name, []):
-            names = refresher.refresh(self.act_dtype)
-            self.derived_refreshed.extend(names)
-            self.rebuilt.update(names)
-        self._reprocess_sharers(entry)
-        with self._timed("digest"):
-            self.module_digests[entry.name] = _digest_of(entry.live_tensors())
-        self.processed.add(entry.name)
-
     def discard(self) -> None:
         """Drop every staging tensor (abort or failure): live storage is left as it is."""
         self._staging.clear()
-        self._deferred.clear()
+        self.processing.discard()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1127,27 +467,6 @@ class _Direct:
     param: str
     template: torch.Tensor
     dry: bool
-
-
-def _slots(module: nn.Module) -> dict[str, Any]:
-    """A module's parameter slots, typed loosely: staging tensors are swapped in and out."""
-    slots: dict[str, Any] = module._parameters
-    return slots
-
-
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes (bit-for-bit comparison: NaN equals NaN, -0.0 is not 0.0)."""
-    return tensor.contiguous().view(torch.uint8)
-
-
-def _present(tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in tensors.items() if v is not None}
-
-
-def _digest_of(tensors: Mapping[str, torch.Tensor]) -> str:
-    return hashlib.sha256(
-        "".join(f"{p}:{tensor_digest(t)};" for p, t in sorted(tensors.items())).encode()
-    ).hexdigest()
 
 
 def _guard(qualified: str, live: torch.Tensor) -> torch.Tensor:

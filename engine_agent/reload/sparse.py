@@ -7,11 +7,11 @@ Format (one safetensors file; documented in docs/engine.md):
 * metadata ``weightroll.sparse = "v1"``, ``weightroll.base_version = <version>`` and
   ``shape::N = "d0,d1,..."`` (the full checkpoint shape of ``N``).
 
-Patches are applied only where the live layout equals the checkpoint layout (see
-``LoadRouter.apply_sparse``). Indices are checkpoint coordinates: each rank maps them through
-the parameter's shard layout and applies only the elements it holds (under TP a rank skips
-the rows another rank owns). A patch is only correct against its base version, which the
-session checks before it opens.
+Patches are applied only where the live layout equals the checkpoint layout (planned by
+:mod:`engine_agent.reload.sparse_plan`, written by ``LoadRouter.apply_sparse``). Indices are
+checkpoint coordinates: each rank maps them through the parameter's shard layout and applies
+only the elements it holds (under TP a rank skips the rows another rank owns). A patch is only
+correct against its base version, which the session checks before it opens.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Which parameters are checkpoint parameters, and how they load (engine_agent/reload/modelwise.py,
-inventory.py).
+"""Which parameters are checkpoint parameters, and how they load (engine_agent/reload/index.py,
+modelwise.py, inventory.py).
 
 A checkpoint parameter is one the model held when it was built: what vLLM's build-time
 recorder (``record_metadata_for_reloading``) saw, plus the parameters that recorder leaves out
@@ -25,8 +25,8 @@ from torch import nn
 
 pytest.importorskip("vllm", reason="the index reads vLLM's reload metadata")
 
+from engine_agent.reload.index import build_index
 from engine_agent.reload.inventory import CHECKPOINT, DERIVED
-from engine_agent.reload.modelwise import build_index
 
 
 class _Model(nn.Module):
