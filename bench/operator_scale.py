@@ -58,7 +58,7 @@ Figures (issue 11 G), at the shipped defaults, on 2 cores ("AMD EPYC"); CPU time
   on an otherwise idle machine (load 0.4 and 1.4 at the start): pass p50/p95/max
   241/476/844 ms -> 142/284/546 ms (0.59x / 0.60x); rollout 1.116 -> **1.074 x ideal**; peak RSS
   147 -> 151 MiB; 7.01 API writes per pod (4 pod writes and 3 pod Events). What changed: each
-  pod object is judged against the selector once (``Reconciler._select``), the units and agent
+  pod object is judged against the selector once (``reconcile/selection.py``), the units and agent
   cache keys of unchanged pods are reused, agent calls, pod writes and pod Events run on a pool
   of ``concurrency`` workers instead of a task per pod (pod Events had no bound at all),
   timestamps are parsed once, and ``status.pods`` is chosen without sorting every pod.

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import pytest
 import weightroll_operator.reconcile as reconcile_module
+import weightroll_operator.reconcile.left_drained as left_drained_module
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -149,11 +150,13 @@ class RolloutMachine(RuleBasedStateMachine):
         self.pods: dict[str, SimPod] = {}
         self.agents = SimAgents(self.pods)
         self.rand = random.Random(0)
+        # Virtual time wherever the reconciler reads the clock itself (not through `clock`).
         self._saved_time = reconcile_module.time
-        reconcile_module.time = types.SimpleNamespace(  # type: ignore[assignment]
-            monotonic=self.clock.monotonic,
-            time=lambda: self.clock.now().timestamp(),
+        virtual = types.SimpleNamespace(
+            monotonic=self.clock.monotonic, time=lambda: self.clock.now().timestamp()
         )
+        reconcile_module.time = virtual  # type: ignore[assignment]
+        left_drained_module.time = virtual  # type: ignore[assignment]
         self.rec = self._reconciler()
         self.serial = 0
         #: Creation order of the WeightUpdates (the later one governs a pod both select).
@@ -568,6 +571,7 @@ class RolloutMachine(RuleBasedStateMachine):
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
             reconcile_module.time = self._saved_time
+            left_drained_module.time = self._saved_time
 
 
 TestRolloutSim = RolloutMachine.TestCase

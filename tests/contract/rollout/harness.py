@@ -49,17 +49,17 @@ class Harness:
             agent.clock = self.now
         self.rec = self.new_reconciler()
 
-    def new_reconciler(self) -> Reconciler:
-        """A fresh operator process: no memory of earlier passes (restart)."""
-        return Reconciler(
-            kube=self.kube,
-            agents=self.client,
-            metrics=self.metrics,
-            state_ttl=0.0,
-            agent_backoff=0.05,
-            agent_backoff_cap=0.5,
-            clock=self.now,
-        )
+    def new_reconciler(self, **overrides: Any) -> Reconciler:
+        """A fresh operator process: no memory of earlier passes (restart). ``overrides``:
+        other arguments of the Reconciler (``state_ttl=30.0``: cached agent answers)."""
+        args: dict[str, Any] = {
+            "state_ttl": 0.0,
+            "agent_backoff": 0.05,
+            "agent_backoff_cap": 0.5,
+            "clock": self.now,
+            **overrides,
+        }
+        return Reconciler(kube=self.kube, agents=self.client, metrics=self.metrics, **args)
 
     def now(self) -> datetime:
         """The operator's clock: the wall clock, moved ahead by :meth:`advance`."""

@@ -4,7 +4,6 @@ token Secret deleted with its WeightUpdate (E). Each failed before its fix."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ async def test_a_claim_records_what_the_pod_serves_now_not_a_cached_answer(h: Ha
     that committed ``step-7`` on pod-1 since its cached answer changes nothing on the pod, so
     only a fresh answer can tell the claim what pod-1 serves (its rollback target)."""
     await h.add_pods(2)
-    rec = replace(h.new_reconciler(), state_ttl=30.0)
+    rec = h.new_reconciler(state_ttl=30.0)
     await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
     await h.tick("wu", rec)  # pod-0 claimed; pod-1's v1 answer cached
     assert (await h.state_of("pod-1")) is None
@@ -52,7 +51,7 @@ async def test_a_claim_on_a_cached_answer_confirmed_fresh_is_planned_once(
     import weightroll_operator.reconcile as reconcile
 
     await h.add_pods(2)
-    rec = replace(h.new_reconciler(), state_ttl=30.0)
+    rec = h.new_reconciler(state_ttl=30.0)
     await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
     await h.tick("wu", rec)  # pod-0 claimed; pod-1's v1 answer cached
     await h.run_until(["wu"], lambda: _verified(h, "pod-0"), rec=rec)

@@ -105,7 +105,7 @@ async def test_a_redirecting_agent_gets_no_follow_and_nothing_it_says_is_repeate
     await h.add_pods(1)  # the token Secret and one honest pod
     await h.create_pod(make_pod("pod-hostile", "127.0.0.1", hostile.agent_port))
     await h.create_wu("wu", "v2")
-    h.rec.agent_backoff = 0.0
+    h.rec.observer.agent_backoff = 0.0
     await _ticks(h, 6, lambda: h.tick("wu"))
 
     assert hostile.agent_requests > 0, "the hostile pod was never asked (test did not run)"

@@ -64,7 +64,7 @@ async def test_unreadable_token_secret_is_reported_and_nothing_moves(
         body = {"apiVersion": "v1", "kind": "Secret", "metadata": meta}
         async with h.http.post(path, json={**body, "data": data}) as r:
             assert r.status < 400
-    h.rec.token_ttl = 0.0
+    h.rec.observer.token_ttl = 0.0
     await h.run_until(["wu"], h.phase_is("wu", "Succeeded"))
     status = await h.status("wu")
     assert "AgentTokenAvailable" not in {c["type"] for c in status["conditions"]}

@@ -45,7 +45,7 @@ def test_a_lagging_watch_and_relists_still_finish_the_rollout() -> None:
 
 
 def test_the_api_double_never_mutates_an_object_it_handed_out() -> None:
-    """The operator reuses the view of an unchanged pod object (reconcile.py ``_view``): the
+    """The operator reuses the view of an unchanged pod object (``reconcile/selection.py``): the
     double's copy on write must leave the old object exactly as it was."""
     import copy
 

@@ -15,12 +15,12 @@ from tests.harness.kube_fleet import make_pod
 def test_view_cache_is_keyed_by_object_identity() -> None:
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
-    first = rec._view(pod, None)
-    assert rec._view(pod, None) is first
-    assert rec._view(pod, "group") is not first  # other arguments, other view
+    first = rec.selection.view(pod, None)
+    assert rec.selection.view(pod, None) is first
+    assert rec.selection.view(pod, "group") is not first  # other arguments, other view
     changed = copy.deepcopy(pod)
     changed["status"]["conditions"][0]["status"] = "False"
-    assert rec._view(changed, None).ready is False
+    assert rec.selection.view(changed, None).ready is False
     assert first.ready is True
 
 
@@ -35,19 +35,19 @@ def test_a_view_older_than_our_own_write_is_stale_until_a_newer_one_arrives() ->
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
     pod["metadata"]["resourceVersion"] = "7"
     before = pod_view(pod, group_by=None)
-    assert rec._mark_stale((before,)) == (before,)  # nothing written yet
-    rec._remember_writes([ActionResult(GateOff(before))])
-    (seen,) = rec._mark_stale((before,))
+    assert rec.expectations.mark_stale((before,)) == (before,)  # nothing written yet
+    rec.expectations.remember([ActionResult(GateOff(before))])
+    (seen,) = rec.expectations.mark_stale((before,))
     assert seen.stale  # the write has not reached the index
     newer = copy.deepcopy(pod)
     newer["metadata"]["resourceVersion"] = "8"
-    (seen,) = rec._mark_stale((pod_view(newer, group_by=None),))
+    (seen,) = rec.expectations.mark_stale((pod_view(newer, group_by=None),))
     assert not seen.stale
-    (seen,) = rec._mark_stale((before,))
+    (seen,) = rec.expectations.mark_stale((before,))
     assert not seen.stale  # the mark is gone once a newer view was seen
     # a failed write leaves no mark
-    rec._remember_writes([ActionResult(GateOff(before), error=RuntimeError("refused"))])
-    assert not rec._mark_stale((before,))[0].stale
+    rec.expectations.remember([ActionResult(GateOff(before), error=RuntimeError("refused"))])
+    assert not rec.expectations.mark_stale((before,))[0].stale
 
 
 @pytest.mark.parametrize(("produced", "stale_later"), [("8", True), ("7", False), (None, False)])
@@ -67,10 +67,10 @@ def test_a_view_older_than_a_write_that_moved_the_pod_stays_stale_past_the_windo
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
     pod["metadata"]["resourceVersion"] = "7"
     before = pod_view(pod, group_by=None)
-    rec._remember_writes([ActionResult(GateOff(before), resource_version=produced)])
-    assert rec._mark_stale((before,))[0].stale
+    rec.expectations.remember([ActionResult(GateOff(before), resource_version=produced)])
+    assert rec.expectations.mark_stale((before,))[0].stale
     clock[0] = 120.0
-    assert rec._mark_stale((before,))[0].stale is stale_later
+    assert rec.expectations.mark_stale((before,))[0].stale is stale_later
 
 
 def test_agent_backoff_is_exponential_with_jitter() -> None:
@@ -91,22 +91,24 @@ def test_view_cache_keeps_no_superseded_pod_object() -> None:
     """Issue 11 finding 7: one entry per pod, the newest object only."""
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     pod: dict[str, Any] = make_pod("p0", "10.0.0.1", 8470)
-    rec._view(pod, None)
+    rec.selection.view(pod, None)
     versions = [pod]
     for _ in range(50):  # every change of the pod arrives as a new object
         versions.append(copy.deepcopy(versions[-1]))
-        rec._view(versions[-1], None)
-    assert len(rec._views) == 1
-    ((held, *_),) = rec._views.values()
+        rec.selection.view(versions[-1], None)
+    assert len(rec.selection._views) == 1
+    ((held, *_),) = rec.selection._views.values()
     assert held is versions[-1]
-    assert not any(entry[0] is old for old in versions[:-1] for entry in rec._views.values())
+    assert not any(
+        entry[0] is old for old in versions[:-1] for entry in rec.selection._views.values()
+    )
 
 
 def test_view_cache_is_bounded() -> None:
     rec = Reconciler(kube=object(), agents=object(), cache_limit=10)  # type: ignore[arg-type]
     for i in range(25):
-        rec._view(make_pod(f"p{i}", "10.0.0.1", 8470), None)
-    assert len(rec._views) <= 10
+        rec.selection.view(make_pod(f"p{i}", "10.0.0.1", 8470), None)
+    assert len(rec.selection._views) <= 10
 
 
 def test_paused_gc_suspends_collection_only_inside_and_restores_the_setting() -> None:
@@ -165,21 +167,21 @@ def test_selection_memo_matches_select_pods_and_judges_each_object_once() -> Non
         judged.append(pod["metadata"]["name"])
         return real(pod, *args)
 
-    import weightroll_operator.reconcile as reconcile
+    import weightroll_operator.reconcile.selection as selection
 
-    reconcile.select_one = counting  # type: ignore[assignment]
+    selection.select_one = counting  # type: ignore[assignment]
     try:
-        first = rec._select(owner, pods, llm, "default").views
+        first = rec.selection.select(owner, pods, llm, "default").views
         assert first == fleet.select_pods(pods, llm, "default")
         assert len(judged) == len(pods)
         judged.clear()
         # the same objects: nothing judged again, the very same views (units are reused)
-        assert rec._select(owner, list(reversed(pods)), llm, "default").views is first
+        assert rec.selection.select(owner, list(reversed(pods)), llm, "default").views is first
         assert judged == []
         changed = copy.deepcopy(pods[0])  # p0 now joins the selection (a new object)
         changed["metadata"]["labels"]["app"] = "llm"
         pods[0] = changed
-        again = rec._select(owner, pods, llm, "default").views
+        again = rec.selection.select(owner, pods, llm, "default").views
         assert judged == ["p0"]
         assert again == fleet.select_pods(pods, llm, "default")
         assert again[0].name == "p0"
@@ -187,24 +189,24 @@ def test_selection_memo_matches_select_pods_and_judges_each_object_once() -> Non
         deleted = copy.deepcopy(pods[1])  # p1 is being deleted: left out, kept as deleting
         deleted["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
         pods[1] = deleted
-        gone = rec._select(owner, pods, llm, "default")
+        gone = rec.selection.select(owner, pods, llm, "default")
         assert "p1" not in [v.name for v in gone.views]
         assert gone.deleting == (deleted,)
-        assert rec._select(owner, pods, llm, "default") is gone
+        assert rec.selection.select(owner, pods, llm, "default") is gone
         judged.clear()
         other = _spec({"matchLabels": {"app": "other"}})  # another selector: judged anew
-        assert rec._select(owner, pods, other, "default").views == fleet.select_pods(
+        assert rec.selection.select(owner, pods, other, "default").views == fleet.select_pods(
             pods, other, "default"
         )
         assert len(judged) == len(pods)
         judged.clear()
         grouped = _spec({"matchLabels": {"app": "other"}}, group_by="app")
-        rec._select(owner, pods, grouped, "default")
+        rec.selection.select(owner, pods, grouped, "default")
         assert len(judged) == len(pods)  # groupBy is part of the selection
-        (held,) = rec._selections.values()
+        (held,) = rec.selection._selections.values()
         assert len(held.judged) == len(pods)  # only the objects of the last pass are kept
     finally:
-        reconcile.select_one = real
+        selection.select_one = real
 
 
 @pytest.mark.parametrize(
@@ -234,8 +236,8 @@ def test_changed_pods_give_the_selection_and_units_made_from_scratch(
         for i in (7, 3, 9, 1, 5)
     ]
     llm = _spec({"matchLabels": {"app": "llm"}}, group_by=group_by)
-    first = rec._select(owner, pods, llm, "default")
-    rec._group(owner, first.views, group_by)
+    first = rec.selection.select(owner, pods, llm, "default")
+    rec.selection.group(owner, first.views, group_by)
     pods = [copy.deepcopy(p) if i in (1, 3) else p for i, p in enumerate(pods)]
     if change == "annotate":
         pods[1]["metadata"]["annotations"] = {"weightroll.io/owner": "default/wu"}
@@ -247,28 +249,28 @@ def test_changed_pods_give_the_selection_and_units_made_from_scratch(
         pods.append(make_pod("p0", "10.0.0.1", 8470, labels={"app": "llm", "rack": "r0"}))
     elif change == "remove":
         pods.pop(0)
-    again = rec._select(owner, pods, llm, "default")
+    again = rec.selection.select(owner, pods, llm, "default")
     expected = fleet.select_pods(pods, llm, "default", owner=owner)
     assert again.views == expected
     assert [v.name for v in again.views] == sorted(v.name for v in again.views)
     assert (again.positions is first.positions) is in_place
     assert len(again.judged) == len(pods)
-    assert rec._group(owner, again.views, group_by) == fleet.group_units(expected)
-    assert rec._select(owner, pods, llm, "default") is again  # and nothing changed since
+    assert rec.selection.group(owner, again.views, group_by) == fleet.group_units(expected)
+    assert rec.selection.select(owner, pods, llm, "default") is again  # and nothing changed since
 
 
 def test_state_key_memo_follows_the_view_object() -> None:
     from dataclasses import replace
 
     from weightroll_operator.domain.fleet import pod_view
-    from weightroll_operator.reconcile import _state_key
+    from weightroll_operator.reconcile.observe import _state_key
 
     rec = Reconciler(kube=object(), agents=object())  # type: ignore[arg-type]
     view = pod_view(make_pod("p0", "10.0.0.1", 8470), group_by=None)
-    assert rec._same_key(_state_key(view), view)
+    assert rec.observer._same_key(_state_key(view), view)
     drained = replace(view, gate=False)  # our view changed: the cached answer is not valid
-    assert not rec._same_key(_state_key(view), drained)
-    assert rec._same_key(_state_key(drained), drained)
+    assert not rec.observer._same_key(_state_key(view), drained)
+    assert rec.observer._same_key(_state_key(drained), drained)
 
 
 def test_group_units_reuses_only_units_of_the_very_same_views() -> None:
@@ -314,8 +316,8 @@ def test_a_refused_spec_keeps_none_of_its_pod_objects() -> None:
     rec = Reconciler(kube=StatusOnly(), agents=object())  # type: ignore[arg-type]
     owner = owner_key("default", "wu")
     pods = [make_pod("p0", "10.0.0.1", 8470)]
-    rec._select(owner, pods, _spec({"matchLabels": {"app": "llm"}}), "default")
-    assert owner in rec._selections
+    rec.selection.select(owner, pods, _spec({"matchLabels": {"app": "llm"}}), "default")
+    assert owner in rec.selection._selections
     body = {
         "metadata": {"name": "wu", "namespace": "default", "generation": 1},
         "spec": {
@@ -327,7 +329,7 @@ def test_a_refused_spec_keeps_none_of_its_pod_objects() -> None:
     }
     with pytest.raises(InvalidSpec, match=r"spec\.agent\.port"):
         asyncio.run(rec.reconcile(body, pods))
-    assert owner not in rec._selections
+    assert owner not in rec.selection._selections
 
 
 def test_only_a_fresh_agent_answer_can_put_a_pod_into_traffic() -> None:
@@ -356,5 +358,5 @@ def test_only_a_fresh_agent_answer_can_put_a_pod_into_traffic() -> None:
     for view, asked in ((in_traffic, 1), (replace(in_traffic, gate=False), 3)):
         agents.calls = 0
         for _ in range(3):
-            asyncio.run(rec._observe((view,), {"p0": Query(state=True)}, None))
+            asyncio.run(rec.observer.observe((view,), {"p0": Query(state=True)}, None))
         assert agents.calls == asked, view.gate
