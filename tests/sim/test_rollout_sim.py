@@ -312,7 +312,9 @@ class RolloutMachine(RuleBasedStateMachine):
         self.finished.pop(wu, None)
         return body
 
-    def _pass(self, wu: str, catch_up: int | None, peers_fresh: bool = True) -> None:
+    def _pass(
+        self, wu: str, catch_up: int | None, peers_fresh: bool = True, *, judge: bool = True
+    ) -> None:
         body = self.server.weightupdates.get(wu)
         if body is None:
             return
@@ -326,7 +328,7 @@ class RolloutMachine(RuleBasedStateMachine):
             result = self.run(self.rec.reconcile(copy.deepcopy(body), pods, peers))
         except (InvalidSpec, KubeError):
             return
-        if not whole:
+        if not whole or not judge:
             return
         self.full_passes += 1
         status = body.get("status") or {}
@@ -511,7 +513,38 @@ class RolloutMachine(RuleBasedStateMachine):
     def operator_restart(self) -> None:
         """The operator restarts: every cache is lost, its index is listed afresh."""
         self.rec = self._reconciler()
-        self.server.index(None)
+        self.server.fresh_index()
+        self.after()
+
+    @precondition(lambda self: self._fault("leader_lost"))
+    @rule(wu=st.sampled_from(["wu-a", "wu-b"]), writes=st.integers(0, 4))
+    def leader_lost_mid_pass(self, wu: str, writes: int) -> None:
+        """The operator stops in the middle of a pass of ``wu`` after ``writes`` writes (its
+        process crashed, or it lost the Lease and its fence stopped it: no write or agent call
+        leaves it after that), and a standby with empty caches and a freshly listed index takes
+        over. The plan was applied in part."""
+        self.server.writes_left = writes
+        self.agents.stopped = lambda: self.server.writes_left == 0
+        try:
+            self._pass(wu, None, judge=False)
+        finally:
+            self.server.writes_left = None
+            self.agents.stopped = lambda: False
+        self.rec = self._reconciler()
+        self.server.fresh_index()
+        self.after()
+
+    @precondition(lambda self: self._fault("relist"))
+    @rule()
+    def watch_expired(self) -> None:
+        """The pod watch expired (410 Gone) and kopf listed the pods again: a pod deleted while
+        it was down stays in the operator's index (a ghost) until the operator asks the API
+        server about it: when the pod's agent does not answer, which a cached answer can hide
+        for ``stateTtl`` (the same grace as for a change under a Ready pod)."""
+        before = set(self.server.ghosts)
+        self.server.relist_after_410()
+        for name in set(self.server.ghosts) - before:
+            self.drift[name] = (self.full_passes, self.clock.seconds)
         self.after()
 
     # ------------------------------------------------------------------ the invariants
@@ -834,3 +867,55 @@ def test_a_pod_its_agent_holds_out_is_converged_while_a_failed_unit_holds_the_bu
         sim.restart_vllm("p2")
         sim.quiesce()
         sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+
+
+def test_item_5_a_pod_deleted_while_the_watch_was_down_is_let_go_after_the_410_relist() -> None:
+    """kopf's index keeps a pod deleted while its watch was down (a ghost) after the 410
+    re-list; an in-flight unit on it must neither time out nor halt the rollout: the agent
+    that stopped answering makes the operator ask the API server, which says the pod is gone
+    (``phantoms``)."""
+    with replay("c", "gone") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        for _ in range(3):
+            sim.reconcile("wu-a", None)  # a pod claimed, drained, its update started
+        (flying,) = [n for n, s in sim.states.items() if s is not None and s.active_update_id]
+        sim.delete_pod(flying, False)  # while the watch is down
+        sim.watch_expired()
+        assert flying in sim.server.ghosts
+        drive(sim)
+        status = sim.server.weightupdates["wu-a"]["status"]
+        assert flying not in {p["name"] for p in status["pods"]}
+        sim.safety()
+        assert not sim.found, sim.found
+
+
+@pytest.mark.parametrize("writes", [0, 1, 2, 3])
+def test_an_operator_stopped_mid_pass_leaves_a_plan_a_standby_finishes(writes: int) -> None:
+    """The leader stops after ``writes`` writes of a claim pass (a crash, or the Lease fence):
+    a claim without its drain, a drain without its start. The standby, with empty caches and
+    a fresh index, finishes the rollout within the budget."""
+    with replay("a", "") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        sim.leader_lost_mid_pass("wu-a", writes)
+        sim.safety()
+        drive(sim)
+        sim.safety()
+        assert not sim.found, sim.found
+
+
+def test_a_rollback_never_claims_over_a_failed_attempt_its_stopped_operator_left_running() -> None:
+    """Found by the simulation once operators could stop mid-pass: the unit timed out, the
+    pass settled it Failed and stopped before its AbortUpdate; the standby's rollback claimed
+    the pod (a new attempt recorded) while the agent still ran the failed one."""
+    with replay("c", "the agent runs update") as sim:
+        sim.start(pods=3, budget=1, on_failure="Rollback", tp=1)
+        sim.operator_restart()
+        sim.progress(0.0)
+        sim.clock_step(700.0)
+        sim.leader_lost_mid_pass("wu-a", 1)
+        sim.leader_lost_mid_pass("wu-a", 1)
+        sim.safety()
+        for _ in range(10):
+            sim.progress(5.0)
+            sim.safety()
+        assert sim.server.weightupdates["wu-a"]["status"]["phase"] == "RolledBack"

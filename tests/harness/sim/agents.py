@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,8 +280,13 @@ class SimAgents:
     def __init__(self, pods: Mapping[str, SimPod]) -> None:
         self.pods = pods
         self.calls: dict[str, int] = {}
+        #: Whether the operator process has stopped mid-pass (crash, or the Lease fence):
+        #: nothing it would still call leaves it.
+        self.stopped: Callable[[], bool] = lambda: False
 
     def _agent(self, target: AgentTarget, call: str) -> Agent:
+        if self.stopped():
+            raise AgentUnavailable(f"{target.pod}: {call}: the operator process stopped")
         self.calls[call] = self.calls.get(call, 0) + 1
         pod = self.pods.get(target.pod)
         if pod is None or pod.agent is None or pod.partitioned or pod.url != target.base_url:

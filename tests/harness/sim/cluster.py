@@ -17,7 +17,10 @@ It also plays two things that are not the API server: **kubelet** (:meth:`kubele
 ``ContainersReady``/``Ready`` from what the simulated containers say) and the operator's **pod
 index** (:meth:`index`): every revision of the pod list is kept, and a pass may be handed an older
 one than the server has (watch lag), never an older one than the last it saw (a watch does not go
-back in time) except on a re-list.
+back in time) except on a re-list. A re-list after the watch expired (410 Gone) is kopf's: every
+listed pod is replayed, but a pod deleted while the watch was down stays in the index for good
+(a **ghost**, :meth:`relist_after_410`) until a pod of its name is listed again; only a read of
+the pod itself (:meth:`find_pod`, the operator's ``PodReader``) tells it is gone.
 
 Limitations: one namespace; no ``deletionTimestamp`` grace period (a deleted pod is gone at once);
 no label selectors on lists; Events are counted, not kept.
@@ -123,10 +126,15 @@ class SimApiServer:
     history: list[tuple[int, dict[str, dict[str, Any]]]] = field(default_factory=list)
     #: Position in :attr:`history` of the operator's index (moves forward only, but on a re-list).
     index_at: int = 0
+    #: Pods deleted while the watch was down, kept by kopf's index after the 410 re-list.
+    ghosts: dict[str, dict[str, Any]] = field(default_factory=dict)
     writes: Counter[str] = field(default_factory=Counter)
     gate_writes: list[GateWrite] = field(default_factory=list)
     #: Pods whose next operator write fails with 5xx (an API server hiccup).
     unavailable_once: set[str] = field(default_factory=set)
+    #: Writes the operator process may still make before it stops (it crashed, or lost the
+    #: Lease and its fence stopped it); ``None``: no limit. Every later write fails unsent.
+    writes_left: int | None = None
     #: Called after every accepted write of our gate: (pod, status) (the invariants' oracle).
     on_gate_write: Callable[[str, bool], None] = lambda name, status: None
 
@@ -155,7 +163,24 @@ class SimApiServer:
             self.index_at = head
         else:
             self.index_at = min(head, self.index_at + max(0, advance))
-        return list(self.history[self.index_at][1].values())
+        listed = self.history[self.index_at][1]
+        for name in [n for n in self.ghosts if n in listed]:
+            del self.ghosts[name]  # a pod of that name replaced the entry
+        return [*listed.values(), *self.ghosts.values()]
+
+    def relist_after_410(self) -> None:
+        """The pod watch expired (410 Gone) and kopf listed the pods again: the index is at the
+        head, and every pod it held that was deleted meanwhile stays in it (kopf's indexes never
+        drop an entry a listing lacks)."""
+        held = self.history[self.index_at][1]
+        self.index_at = len(self.history) - 1
+        head = self.history[self.index_at][1]
+        self.ghosts.update({n: pod for n, pod in held.items() if n not in head})
+
+    def fresh_index(self) -> None:
+        """A new operator process lists the pods into an empty index: no ghosts."""
+        self.ghosts.clear()
+        self.index(None)
 
     @property
     def index_revision(self) -> int:
@@ -249,7 +274,15 @@ class SimApiServer:
 
     # ------------------------------------------------------------------ KubePort
 
+    def _sent(self) -> None:
+        """One write leaves the operator, unless its process has stopped (:attr:`writes_left`)."""
+        if self.writes_left is not None:
+            if self.writes_left <= 0:
+                raise KubeUnavailable(0, "the operator process stopped (crash or fence)")
+            self.writes_left -= 1
+
     def _writable(self, name: str, resource_version: str | None) -> dict[str, Any]:
+        self._sent()
         if name in self.unavailable_once:
             self.unavailable_once.discard(name)
             self.writes["unavailable"] += 1
@@ -314,11 +347,18 @@ class SimApiServer:
     async def patch_weightupdate_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]
     ) -> None:
+        self._sent()
         body = self.weightupdates.get(name)
         if body is None:
             raise KubeNotFound(404, f"weightupdates {name!r} not found")
         self.writes["wu-status"] += 1
         merge_patch(body.setdefault("status", {}), patch)
+
+    async def find_pod(self, namespace: str, name: str) -> Any:
+        """The pod as the API server has it now (``None``: none of that name): a read, not the
+        index (``PodReader``)."""
+        pod = self.pods.get(name)
+        return None if pod is None else copy.deepcopy(pod)
 
     async def list_weightupdates(self, namespace: str) -> list[Any]:
         """The WeightUpdates as they are now (a LIST never lags, unlike the index a pass is
@@ -329,9 +369,11 @@ class SimApiServer:
         raise KubeNotFound(404, f"secrets {name!r} not found")  # the simulation sends no token
 
     async def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        self._sent()
         self.writes["event"] += 1
 
     async def patch_event(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        self._sent()
         self.writes["event"] += 1
 
     # ------------------------------------------------------------------ reading

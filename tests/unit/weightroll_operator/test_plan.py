@@ -10,7 +10,7 @@ from weightroll_operator.api.v1alpha1 import (
     Phase,
     WeightUpdateStatus,
 )
-from weightroll_operator.domain.actions import Claim, Emit, GateOn, Settle, StartUpdate
+from weightroll_operator.domain.actions import AbortUpdate, Claim, Emit, GateOn, Settle, StartUpdate
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import AgentView, UnitState
 from weightroll_operator.domain.plan import (
@@ -436,8 +436,9 @@ def test_queries_only_unsettled_pods() -> None:
     )
     q = queries(pods, ME, "v2", V2_SRC)
     # a verified pod is asked again (its verdict stands only while its agent says so; the
-    # reconciler answers it from its cache within the state TTL): issue 27 item 6
-    assert set(q) == {"done", "flying", "fresh"}
+    # reconciler answers it from its cache within the state TTL): issue 27 item 6; a failed
+    # one too (a rollback claims it only when its agent runs nothing: its attempt may still)
+    assert set(q) == {"done", "flying", "failed", "fresh"}
     assert q["flying"].update_id == "wu-v2" and not q["flying"].state
     assert q["fresh"].state
 
@@ -1006,3 +1007,26 @@ def test_a_new_pod_serving_the_rollback_target_gets_its_gate_during_a_rollback()
     answers["p1"] = agent("v1", source=V2_SRC)
     p = run(spec(maxUnavailable=1, onFailure="Rollback"), pods, answers, halted)
     assert not any(isinstance(a, GateOn) for a in p.actions)
+
+
+def test_a_rollback_waits_for_a_failed_attempt_still_running_and_aborts_it_again() -> None:
+    """An operator stopped between a unit's Settle(Failed) and its AbortUpdate (a crash, the
+    Lease fence) left the attempt running: a rollback claim (a new attempt) waits for the agent
+    to run nothing, and the failed attempt, still ours, is aborted again (simulation tier)."""
+    aborted = Persisted(target_version="v2", aborted_at="x", abort_reason="FailureBudgetExceeded")
+    failed = pod("p1", gate=False, ready=False, st=state(UnitState.FAILED), owner=ME)
+    assert failed.state is not None
+    running = failed.state.update_id
+    still_running = agent("v1", ready=False, active_update_id=running)
+    p = run(spec(maxUnavailable=4, onFailure="Rollback"), [failed], {"p1": still_running}, aborted)
+    assert not claimed(p)
+    assert [(a.pod.name, a.update_id) for a in p.actions if isinstance(a, AbortUpdate)] == [
+        ("p1", failed.state.update_id)
+    ]
+    # another attempt running (not ours to abort): the rollback only waits
+    other = agent("v1", ready=False, active_update_id="someone-else")
+    p = run(spec(maxUnavailable=4, onFailure="Rollback"), [failed], {"p1": other}, aborted)
+    assert not claimed(p) and not [a for a in p.actions if isinstance(a, AbortUpdate)]
+    # once it ran to its end, the rollback claims
+    p = run(spec(maxUnavailable=4, onFailure="Rollback"), [failed], {"p1": agent("v1")}, aborted)
+    assert claimed(p) == ["p1"]

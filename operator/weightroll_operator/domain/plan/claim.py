@@ -1,6 +1,12 @@
 """Claims, shared by :func:`~.start.start_units` and :func:`~.rollback.roll_back`: whom a
-pass may claim (:func:`can_claim`) and the claim itself (:func:`claim`: a new attempt recorded
-on the pod, then its drain).
+pass may claim (:func:`can_claim`, :func:`idle`, :func:`on_fresh_answers`) and the claim itself
+(:func:`claim`: a new attempt recorded on the pod, then its drain).
+
+A claim is a new attempt, so it rests on what the agent says in this pass: that it answers and
+runs no update. A rollback claim is no exception: an operator stopped between a unit's
+``Settle(Failed)`` and its ``AbortUpdate`` (a crash, the Lease fence) left the failed attempt
+running, and a rollback claimed over it recorded a second attempt on a pod whose agent ran the
+first (found by the simulation tier).
 """
 
 from __future__ import annotations
@@ -19,6 +25,22 @@ from weightroll_operator.domain.model import (
 from weightroll_operator.domain.plan.context import PassContext, target_source, unit_label
 
 
+def idle(agent: AgentView | None) -> bool:
+    """The agent answered and runs no update: a new attempt may be recorded on its pod."""
+    return agent is not None and agent.reachable and not agent.active_update_id
+
+
+def on_fresh_answers(ctx: PassContext, unit: Unit) -> bool:
+    """Whether ``unit`` may be claimed on the agent answers of this pass. A claim records what
+    the pod serves (the rollback target) and that it runs no update: only an answer from this
+    pass may say so, never a cached one (a trainer push changes both without touching the pod).
+    Cached ones are listed in :attr:`Plan.refresh`: the caller asks afresh, then applies a
+    ``provisional`` plan only if the fresh answers are the cached ones, else plans again."""
+    stale = [p.name for p in unit.pods if p.name in ctx.fleet.cached]
+    ctx.refresh.update(stale)
+    return not stale or ctx.provisional
+
+
 def can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str) -> bool:
     """Claim only a pod whose agent answers at a known version (``AgentView.claimable``), or
     one this WeightUpdate already tried at this version (a retry: its previous weights are
@@ -28,8 +50,9 @@ def can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: s
     its boot time against the update timer, fail the unit and, with ``onFailure: Rollback``,
     roll the fleet back.
     """
-    if agent is None or not agent.reachable or agent.active_update_id:
+    if not idle(agent):
         return False
+    assert agent is not None
     if agent.claimable:
         return True
     st = pod.state

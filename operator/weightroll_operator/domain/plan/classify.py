@@ -48,7 +48,11 @@ def queries(
     source: SourceRef,
     retried_at: str | None = None,
 ) -> dict[str, Query]:
-    """Which agents to ask what, so a pass contacts only the pods whose state is not settled."""
+    """Which agents to ask what, so a pass contacts only the pods whose state is not settled.
+
+    A unit that failed here is asked too: a rollback claims it only on an answer of this pass
+    that its agent runs nothing (``claim.idle``), and its failed attempt may still run.
+    """
     result: dict[str, Query] = {}
     for pod in pods:
         st = pod.state
@@ -61,7 +65,12 @@ def queries(
             # verified pod is asked too; one in traffic is answered from the reconciler's
             # cache for at most its state TTL.
             result[pod.name] = _ASK_STATE
-        elif st is not None and st.by == owner and _settled_here(st, version, retried_at):
+        elif (
+            st is not None
+            and st.by == owner
+            and _settled_here(st, version, retried_at)
+            and st.state is not UnitState.FAILED
+        ):
             continue
         else:
             result[pod.name] = _ASK_STATE

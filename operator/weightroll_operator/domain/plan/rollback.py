@@ -4,11 +4,11 @@ the weights it served before (:func:`rollback_target`), within the budget.
 
 from __future__ import annotations
 
-from weightroll_operator.domain.actions import Settle
+from weightroll_operator.domain.actions import AbortUpdate, Settle
 from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.model import SourceRef, UnitState
-from weightroll_operator.domain.plan.claim import claim
+from weightroll_operator.domain.plan.claim import claim, idle, on_fresh_answers
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import PassContext, PodClass, unit_label
 
@@ -65,12 +65,26 @@ def roll_back(ctx: PassContext, seen: Seen, flying: frozenset[str], slots: Slots
             message = f"Cannot roll back {unit_label(unit)}: {why}"
             ctx.emit(Reason.UNIT_FAILED, message, True, pods=needs)
             continue
+        agents = ctx.fleet.agents
+        if not all(idle(agents.get(p.name)) for p in unit.pods):
+            # Our failed attempt still running (its abort was lost with the operator that
+            # planned it) is aborted again; any other waits to end before the claim.
+            ctx.actions.extend(
+                AbortUpdate(p, p.state.update_id)
+                for p in needs
+                if p.state is not None
+                and (agent := agents.get(p.name)) is not None
+                and agent.reachable
+                and agent.active_update_id == p.state.update_id
+            )
+            continue
         if not slots.affords(unit):
             continue
         if not ctx.take_steps(len(unit.pods)):
             continue
         slots.take(unit)
-        claim(ctx, unit, rollback_of=version)
+        if on_fresh_answers(ctx, unit):
+            claim(ctx, unit, rollback_of=version)
     return remaining
 
 

@@ -11,7 +11,7 @@ from datetime import datetime
 
 from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.fleet import Unit
-from weightroll_operator.domain.plan.claim import can_claim, claim
+from weightroll_operator.domain.plan.claim import can_claim, claim, on_fresh_answers
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import (
     FAILED_CLASSES,
@@ -115,14 +115,5 @@ def start_units(
         if fresh and limit is not None:
             limit -= 1
         slots.take(unit)
-        # A claim records what the pod serves (the rollback target) and that it runs no
-        # update: only an answer from this pass may say so, never a cached one (a trainer push
-        # changes both without touching the pod). The caller asks afresh, then applies this
-        # plan only if the fresh answers are the cached ones (``provisional``), else plans
-        # again.
-        stale = [p.name for p in unit.pods if p.name in fleet.cached]
-        if stale:
-            ctx.refresh.update(stale)
-            if not ctx.provisional:
-                continue
-        claim(ctx, unit)
+        if on_fresh_answers(ctx, unit):
+            claim(ctx, unit)
