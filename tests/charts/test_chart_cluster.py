@@ -303,7 +303,9 @@ def test_kubectl_explain_shows_every_field_description(installed: KubeCluster) -
     kubectl(installed, "apply", "-f", "-", input_=yaml.safe_dump(wu))
     try:
         header = kubectl(installed, "get", "wu", "columns", "-n", NAMESPACE).stdout.splitlines()[0]
-        assert header.split() == ["NAME", "PHASE", "VERSION", "UPDATED", "TOTAL", "AGE", "MESSAGE"]
+        assert header.split() == ["NAME", "PHASE", "VERSION", "UPDATED", "TOTAL", "AGE"]
+        wide = kubectl(installed, "get", "wu", "columns", "-n", NAMESPACE, "-o", "wide")
+        assert wide.stdout.splitlines()[0].split()[-1] == "MESSAGE"  # priority 1: -o wide only
     finally:
         kubectl(installed, "delete", "wu", "columns", "-n", NAMESPACE, "--wait=false", check=False)
 
@@ -374,8 +376,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [
-                str(Path(sys.executable).parent / "weightroll"),
-                "operator",
+                str(Path(sys.executable).parent / "weightroll-operator"),
                 f"--kubeconfig={op_cfg}",
                 "--interval=1",
                 "--metrics-port=0",

@@ -222,7 +222,7 @@ def _operator_command(objs: list[dict[str, Any]]) -> tuple[list[str], dict[str, 
     """Arguments and environment of the chart's operator container, as it would run."""
     deploy = find(objs, "Deployment", "weightroll-operator")
     (ctr,) = deploy["spec"]["template"]["spec"]["containers"]
-    assert ctr["command"] == ["weightroll", "operator"]
+    assert ctr["command"] == ["weightroll-operator"]
     env = {e["name"]: e["value"] for e in ctr["env"] if "value" in e}
     env = {k: v for k, v in env.items() if k not in RUN_WITHOUT}
     # The downward API fields of the Deployment.
