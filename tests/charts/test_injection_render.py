@@ -141,3 +141,19 @@ def test_example_injection_refuses_what_it_cannot_prepare(
         base[key] = {**base.get(key, {}), **part}
     with pytest.raises(helm_python.HelmRenderError, match=message):
         render(base)
+
+
+def test_dev_cluster_values_render_the_label_only_example() -> None:
+    """``weightroll_dev dev up --inject`` (the e2e tier's injection test) installs these."""
+    from weightroll_dev.devcluster.workload import workload_values
+
+    objs = objects(render(workload_values("v1", "t", replicas=2, inject=True)))
+    template = _template(objs)
+    assert template["metadata"]["labels"][INJECT_LABEL] == "true"
+    assert template["metadata"]["annotations"]["weightroll.io/initial-version"] == "v1"
+    assert [c["name"] for c in template["spec"]["containers"]] == ["vllm"]
+    find(objs, "MutatingWebhookConfiguration")
+    ops = inject(template, _settings(objs))
+    assert not isinstance(ops, Refusal), ops
+    agent = apply_patch(template, ops)["spec"]["containers"][1]
+    assert not any(a.startswith("--tls") for a in agent["args"])  # the dev cluster: plain HTTP
