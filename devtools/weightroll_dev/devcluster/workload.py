@@ -56,6 +56,8 @@ def workload_values(
         "webhook": {"enabled": False},
         "workloadExample": {
             "enabled": True,
+            # hand-written pieces unless `inject` (the webhook is off here unless then)
+            "inject": False,
             "name": WORKLOAD,
             "replicas": replicas,
             "vllm": {
