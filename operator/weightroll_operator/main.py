@@ -169,7 +169,10 @@ async def _serve(
     webhook = None
     if config.webhook_port:
         webhook = WebhookServer(
-            config.webhook_port, Path(config.webhook_cert_dir), host=config.webhook_addr
+            config.webhook_port,
+            Path(config.webhook_cert_dir),
+            host=config.webhook_addr,
+            injection=config.injection(),
         )
         await webhook.start()
     elector = _elector(config, kube) if config.leader_elect else None

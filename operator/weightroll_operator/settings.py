@@ -7,6 +7,7 @@ agent token is read from the Secret named in each WeightUpdate).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import kopf
 from annotated_types import Ge, Gt, Le
-from pydantic import BeforeValidator, Field, ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -22,6 +23,8 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+from weightroll_operator.domain.injection import InjectionSettings
 
 __all__ = ["FINALIZER", "PREFIX", "OperatorConfig", "configure_kopf", "is_pattern"]
 
@@ -34,6 +37,18 @@ _MAX_PORT = 65535
 _Port = Annotated[int, Field(ge=0, le=_MAX_PORT)]
 #: A boolean variable as a word (true/false, yes/no, on/off, 1/0), surrounding blanks ignored.
 _Switch = Annotated[bool, BeforeValidator(lambda v: v.strip() if isinstance(v, str) else v)]
+
+
+def _json_object(text: str) -> str:
+    """``text`` when it is empty or a JSON object (else a ValueError naming what it is)."""
+    if text.strip():
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+    return text
 
 
 class OperatorConfig(BaseSettings):
@@ -119,6 +134,40 @@ class OperatorConfig(BaseSettings):
     agent_ca_file: str = ""
     #: TLS server name an agent's certificate must carry; ``{namespace}`` is the pod's namespace.
     agent_server_name: str = "weightroll-agent.{namespace}.svc"
+    #: Image of the agent sidecar the pod-injection webhook (``POST /mutate``) adds to pods
+    #: labelled ``weightroll.io/inject: "true"``; empty: injection off (such pods are refused).
+    inject_agent_image: str = ""
+    #: Default agent token Secret (key ``token``) of injected pods; a pod's
+    #: ``weightroll.io/agent-token-secret`` annotation wins (empty: the pod must name it).
+    inject_token_secret: str = ""
+    #: Default TLS Secret (``tls.crt``, ``tls.key``) of injected agents when ``agent_ca_file``
+    #: is set (agents then serve TLS); ``weightroll.io/agent-tls-secret`` wins.
+    inject_tls_secret: str = ""
+    #: Default name of the pod volume holding the checkpoints (mounted by vLLM; the agent gets
+    #: it at the same path); ``weightroll.io/models-volume`` wins.
+    inject_models_volume: str = "models"
+    #: Resources of the injected agent container: a JSON ``ResourceRequirements`` object, kept
+    #: as text so the config stays hashable (empty: none).
+    inject_agent_resources: Annotated[str, AfterValidator(_json_object)] = Field(
+        "", description='a JSON object, e.g. {"limits": {"memory": "256Mi"}}'
+    )
+
+    def injection(self) -> InjectionSettings | None:
+        """What ``POST /mutate`` injects; ``None`` while :attr:`inject_agent_image` is empty.
+
+        Agents serve TLS exactly when the operator verifies them (:attr:`agent_ca_file`): one
+        switch, so an injected pod and the operator never disagree on the scheme.
+        """
+        if not self.inject_agent_image:
+            return None
+        return InjectionSettings(
+            agent_image=self.inject_agent_image,
+            token_secret=self.inject_token_secret,
+            tls=bool(self.agent_ca_file),
+            tls_secret=self.inject_tls_secret,
+            models_volume=self.inject_models_volume,
+            agent_resources=json.loads(self.inject_agent_resources or "{}"),
+        )
 
     @classmethod
     def settings_customise_sources(

@@ -161,6 +161,12 @@ def test_release_objects_exist(installed: KubeCluster) -> None:
         "validatingwebhookconfiguration.admissionregistration.k8s.io/weightroll-weightupdates"
         in (hooks.split())
     )
+    # Pod injection (issue 31 item 1): registered for labelled pods only, so the unlabelled
+    # example pods here never reach the unroutable Service.
+    hooks = kubectl(installed, "get", "mutatingwebhookconfiguration", "-o", "name").stdout
+    assert "mutatingwebhookconfiguration.admissionregistration.k8s.io/weightroll-inject" in (
+        hooks.split()
+    )
     for verb, lease in (("get", "weightroll-operator"), ("update", "weightroll-operator")):
         allowed = kubectl(
             installed, "auth", "can-i", verb, f"leases.coordination.k8s.io/{lease}",

@@ -14,7 +14,7 @@ KEY_ENV = "WEIGHTROLL_AGENT_MANIFEST_PUBLIC_KEY"
 
 
 def _pod(agent: dict[str, Any]) -> dict[str, Any]:
-    values = {"workloadExample": {"enabled": True, "agent": agent}}
+    values = {"workloadExample": {"enabled": True, "inject": False, "agent": agent}}
     spec: dict[str, Any] = find(objects(render(values)), "Deployment", "vllm-example")["spec"]
     return spec["template"]["spec"]  # type: ignore[no-any-return]
 
@@ -56,7 +56,11 @@ def test_schema_refuses_a_bad_key_reference(field: str, bad: str) -> None:
     chart = helm_python.Chart.load(str(CHART))
     try:
         values = {
-            "workloadExample": {"enabled": True, "agent": {"manifestPublicKey": {field: bad}}}
+            "workloadExample": {
+                "enabled": True,
+                "inject": False,
+                "agent": {"manifestPublicKey": {field: bad}},
+            }
         }
         with pytest.raises(helm_python.HelmValuesError, match="manifestPublicKey"):
             chart.validate_schema(with_crd_fallback(values))

@@ -27,7 +27,7 @@ def _agent(objs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_agent_binds_to_the_pod_ip_and_vllm_to_loopback() -> None:
-    objs = objects(render({"workloadExample": {"enabled": True}}))
+    objs = objects(render({"workloadExample": {"enabled": True, "inject": False}}))
     agent = _agent(objs)
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in agent[
         "env"
@@ -54,7 +54,12 @@ def test_network_policy_admits_only_the_operator_to_the_agent_port() -> None:
     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
     assert open_rule == {"ports": [{"protocol": "TCP", "port": 8080}]}  # no `from`: anyone
     off = objects(
-        render({"workloadExample": {"enabled": True}, "networkPolicy": {"enabled": False}})
+        render(
+            {
+                "workloadExample": {"enabled": True, "inject": False},
+                "networkPolicy": {"enabled": False},
+            }
+        )
     )
     assert not [o for o in off if o["metadata"]["name"] == "vllm-example-weightroll-agent"]
 
@@ -104,7 +109,10 @@ def test_helm_generated_certificate_verifies_against_the_operator_ca(tmp_path: P
 
 @pytest.mark.parametrize("source", ["helm", "cert-manager"])
 def test_tls_sources(source: str) -> None:
-    values = {"workloadExample": {"enabled": True}, "agentTLS": {"enabled": True, "source": source}}
+    values = {
+        "workloadExample": {"enabled": True, "inject": False},
+        "agentTLS": {"enabled": True, "source": source},
+    }
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects(render(values))}
     if source == "cert-manager":
         assert {
@@ -133,7 +141,7 @@ def test_agent_tls_is_on_by_default() -> None:
     operator = find(objs, "Deployment", "weightroll-operator")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in operator["containers"][0]["env"]}
     assert env["WEIGHTROLL_AGENT_CA_FILE"] == "/etc/weightroll/agent-ca/ca.crt"
-    example = objects(render({"workloadExample": {"enabled": True}}))
+    example = objects(render({"workloadExample": {"enabled": True, "inject": False}}))
     find(example, "Secret", "vllm-example-weightroll-tls")
     agent = _agent(example)
     assert "--tls-cert-file=/var/run/weightroll-tls/tls.crt" in agent["args"]
@@ -201,10 +209,10 @@ def test_operator_network_policy() -> None:
 @pytest.mark.parametrize(
     "values",
     [
-        {"workloadExample": {"enabled": True}},
+        {"workloadExample": {"enabled": True, "inject": False}},
         scenario_values("workload-values.yaml"),
         scenario_values("security-values.yaml"),
-        {"workloadExample": {"enabled": True}, "agentTLS": {"enabled": False}},
+        {"workloadExample": {"enabled": True, "inject": False}, "agentTLS": {"enabled": False}},
     ],
 )
 def test_example_workload_passes_the_restricted_pod_security_standard(
@@ -222,7 +230,7 @@ def test_example_workload_passes_the_restricted_pod_security_standard(
 def test_pod_security_check_catches_what_restricted_refuses() -> None:
     """The check above is not a no-op: the vLLM container as it was before issue 28 (no
     securityContext of its own) and the usual escalations are reported."""
-    objs = objects(render({"workloadExample": {"enabled": True}}))
+    objs = objects(render({"workloadExample": {"enabled": True, "inject": False}}))
     spec = copy.deepcopy(find(objs, "Deployment", "vllm-example")["spec"]["template"]["spec"])
     vllm = next(c for c in spec["containers"] if c["name"] == "vllm")
     del vllm["securityContext"]

@@ -14,7 +14,7 @@ NETWORKS = ["10.42.0.0/16", "fd00:42::/64"]
 
 
 def _workload(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    objs = objects(render({"workloadExample": {"enabled": True, **values}}))
+    objs = objects(render({"workloadExample": {"enabled": True, "inject": False, **values}}))
     pod = find(objs, "Deployment", "vllm-example")["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod["containers"]}
     return containers["vllm"], containers["weightroll-agent"], objs
@@ -58,7 +58,7 @@ def test_the_network_policy_admits_the_trainer_networks_on_every_port() -> None:
 def test_schema_wants_one_cidr_per_entry(bad: str) -> None:
     chart = helm_python.Chart.load(str(CHART))
     try:
-        values = {"workloadExample": {"enabled": True, "trainerNetworks": [bad]}}
+        values = {"workloadExample": {"enabled": True, "inject": False, "trainerNetworks": [bad]}}
         with pytest.raises(helm_python.HelmValuesError, match="/workloadExample/trainerNetworks/0"):
             chart.validate_schema(with_crd_fallback(values))
     finally:
@@ -92,6 +92,7 @@ def test_one_token_for_both_roles_is_refused() -> None:
     values = {
         "workloadExample": {
             "enabled": True,
+            "inject": False,
             "trainerNetworks": NETWORKS,
             "tokenSecret": {"token": "same"},
             "trainerTokenSecret": {"token": "same"},

@@ -190,26 +190,35 @@ readinessGates:
    to loopback so those unauthenticated routes stay pod-local.
 */}}
 {{- define "weightroll.workload.vllmContainer" -}}
+{{- /* With workloadExample.inject the webhook adds the loopback host, the extension and dev mode. */ -}}
 {{- $w := .Values.workloadExample -}}
 - name: vllm
   image: {{ $w.vllm.image }}
   command: ["vllm", "serve"]
   args:
     - {{ $w.vllm.model | quote }}
+    {{- if not (and $w.inject (eq $w.vllm.host "127.0.0.1")) }}
     - --host={{ $w.vllm.host }}
+    {{- end }}
     - --port={{ $w.vllm.port }}
+    {{- if not $w.inject }}
     - --worker-extension-cls=engine_agent.vllm_extension.WeightRollExtension
+    {{- end }}
     {{- range $w.vllm.extraArgs }}
     - {{ . | quote }}
     {{- end }}
+  {{- if or (not $w.inject) $w.trainerNetworks }}
   env:
+    {{- if not $w.inject }}
     - name: VLLM_SERVER_DEV_MODE
       value: "1"
+    {{- end }}
     {{- with $w.trainerNetworks }}
     # Every worker checks a trainer's rendezvous address against these before it connects.
     - name: WEIGHTROLL_TRAINER_NETWORKS
       value: {{ join "," . | quote }}
     {{- end }}
+  {{- end }}
   ports:
     - name: http
       containerPort: {{ $w.vllm.port }}

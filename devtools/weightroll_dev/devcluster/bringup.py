@@ -8,7 +8,9 @@
    in the pods' persistent volume ``DIR/pv-models`` (trained tiny llamas that answer the demo's
    prompt with one sentence per version, :mod:`weightroll_dev.demomodels`);
 3. the chart (release ``weightroll`` in ``weightroll-system``) with its example workload;
-4. ``weightroll-operator`` as a process authenticated as the chart's ServiceAccount;
+4. ``weightroll-operator`` as a process authenticated as the chart's ServiceAccount; with
+   ``--inject`` it also serves the admission webhooks on loopback, the chart's webhook
+   configurations are pointed at it, and the example's pods carry only the inject label;
 5. ``--pods N`` pods from the workload's Deployment template, run by the kubelet stand-in
    (:mod:`.kubelet`): each a real vLLM CPU server plus ``weightroll-agent`` on its own loopback
    IP, admitted into traffic by the operator (Ready) on their boot weights.
@@ -29,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -56,6 +59,7 @@ from weightroll_dev.devcluster.apiserver import (
     SCRIPT,
     KubeCluster,
     apiserver_binary,
+    free_ports,
     run_kubectl,
     start_apiserver,
     stop_apiserver,
@@ -129,6 +133,10 @@ class Options:
     reference: str | None = None
     #: Seconds allowed for the pods to become Ready (0: 160 s per pod, at least 300).
     timeout: float = 0
+    #: Prepare the pods with the operator's injection webhook: the example workload carries
+    #: only the ``weightroll.io/inject`` label; the chart's webhook configurations are pointed
+    #: at the local operator process (this API server routes no Service traffic).
+    inject: bool = False
 
     def pod_timeout(self) -> float:
         return self.timeout or max(300.0, 160.0 * self.pods)
@@ -410,7 +418,7 @@ class _Supervisor:
 
         assert self.cluster is not None
         self.say("Installing the chart (helm-python-sdk): CRD, operator RBAC, workload")
-        values = workload_values(BOOT, TOKEN, replicas=self.opts.pods)
+        values = workload_values(BOOT, TOKEN, replicas=self.opts.pods, inject=self.opts.inject)
         if not CRD_FILE.is_file():
             values = {**values, "installCRDs": False}
         config = helm_python.Config(
@@ -448,15 +456,80 @@ class _Supervisor:
         assert self.cluster is not None and self.cluster.operator_kubeconfig is not None
         self.say("Starting `weightroll-operator` as the chart's ServiceAccount")
         wait_authorized(self.cluster.kubeconfig, NAMESPACE, "weightroll-operator")
+        extra: list[str] = []
+        env: dict[str, str] = {}
+        if self.opts.inject:
+            extra, env = self._webhook_settings()
         try:
             running = start_operator(
-                self.cluster.operator_kubeconfig, self.dir / "operator.log", new_session=True
+                self.cluster.operator_kubeconfig,
+                self.dir / "operator.log",
+                *extra,
+                new_session=True,
+                env=env,
             )
         except RuntimeError as e:
             raise DevError(str(e)) from None
         self.operator = running.process
         self.metrics_url = running.metrics_url
         self.say(f"operator up (metrics {self.metrics_url}, log {running.log})")
+        if self.opts.inject:
+            self._point_webhooks_here(int(extra[0].split("=")[1]))
+
+    def _webhook_settings(self) -> tuple[list[str], dict[str, str]]:
+        """The operator's webhook flags and the chart's ``WEIGHTROLL_INJECT_*`` settings (read
+        from the installed operator Deployment, which this cluster never runs)."""
+        certs = _mkdir(self.dir / "webhook")
+        _loopback_certificates(certs)
+        selector = "app.kubernetes.io/component=operator"
+        found = self.kubectl("get", "deploy", "-n", NAMESPACE, "-l", selector, "-o", "json")
+        deploy = json.loads(found)["items"][0]
+        (ctr,) = deploy["spec"]["template"]["spec"]["containers"]
+        env = {
+            e["name"]: e["value"]
+            for e in ctr["env"]
+            if e["name"].startswith("WEIGHTROLL_INJECT_") and "value" in e
+        }
+        env["WEIGHTROLL_WEBHOOK_ADDR"] = "127.0.0.1"
+        (port,) = free_ports(1)
+        return [f"--webhook-port={port}", f"--webhook-cert-dir={certs}"], env
+
+    def _point_webhooks_here(self, port: int) -> None:
+        """Re-point the chart's webhook configurations at the local operator (loopback URL and
+        the local CA), then wait until the API server calls the pod-injection webhook."""
+        ca = base64.b64encode((self.dir / "webhook" / "ca.crt").read_bytes()).decode()
+        hooks = (
+            ("validatingwebhookconfiguration", f"{RELEASE}-weightupdates", "validate"),
+            ("mutatingwebhookconfiguration", f"{RELEASE}-inject", "mutate"),
+        )
+        for kind, name, path in hooks:
+            client = {"url": f"https://127.0.0.1:{port}/{path}", "caBundle": ca}
+            patch = [{"op": "replace", "path": "/webhooks/0/clientConfig", "value": client}]
+            self.kubectl("patch", kind, name, "--type=json", "-p", json.dumps(patch))
+        probe = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "inject-probe",
+                "namespace": NAMESPACE,
+                "labels": {"weightroll.io/inject": "true"},
+            },
+            "spec": {"containers": [{"name": "probe", "image": "none"}]},
+        }
+        deadline = time.monotonic() + 30
+        assert self.cluster is not None
+        while True:
+            proc = run_kubectl(
+                self.cluster.kubeconfig, "create", "-f", "-", input_=yaml.safe_dump(probe)
+            )
+            if "vLLM container not found" in proc.stderr:
+                self.say("pod-injection webhook answering (the chart's, at the local operator)")
+                return
+            if proc.returncode == 0:
+                self.kubectl("delete", "pod", "inject-probe", "-n", NAMESPACE, "--wait=false")
+            if time.monotonic() > deadline:
+                raise DevError(f"the pod-injection webhook was never called: {proc.stderr}")
+            time.sleep(0.5)
 
     def _start_pods(self) -> None:
         self.say(
@@ -563,6 +636,21 @@ class _Supervisor:
         self.say("stopped")
 
 
+def _loopback_certificates(directory: Path) -> None:
+    """A CA (``ca.crt``) and a serving certificate for 127.0.0.1 (``tls.crt``, ``tls.key``)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "7", "-subj",
+            "/CN=weightroll-dev-ca", "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "tls.key", "-out", "tls.csr")  # fmt: skip
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "7", "-extfile", "san.ext", "-out", "tls.crt")  # fmt: skip
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -594,8 +682,9 @@ def supervise(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--first-ip", type=int, default=10)
     p.add_argument("--reference")
     p.add_argument("--timeout", type=float, default=0)
+    p.add_argument("--inject", action="store_true")
     a = p.parse_args(argv)
-    opts = Options(a.dir.resolve(), a.pods, a.first_ip, a.reference, a.timeout)
+    opts = Options(a.dir.resolve(), a.pods, a.first_ip, a.reference, a.timeout, a.inject)
     os.environ[ENV_MARKER] = str(opts.dir)  # inherited by everything started from here
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)
@@ -678,6 +767,8 @@ def up(opts: Options, say: Say = print) -> ClusterInfo:
     argv += [f"--pods={opts.pods}", f"--first-ip={opts.first_ip}", f"--timeout={opts.timeout}"]
     if opts.reference:
         argv.append(f"--reference={opts.reference}")
+    if opts.inject:
+        argv.append("--inject")
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), ENV_MARKER: str(directory)}
     with log.open("ab") as out:
         proc = subprocess.Popen(

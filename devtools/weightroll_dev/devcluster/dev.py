@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also start pod vllm-cold: vLLM alone booting VERSION cold (a reference engine)",
     )
     start.add_argument(
+        "--inject",
+        action="store_true",
+        help="the example workload carries only the weightroll.io/inject label: the operator's "
+        "pod-injection webhook (pointed at the local operator) prepares its pods",
+    )
+    start.add_argument(
         "--timeout",
         type=float,
         default=0,
@@ -71,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("weightroll_dev dev up: --pods must be at least 1", file=sys.stderr)
             return 2
         info = up(
-            Options(args.dir, args.pods, args.first_ip, args.reference, args.timeout),
+            Options(args.dir, args.pods, args.first_ip, args.reference, args.timeout, args.inject),
             say=lambda line: print(line, flush=True),
         )
     except DevError as e:

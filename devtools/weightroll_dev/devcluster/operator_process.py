@@ -113,7 +113,12 @@ class RunningOperator:
 
 
 def start_operator(
-    kubeconfig: Path, log: Path, *, new_session: bool = False, timeout: float = 60
+    kubeconfig: Path,
+    log: Path,
+    *extra: str,
+    new_session: bool = False,
+    timeout: float = 60,
+    env: Mapping[str, str] | None = None,
 ) -> RunningOperator:
     """Launch the operator on a free metrics port and wait until ``/metrics`` answers.
 
@@ -122,7 +127,7 @@ def start_operator(
             message carries its log tail); the process is stopped first.
     """
     (port,) = free_ports(1)
-    proc = launch_operator(kubeconfig, log, port, new_session=new_session)
+    proc = launch_operator(kubeconfig, log, port, *extra, new_session=new_session, env=env)
     url = f"http://127.0.0.1:{port}/metrics"
     deadline = time.monotonic() + timeout
     while True:

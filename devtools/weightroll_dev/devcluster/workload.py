@@ -34,9 +34,15 @@ TOKEN_SECRET = "vllm-example-weightroll-token"
 SERVED_MODEL = "tiny"
 
 
-def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[str, Any]:
-    """Helm values that enable the example workload on tiny bf16 models (eager, 256 tokens)."""
-    return {
+def workload_values(
+    boot_version: str, token: str, replicas: int = 3, inject: bool = False
+) -> dict[str, Any]:
+    """Helm values that enable the example workload on tiny bf16 models (eager, 256 tokens).
+
+    ``inject``: the example carries only the ``weightroll.io/inject`` label (and annotations);
+    the operator's webhook, which the dev cluster points at its local process, adds the rest.
+    """
+    values: dict[str, Any] = {
         # Opt-outs of the chart's defaults, because the demo runs `weightroll-operator` as a
         # local process, not the chart's Deployment: that process watches every namespace (so
         # the ClusterRole) and is given no agent CA (so plain HTTP; tests/e2e/test_agent_tls.py
@@ -50,6 +56,8 @@ def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[st
         "webhook": {"enabled": False},
         "workloadExample": {
             "enabled": True,
+            # hand-written pieces unless `inject` (the webhook is off here unless then)
+            "inject": False,
             "name": WORKLOAD,
             "replicas": replicas,
             "vllm": {
@@ -73,6 +81,15 @@ def workload_values(boot_version: str, token: str, replicas: int = 3) -> dict[st
             "tokenSecret": {"token": token},
         },
     }
+    if inject:
+        # Both webhooks registered by the chart (re-pointed to the local operator, bringup.py);
+        # the boot weights through annotations, since agent arguments are not injected.
+        values["webhook"] = {"enabled": True}
+        example = values["workloadExample"]
+        example["inject"] = True
+        example["agent"] = {"extraArgs": []}
+        example["initialWeights"] = {"version": boot_version}
+    return values
 
 
 def engine_env(boot_version: str) -> dict[str, str]:
@@ -107,6 +124,7 @@ def pods_from_deployment(
                 "name": name,
                 "namespace": namespace,
                 "labels": template["metadata"]["labels"],
+                "annotations": template["metadata"].get("annotations") or {},
             },
             "spec": template["spec"],
         }
