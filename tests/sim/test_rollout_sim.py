@@ -919,3 +919,20 @@ def test_a_rollback_never_claims_over_a_failed_attempt_its_stopped_operator_left
             sim.progress(5.0)
             sim.safety()
         assert sim.server.weightupdates["wu-a"]["status"]["phase"] == "RolledBack"
+
+
+def test_a_retarget_waits_for_the_agent_to_stop_the_attempt_it_supersedes() -> None:
+    """Found by the simulation once operators could stop mid-pass: spec.version reverted while
+    a unit's attempt ran past its timeout; the pass recorded the retarget (a new attempt) and
+    stopped before aborting the old one, which the agent went on running."""
+    with replay("c", "the agent runs update") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        sim.progress(0.0)
+        sim.progress(0.0)
+        sim.clock_step(700.0)
+        sim.edit_version("wu-a", "v1")
+        sim.leader_lost_mid_pass("wu-a", 1)
+        sim.safety()
+        for _ in range(10):
+            sim.progress(5.0)
+            sim.safety()

@@ -28,6 +28,7 @@ from weightroll_operator.domain.model import (
     UnitState,
     WeightState,
 )
+from weightroll_operator.domain.plan.claim import idle
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import (
     PassContext,
@@ -142,12 +143,7 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
             running.append(pod)
         elif committed[pod.name]:
             continue
-        elif (
-            update is None
-            and not rollback
-            and agent.active_update_id != st.update_id
-            and outdated(spec, st)
-        ):
+        elif update is None and not rollback and idle(agent) and outdated(spec, st):
             # spec.version (or with it the source) changed before this pod's update started:
             # retarget it instead of sending the old version with the new source, or recording
             # the old source for the new files.
@@ -208,8 +204,27 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         # was reverted, while it ran): no verdict on this spec, so neither a failed unit nor
         # a failure against maxFailedReplicas (it halted a reverted rollout that every pod
         # served, found by the simulation tier). As a committed outdated attempt is, the unit
-        # is retargeted: a fresh attempt at the spec's version, still drained.
-        _retarget_unit(ctx, flying)
+        # is retargeted: a fresh attempt at the spec's version, still drained. A new attempt
+        # is not recorded over one an agent says it still runs: this pass aborts it and the
+        # retarget waits for the agent to say it ended (an operator stopped between the two
+        # left a record naming one attempt on an agent running another; simulation tier).
+        still_running = [
+            p
+            for p in aborts_after
+            if p.state is not None
+            and (answer := agents.get(p.name)) is not None
+            and answer.reachable
+            and (
+                answer.active_update_id == p.state.update_id
+                or (
+                    answer.update is not None
+                    and answer.update.id == p.state.update_id
+                    and not answer.update.phase.terminal
+                )
+            )
+        ]
+        if not still_running:
+            _retarget_unit(ctx, flying)
         ctx.actions.extend(AbortUpdate(p, p.state.update_id) for p in aborts_after if p.state)
         return True
     if failed:
