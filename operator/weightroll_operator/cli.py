@@ -56,7 +56,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "resume a WeightUpdate NAME after any halt: failed pods are tried again",
     ),
     "manifest": (
-        "engine_agent.manifest",
+        "engine_agent.manifest.cli",
         "write a JSON manifest (BLAKE3 per tensor) for a checkpoint",
     ),
     "lint": (

@@ -50,7 +50,7 @@ _SEPARATORS = {"|", "||", "&&", ";", "&", "(", ")"}
 #: Modules whose ``main`` parses a subcommand's arguments (``demo`` builds its parser inline).
 #: A module serving several subcommands (its ``VERBS``) builds the parser of one: ``_parser(sub)``.
 _PARSERS = {
-    "manifest": "engine_agent.manifest",
+    "manifest": "engine_agent.manifest.cli",
     "lint": "weightroll_operator.lint",
     "status": "weightroll_operator.status_view",
     "pause": "weightroll_operator.control",

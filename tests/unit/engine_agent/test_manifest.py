@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from engine_agent import manifest as mf
+from engine_agent.manifest import build as mf_build
 
 
 def _write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
@@ -219,7 +220,7 @@ def test_sha256_hex_accepts_buffers_and_rejects_strided() -> None:
 def test_build_streams_in_chunks(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor larger than a chunk hashes the same as when read whole."""
     whole = mf.build_manifest(checkpoint)
-    monkeypatch.setattr(mf, "CHUNK_BYTES", 7)
+    monkeypatch.setattr(mf_build, "CHUNK_BYTES", 7)  # read where the build reads it
     assert mf.build_manifest(checkpoint) == whole
 
 

@@ -204,7 +204,7 @@ def test_daemon_help_is_complete(module: str, capsys: pytest.CaptureFixture[str]
     [
         ("weightroll_operator.main", ()),
         ("engine_agent.sidecar.main", ()),
-        ("engine_agent.manifest", ()),
+        ("engine_agent.manifest.cli", ()),
         ("weightroll_operator.lint", ()),
         ("weightroll_operator.status_view", ()),
         *(("weightroll_operator.control", (verb,)) for verb in ("pause", "resume", "promote")),

@@ -1,17 +1,4 @@
-"""Checkpoint manifests: a content hash per tensor of a safetensors checkpoint, and a digest.
-
-A manifest pins the exact bytes of a checkpoint. ``weightroll manifest DIR`` writes one; the worker
-extension loads it with :func:`load_manifest` and, before any byte reaches a live tensor, checks
-what each rank read with :meth:`Manifest.verify`; the sidecar loads it too, so a corrupt, stale or
-tampered manifest fails the update before generation is paused.
-
-A manifest only vouches for itself: whoever can write the volume can rewrite checkpoint and
-manifest together. ``weightroll manifest`` therefore prints the manifest file's *pin*,
-``sha256:<hex>`` of its exact bytes (:func:`manifest_file_digest`); a WeightUpdate that carries
-it in ``spec.source.manifestDigest`` makes the sidecar refuse any other manifest
-(:class:`ManifestDigestMismatch`, checked by :func:`load_manifest` on the bytes it parses)
-before draining, so before anything is written to the engine. An agent given a public key also
-requires a signature over those same bytes (``engine_agent.sidecar.signing``).
+"""The manifest file: its models, its errors, and reading and writing it.
 
 Format (JSON, ``weightroll.manifest/v2``; ``v1`` is still read)::
 
@@ -22,7 +9,7 @@ Format (JSON, ``weightroll.manifest/v2``; ``v1`` is still read)::
 
 Versions: ``v2`` entries carry ``blake3`` (BLAKE3, 32-byte hex), ``v1`` entries ``sha256``; a
 manifest uses one algorithm for every entry, and a rank verifies with the algorithm the manifest
-names. ``weightroll manifest`` writes ``v2`` unless ``--hash sha256`` is given.
+names (:data:`FORMAT_ALGORITHM`).
 
 Invariants:
     * ``blake3`` / ``sha256`` is over the tensor's raw bytes exactly as stored in the file
@@ -34,36 +21,28 @@ Invariants:
     * ``totalBytes`` is the sum of every entry's ``nbytes``; ``nbytes`` matches ``dtype`` and
       ``shape`` for every whole-byte dtype.
     * A delta or sparse checkpoint names the version it applies to in ``baseVersion``.
-    * Building a manifest streams every file in chunks of :data:`CHUNK_BYTES`; a checkpoint is
-      never loaded into memory whole. Only the safetensors header is parsed (8-byte little-endian
-      length, then a JSON header with ``data_offsets`` relative to the end of the header).
+    * The pin (:func:`manifest_file_digest`) is over the file's exact bytes, and
+      :func:`load_manifest` checks it on the bytes it parses (read once).
 
-This module imports neither torch nor vLLM: the sidecar, the operator-side CLI and the in-rank
-extension all use it.
+:func:`require_regular_file` lives here, not in :mod:`.build`, because :func:`load_manifest`
+needs it as much as the checkpoint reader does, and the builder sits above the format.
 
 Limitations:
-    * Only ``*.safetensors`` files directly inside the directory are covered (no recursion) —
-      with a ``model.safetensors.index.json``, exactly the files its ``weight_map`` lists (as
-      vLLM reads them, see :func:`checkpoint_files`); other files (config, tokenizer) are not
-      part of the manifest.
     * Sub-byte dtypes (``F4``, ``F6_*``) are accepted but their ``nbytes`` is not cross-checked
       against ``shape``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import re
 import stat
-import struct
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Final, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -75,36 +54,26 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from engine_agent.manifest.hashing import HashAlgorithm, content_hash, rank_digest
 from engine_agent.protocol import VERSION_PATTERN
 
 __all__ = [
-    "CHUNK_BYTES",
-    "DEFAULT_MANIFEST_NAME",
     "DTYPE_SIZES",
     "FORMAT",
+    "FORMAT_ALGORITHM",
     "FORMAT_V1",
     "FORMAT_V2",
-    "INDEX_NAME",
-    "HashAlgorithm",
+    "SUB_BYTE_DTYPES",
     "Manifest",
-    "ManifestError",
     "ManifestDigestMismatch",
+    "ManifestError",
     "ManifestMismatch",
     "TensorEntry",
-    "build_manifest",
     "canonical_tensors_json",
-    "checkpoint_files",
-    "index_conflicts",
-    "content_hash",
     "load_manifest",
     "manifest_bytes",
     "manifest_file_digest",
-    "main",
-    "new_hasher",
-    "rank_digest",
-    "read_safetensors_header",
     "require_regular_file",
-    "sha256_hex",
     "tensors_digest",
     "write_manifest",
 ]
@@ -115,18 +84,8 @@ FORMAT_V1: Final = "weightroll.manifest/v1"
 FORMAT_V2: Final = "weightroll.manifest/v2"
 #: Value of the ``format`` field written by default; bump the suffix on any incompatible change.
 FORMAT: Final = FORMAT_V2
-HashAlgorithm = Literal["blake3", "sha256"]
 #: Content-hash algorithm of each format.
 FORMAT_ALGORITHM: Final[dict[str, HashAlgorithm]] = {FORMAT_V1: "sha256", FORMAT_V2: "blake3"}
-#: The sharded-checkpoint index vLLM and transformers follow.
-INDEX_NAME: Final = "model.safetensors.index.json"
-#: File name ``weightroll manifest DIR`` writes inside DIR when ``--out`` is not given.
-DEFAULT_MANIFEST_NAME: Final = "weightroll-manifest.json"
-#: Read size while hashing; large enough to keep hashlib busy, small enough to never matter.
-CHUNK_BYTES: Final = 8 * 1024 * 1024
-#: safetensors refuses headers above 100 MB; so do we (a corrupt length would otherwise
-#: make us allocate gigabytes).
-MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
 #: Bytes per element of every whole-byte safetensors dtype.
 DTYPE_SIZES: Final[dict[str, int]] = {
     "BOOL": 1,
@@ -434,66 +393,6 @@ class Manifest(_ManifestModel):
         }
 
 
-def content_hash(buffer: Any, algorithm: HashAlgorithm = "blake3") -> str:
-    """Return the lower-case hex BLAKE3 or SHA-256 of a C-contiguous buffer.
-
-    Both ``blake3`` and ``hashlib`` release the GIL while hashing, so worker threads overlap.
-
-    Raises:
-        BufferError: the buffer is not C-contiguous.
-        ValueError: unknown algorithm.
-    """
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise BufferError("content_hash needs a C-contiguous buffer")
-    hasher = new_hasher(algorithm)
-    hasher.update(view.cast("B") if view.format != "B" else view)
-    return str(hasher.hexdigest())
-
-
-def new_hasher(algorithm: HashAlgorithm) -> Any:
-    """An incremental hasher (``update`` / ``hexdigest``) of ``algorithm``.
-
-    Raises:
-        ValueError: unknown algorithm.
-    """
-    if algorithm == "blake3":
-        import blake3  # installed with vLLM; a dependency of this project too
-
-        # BLAKE3 hashes one buffer on several cores (same digest): the last tensors of a load
-        # are hashed while the loaders wait, and a manifest build reads whole files.
-        return blake3.blake3(max_threads=blake3.blake3.AUTO)
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise ValueError(f"unknown hash algorithm {algorithm!r}; expected blake3 or sha256")
-
-
-def rank_digest(hashes: Mapping[str, str]) -> str:
-    """SHA-256 hex over ``name:hash;`` of every entry, sorted by name ("" when empty).
-
-    A rank's ``digest`` is this over the content hashes of the checkpoint tensors its loaders
-    consumed (``engine_agent/protocol.py``, ``RankReport.digest``); with a manifest every rank
-    that read the whole checkpoint reports :meth:`Manifest.rank_digest`.
-    """
-    if not hashes:
-        return ""
-    text = "".join(f"{name}:{value};" for name, value in sorted(hashes.items()))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def sha256_hex(buffer: Any) -> str:
-    """Return the lower-case hex SHA-256 of a C-contiguous buffer (bytes, memoryview, numpy).
-
-    Raises:
-        TypeError: ``buffer`` does not support the buffer protocol.
-        BufferError: the buffer is not C-contiguous.
-    """
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise BufferError("sha256_hex needs a C-contiguous buffer")
-    return hashlib.sha256(view).hexdigest()
-
-
 def manifest_file_digest(raw: bytes) -> str:
     """The pin of a manifest file: ``sha256:`` and the hex SHA-256 of its exact bytes.
 
@@ -580,100 +479,6 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike[str]) -> str:
     return manifest_file_digest(raw)
 
 
-def read_safetensors_header(handle: BinaryIO, file_name: str) -> tuple[int, dict[str, Any]]:
-    """Parse the header of an open safetensors file.
-
-    Returns:
-        ``(data_start, tensors)``: the byte offset of the data section and the header's tensor
-        entries (``__metadata__`` removed).
-
-    Raises:
-        ManifestError: the header is truncated, too large or not a JSON object.
-    """
-    prefix = handle.read(8)
-    if len(prefix) != 8:
-        raise ManifestError(f"{file_name}: truncated safetensors file (no header length)")
-    (length,) = struct.unpack("<Q", prefix)
-    if length > MAX_HEADER_BYTES:
-        raise ManifestError(f"{file_name}: safetensors header length {length} is implausible")
-    raw = handle.read(length)
-    if len(raw) != length:
-        raise ManifestError(f"{file_name}: truncated safetensors header")
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{file_name}: safetensors header is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ManifestError(f"{file_name}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return 8 + length, header
-
-
-def _hash_range(handle: BinaryIO, start: int, nbytes: int, algorithm: HashAlgorithm) -> str:
-    digest = new_hasher(algorithm)
-    handle.seek(start)
-    left = nbytes
-    while left > 0:
-        chunk = handle.read(min(CHUNK_BYTES, left))
-        if not chunk:
-            break
-        digest.update(chunk)
-        left -= len(chunk)
-    if left:
-        raise ManifestError("truncated tensor data")
-    return str(digest.hexdigest())
-
-
-def _first_offset(info: Any) -> int:
-    try:
-        return int(info["data_offsets"][0])
-    except (KeyError, TypeError, ValueError, IndexError):
-        return 0
-
-
-def _file_entries(path: Path, algorithm: HashAlgorithm) -> dict[str, TensorEntry]:
-    entries: dict[str, TensorEntry] = {}
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        data_start, header = read_safetensors_header(handle, path.name)
-        # Hash in file order so reads are sequential.
-        items = sorted(
-            header.items(),
-            key=lambda item: (
-                item[1].get("data_offsets", [0])[0] if isinstance(item[1], dict) else 0
-            ),
-        )
-        for name, info in items:
-            try:
-                dtype = info["dtype"]
-                shape = [int(dim) for dim in info["shape"]]
-                begin, end = (int(offset) for offset in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise ManifestError(f"{path.name}: malformed header entry for {name!r}") from e
-            if not 0 <= begin <= end or data_start + end > size:
-                raise ManifestError(
-                    f"{path.name}: tensor {name!r} data_offsets [{begin}, {end}] lie outside "
-                    f"the file (truncated?)"
-                )
-            try:
-                sha = _hash_range(handle, data_start + begin, end - begin, algorithm)
-            except ManifestError as e:
-                raise ManifestError(f"{path.name}: tensor {name!r}: {e}") from e
-            try:
-                entries[name] = TensorEntry.model_validate(
-                    {
-                        "file": path.name,
-                        "dtype": dtype,
-                        "shape": tuple(shape),
-                        "nbytes": end - begin,
-                        algorithm: sha,
-                    }
-                )
-            except ValidationError as e:
-                raise ManifestError(f"{path.name}: tensor {name!r}: {e.errors()[0]['msg']}") from e
-    return entries
-
-
 def require_regular_file(path: Path, what: str) -> None:
     """Refuse ``path`` unless it is a regular file (symlinks followed), without opening it.
 
@@ -694,205 +499,3 @@ def require_regular_file(path: Path, what: str) -> None:
         raise ManifestError(
             f"{what} {str(path)!r} is {kind}; only regular files are read (it was not opened)"
         )
-
-
-def checkpoint_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of a checkpoint, chosen the way vLLM's loader chooses them.
-
-    A directory with ``model.safetensors.index.json`` is exactly the files its ``weight_map``
-    lists (stale shards next to them are ignored, as vLLM ignores them); without one, every
-    ``*.safetensors`` file directly inside it. A file is itself.
-
-    Returns:
-        ``(files, weight_map)``: sorted files, and the index's name → file map (``None``
-        without an index).
-
-    Raises:
-        ManifestError: the path is missing, has no safetensors file, the index is unreadable or
-            names a file that is missing or outside the directory, or a file it would read is
-            not a regular file (a FIFO, a device: named, never opened).
-    """
-    if root.is_file():
-        return [root], None
-    if not root.is_dir():
-        if root.exists():
-            require_regular_file(root, "checkpoint")
-        raise ManifestError(f"checkpoint {str(root)!r} does not exist")
-    index_path = root / INDEX_NAME
-    if not index_path.exists():
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ManifestError(f"no *.safetensors files in {str(root)!r}")
-        for file in files:
-            require_regular_file(file, "checkpoint file")
-        return files, None
-    require_regular_file(index_path, "checkpoint index")
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise TypeError("weight_map is not a map of tensor name to file name")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"{index_path} is not a usable safetensors index: {e}") from e
-    files = []
-    for file_name in sorted(set(weight_map.values())):
-        path = PurePosixPath(file_name)
-        if path.is_absolute() or len(path.parts) != 1:
-            raise ManifestError(f"{index_path} names {file_name!r}, which is not a file in {root}")
-        if not (root / file_name).exists():
-            raise ManifestError(f"{index_path} lists {file_name}, which does not exist in {root}")
-        require_regular_file(root / file_name, "checkpoint file")
-        files.append(root / file_name)
-    if not files:
-        raise ManifestError(f"{index_path} lists no files")
-    return files, weight_map
-
-
-def index_conflicts(
-    weight_map: dict[str, str] | None, file_name: str, names: Sequence[str]
-) -> list[str]:
-    """Why the tensors ``names`` found in ``file_name`` disagree with the index ([] if none)."""
-    if weight_map is None:
-        return []
-    problems = [
-        f"{file_name} holds {name!r}, which {INDEX_NAME} assigns to "
-        f"{weight_map.get(name) or 'no file'}"
-        for name in sorted(names)
-        if weight_map.get(name) != file_name
-    ]
-    present = set(names)
-    problems += [
-        f"{INDEX_NAME} lists {name!r} in {file_name}, which does not hold it"
-        for name, listed in sorted(weight_map.items())
-        if listed == file_name and name not in present
-    ]
-    return problems
-
-
-def build_manifest(
-    directory: str | os.PathLike[str],
-    version: str | None = None,
-    base_version: str | None = None,
-    *,
-    algorithm: HashAlgorithm = "blake3",
-) -> Manifest:
-    """Hash every tensor of a safetensors checkpoint and return its manifest.
-
-    Args:
-        directory: a directory of ``*.safetensors`` files (or one such file); with a
-            ``model.safetensors.index.json``, the files it lists (:func:`checkpoint_files`).
-        version: the weight version this checkpoint is, if known.
-        base_version: for delta/sparse checkpoints, the version they apply to.
-        algorithm: ``blake3`` (format v2, the default) or ``sha256`` (format v1).
-
-    Raises:
-        ManifestError: no safetensors file, a corrupt or truncated file, a tensor name that
-            appears in two files, a file that disagrees with the index, or a version that is
-            not a valid label value.
-    """
-    for label, value in (("version", version), ("base_version", base_version)):
-        if value is not None and not re.match(VERSION_PATTERN, value):
-            raise ManifestError(f"{label} {value!r} is not a valid version (label-value syntax)")
-    files, weight_map = checkpoint_files(Path(directory))
-    tensors: dict[str, TensorEntry] = {}
-    for path in files:
-        entries = _file_entries(path, algorithm)
-        conflicts = index_conflicts(weight_map, path.name, list(entries))
-        if conflicts:
-            raise ManifestError("; ".join(conflicts[:5]))
-        for name, entry in entries.items():
-            if name in tensors:
-                raise ManifestError(
-                    f"tensor {name!r} appears in both {tensors[name].file} and {entry.file}"
-                )
-            tensors[name] = entry
-    try:
-        return Manifest.from_tensors(tensors, version=version, base_version=base_version)
-    except ValidationError as e:
-        raise ManifestError(
-            "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        ) from e
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="weightroll manifest",
-        description=(
-            "Write a JSON manifest (dtype, shape, content hash per tensor, total bytes, digest) "
-            "for a safetensors checkpoint."
-        ),
-        epilog=(
-            "Only *.safetensors files directly inside DIR are hashed (with "
-            "model.safetensors.index.json: exactly the files it lists). Name the manifest in the "
-            "WeightUpdate's spec.source.manifest; every rank checks the bytes it reads against "
-            "it before writing a live tensor. Prints the manifest file's pin (sha256:<hex> of "
-            "its exact bytes) on stdout (on stderr with --out -): put it in "
-            "spec.source.manifestDigest and the agents refuse any other manifest before "
-            "draining. Exit status: 0 written, 1 the checkpoint cannot be hashed or the "
-            "manifest not written, 2 bad usage."
-        ),
-    )
-    parser.add_argument("directory", metavar="DIR", help="checkpoint directory (or one file)")
-    parser.add_argument(
-        "--out",
-        metavar="FILE",
-        help=f"where to write the manifest ('-' for stdout; default DIR/{DEFAULT_MANIFEST_NAME})",
-    )
-    parser.add_argument("--version", metavar="V", help="weight version of this checkpoint")
-    parser.add_argument(
-        "--base-version", metavar="V", help="for delta/sparse checkpoints: the base version"
-    )
-    parser.add_argument(
-        "--hash",
-        choices=("blake3", "sha256"),
-        default="blake3",
-        help="content hash: blake3 (format v2, default) or sha256 (format v1)",
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``weightroll manifest DIR [--out FILE] [--version V] [--base-version V] [--hash H]``.
-
-    Returns:
-        0 on success, 1 when the checkpoint cannot be hashed, 2 on bad usage.
-    """
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        manifest = build_manifest(
-            args.directory, args.version, args.base_version, algorithm=args.hash
-        )
-    except ManifestError as e:
-        root = Path(args.directory)
-        bad_dir = not root.exists() or (root.is_dir() and not any(root.glob("*.safetensors")))
-        hint = "; pass a directory of *.safetensors files (or one such file)" if bad_dir else ""
-        print(f"weightroll manifest: {e}{hint}", file=sys.stderr)
-        return 1
-    if args.out == "-":
-        # stdout is the manifest itself; the pin of exactly these bytes goes to stderr
-        raw = manifest_bytes(manifest)
-        sys.stdout.write(raw.decode("ascii"))  # json.dumps escapes to ASCII: same bytes
-        sys.stdout.flush()
-        print(f"manifestDigest: {manifest_file_digest(raw)}", file=sys.stderr)
-        return 0
-    root = Path(args.directory)
-    out = Path(args.out) if args.out else (root if root.is_dir() else root.parent)
-    if not args.out:
-        out = out / DEFAULT_MANIFEST_NAME
-    try:
-        pin = write_manifest(manifest, out)
-    except OSError as e:
-        print(f"weightroll manifest: cannot write {str(out)!r}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    print(
-        f"Wrote manifest for {len(manifest.tensors)} tensors ({manifest.total_bytes} bytes) to "
-        f"{out}; pin it with spec.source.manifestDigest: {pin}",
-        file=sys.stderr,
-    )
-    print(pin)  # stdout: just the pin, for DIGEST=$(weightroll manifest DIR)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
