@@ -334,7 +334,7 @@ class RolloutMachine(RuleBasedStateMachine):
         status = body.get("status") or {}
         if status.get("phase") == "Succeeded":
             self.finished.setdefault(wu, body["metadata"]["generation"])
-        found = inv.phantoms(self.server, wu)
+        found = inv.phantoms(self.server, wu, self._excused() & set(self.server.ghosts))
         if not result.errors:
             found += inv.status_agrees(self.server, self.pods, wu, self._excused(), self.order)
         self.check(found)

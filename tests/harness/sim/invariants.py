@@ -266,14 +266,19 @@ def claims(server: SimApiServer, states: Mapping[str, AgentState | None]) -> lis
     return out
 
 
-def phantoms(server: SimApiServer, wu: str) -> list[Violation]:
+def phantoms(server: SimApiServer, wu: str, excused: Iterable[str] = ()) -> list[Violation]:
     """(c), the status' side, right after a pass of ``wu`` that saw the whole cluster: no pod
-    that is gone holds a unit."""
+    that is gone holds a unit. A ghost of a 410 re-list is ``excused`` within its grace: the
+    operator asks the API server about a pod whose agent does not answer at most once per
+    ``stateTtl`` (``phantoms.py``)."""
+    excused = set(excused)
     body = server.weightupdates[wu]
     return [
         Violation("c", f"{wu}: status lists {result['name']} Updating; it is gone")
         for result in (body.get("status") or {}).get("pods") or []
-        if result.get("state") == "Updating" and result.get("name") not in server.pods
+        if result.get("state") == "Updating"
+        and result.get("name") not in server.pods
+        and result.get("name") not in excused
     ]
 
 
