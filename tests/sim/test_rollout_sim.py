@@ -104,6 +104,12 @@ EXCLUDED_UNTIL_FIXED: dict[str, str] = {
     # WeightUpdate that finished stays Succeeded while an older, unfinished one converges a
     # new pod both select (the pod Blocked there, serving the old version, drained).
     "overlap": "a finished WeightUpdate stays Succeeded while an older one updates its new pod",
+    # Item 12 / leadership loss: an operator stopped mid-pass leaves part of a plan applied.
+    # Two such defects are fixed (a rollback claim and a retarget recorded over a running
+    # attempt; their replays below). A survey of 423 schedules with it in still found 28
+    # violating: the budget (2 out with maxUnavailable 1), a Ready pod serving other weights
+    # than its gate was set for, and status disagreeing with the pods (strict xfail below).
+    "leader_lost": "a partly applied plan breaks the budget, the gate's weights or the status",
 }
 #: ``WEIGHTROLL_SIM_ALL_FAULTS=1`` puts the excluded faults back (to survey the open defects);
 #: ``WEIGHTROLL_SIM_EXCLUDE=a,b`` excludes exactly those faults instead.
