@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 import yaml
-from weightroll_dev.devcluster.apiserver import free_ports
-from weightroll_dev.devcluster.operator_process import launch_operator, log_tail, stop_process
+from weightroll_dev.devcluster.bringup import loopback_certificates
+from weightroll_dev.devcluster.operator_process import log_tail
 
-from tests.charts.test_webhook_cluster import _certificates
+from tests.charts.test_webhook_cluster import ensure_crd, remove_crd, webhook_operator
 from tests.harness.apiserver import KubeCluster, kubectl
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -65,13 +65,8 @@ def injecting(
     """A namespace whose pod CREATEs go through the operator's /mutate; yields its name."""
     labelled, _ = charts
     work = tmp_path_factory.mktemp("inject")
-    ca = _certificates(work)
-    crd = REPO / "crds" / "pre-1.25" / "weightupdates.weightroll.io.yaml"
-    applied = kubectl(kube_cluster, "get", "crd", "weightupdates.weightroll.io", check=False)
-    if applied.returncode != 0:
-        kubectl(kube_cluster, "apply", "-f", str(crd))
-    kubectl(kube_cluster, "wait", "--for=condition=established", "--timeout=30s",
-            "crd/weightupdates.weightroll.io")  # fmt: skip
+    ca = loopback_certificates(work)
+    applied = ensure_crd(kube_cluster)
     ns = f"inject-{uuid.uuid4().hex[:6]}"
     kubectl(kube_cluster, "create", "namespace", ns)
     kubectl(kube_cluster, "label", "namespace", ns, f"{NS_LABEL}={ns}")
@@ -81,53 +76,35 @@ def injecting(
     (ctr,) = deploy["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in ctr["env"] if e["name"].startswith("WEIGHTROLL_INJECT_")}
     assert env, "the chart passes no injection settings to the operator"
-    (port,) = free_ports(1)
-    log = work / "operator.log"
-    proc = launch_operator(
-        kube_cluster.kubeconfig,
-        log,
-        free_ports(1)[0],
-        f"--namespace={ns}",
-        f"--webhook-port={port}",
-        f"--webhook-cert-dir={work}",
-        # agents serve TLS exactly when the operator verifies them (the chart's default)
-        env={
-            "WEIGHTROLL_WEBHOOK_ADDR": "127.0.0.1",
-            "WEIGHTROLL_AGENT_CA_FILE": str(work / "ca.crt"),
-            **env,
-        },
-    )
     name = f"weightroll-inject-{ns}"
-    try:
-        deadline = time.monotonic() + 60
-        while b"Serving the admission webhook" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log_tail(log)
-            time.sleep(0.2)
-        config = copy.deepcopy(_find(labelled, "MutatingWebhookConfiguration"))
-        config["metadata"] = {"name": name}
-        (hook,) = config["webhooks"]
-        hook["clientConfig"] = {
-            "url": f"https://127.0.0.1:{port}/mutate",
-            "caBundle": base64.b64encode(ca).decode(),
-        }
-        hook["namespaceSelector"] = {"matchLabels": {NS_LABEL: ns}}
-        kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(config))
-        # The API server picks a new webhook configuration up from its informer a moment later.
-        probe = _pod(ns, "probe", {"containers": [{"name": "other", "image": "x"}]}, True)
-        deadline = time.monotonic() + 30
-        while "vLLM container not found" not in (answer := _create(kube_cluster, probe)).stderr:
-            if answer.returncode == 0:
-                kubectl(kube_cluster, "delete", "pod", "probe", "-n", ns, "--wait=false")
-            never = f"webhook never called: {answer.stderr}\n"
-            assert time.monotonic() < deadline, never + log_tail(log)
-            time.sleep(0.5)
-        yield ns
-    finally:
-        kubectl(kube_cluster, "delete", "mutatingwebhookconfiguration", name, check=False)
-        kubectl(kube_cluster, "delete", "namespace", ns, "--wait=false", check=False)
-        stop_process(proc)
-        if applied.returncode != 0:
-            kubectl(kube_cluster, "delete", "-f", str(crd), "--timeout=60s", check=False)
+    # agents serve TLS exactly when the operator verifies them (the chart's default)
+    tls = {"WEIGHTROLL_AGENT_CA_FILE": str(work / "ca.crt"), **env}
+    with webhook_operator(kube_cluster, work, ns, tls) as (port, log):
+        try:
+            config = copy.deepcopy(_find(labelled, "MutatingWebhookConfiguration"))
+            config["metadata"] = {"name": name}
+            (hook,) = config["webhooks"]
+            hook["clientConfig"] = {
+                "url": f"https://127.0.0.1:{port}/mutate",
+                "caBundle": base64.b64encode(ca).decode(),
+            }
+            hook["namespaceSelector"] = {"matchLabels": {NS_LABEL: ns}}
+            kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(config))
+            # The API server picks a new webhook configuration up from its informer a moment later.
+            probe = _pod(ns, "probe", {"containers": [{"name": "other", "image": "x"}]}, True)
+            deadline = time.monotonic() + 30
+            while "vLLM container not found" not in (answer := _create(kube_cluster, probe)).stderr:
+                if answer.returncode == 0:
+                    kubectl(kube_cluster, "delete", "pod", "probe", "-n", ns, "--wait=false")
+                never = f"webhook never called: {answer.stderr}\n"
+                assert time.monotonic() < deadline, never + log_tail(log)
+                time.sleep(0.5)
+            yield ns
+        finally:
+            kubectl(kube_cluster, "delete", "mutatingwebhookconfiguration", name, check=False)
+            kubectl(kube_cluster, "delete", "namespace", ns, "--wait=false", check=False)
+    if applied:
+        remove_crd(kube_cluster)
 
 
 def _pod(

@@ -10,6 +10,7 @@ field; valid ones are stored.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import subprocess
 import time
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from weightroll_dev.devcluster.apiserver import free_ports
+from weightroll_dev.devcluster.bringup import loopback_certificates
 from weightroll_dev.devcluster.operator_process import launch_operator, log_tail, stop_process
 
 from tests.harness.apiserver import KubeCluster, kubectl
@@ -28,23 +30,56 @@ from tests.harness.apiserver import KubeCluster, kubectl
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
+#: The WeightUpdate CRD without CEL rules, for the 1.20 apiserver (crdgen).
+CRD = REPO / "crds" / "pre-1.25" / "weightupdates.weightroll.io.yaml"
 LABEL = "weightroll.io/webhook-test"
 
 
-def _certificates(directory: Path) -> bytes:
-    """A CA and a serving certificate for 127.0.0.1 (``tls.crt``, ``tls.key``); the CA PEM."""
+def ensure_crd(kube_cluster: KubeCluster) -> bool:
+    """The WeightUpdate CRD without CEL rules (the 1.20 apiserver knows none; crdgen), applied
+    unless a chart release installed it earlier in the session (Helm owns that one, so it is
+    left alone). Returns whether it was applied here: then :func:`remove_crd` afterwards, so a
+    later ``helm install`` can own it."""
+    ours = kubectl(kube_cluster, "get", "crd", "weightupdates.weightroll.io", check=False)
+    applied = ours.returncode != 0
+    if applied:
+        kubectl(kube_cluster, "apply", "-f", str(CRD))
+    kubectl(kube_cluster, "wait", "--for=condition=established", "--timeout=30s",
+            "crd/weightupdates.weightroll.io")  # fmt: skip
+    return applied
 
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-            "/CN=weightroll-test-ca", "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-            "-keyout", "tls.key", "-out", "tls.csr")  # fmt: skip
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "1", "-extfile", "san.ext", "-out", "tls.crt")  # fmt: skip
-    return (directory / "ca.crt").read_bytes()
+def remove_crd(kube_cluster: KubeCluster) -> None:
+    kubectl(kube_cluster, "delete", "-f", str(CRD), "--timeout=60s", check=False)
+
+
+@contextlib.contextmanager
+def webhook_operator(
+    kube_cluster: KubeCluster, work: Path, namespace: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[int, Path]]:
+    """``weightroll-operator`` watching ``namespace`` and serving its admission webhooks on
+    127.0.0.1 with the certificate in ``work``, once it says so; yields the webhook port and the
+    operator's log, and stops the operator afterwards (what the caller undoes inside the block
+    runs while the operator still serves: it releases WeightUpdates' finalizers)."""
+    (port,) = free_ports(1)
+    log = work / "operator.log"
+    proc = launch_operator(
+        kube_cluster.kubeconfig,
+        log,
+        free_ports(1)[0],
+        f"--namespace={namespace}",
+        f"--webhook-port={port}",
+        f"--webhook-cert-dir={work}",
+        env={"WEIGHTROLL_WEBHOOK_ADDR": "127.0.0.1", **(env or {})},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while b"Serving the admission webhook" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log_tail(log)
+            time.sleep(0.2)
+        yield port, log
+    finally:
+        stop_process(proc)
 
 
 def _webhook_configuration(name: str, namespace: str, port: int, ca: bytes) -> dict[str, Any]:
@@ -67,55 +102,33 @@ def _webhook_configuration(name: str, namespace: str, port: int, ca: bytes) -> d
 def guarded(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A namespace whose WeightUpdates go through the operator's webhook; yields its name."""
     work = tmp_path_factory.mktemp("webhook")
-    ca = _certificates(work)
-    # The 1.20 apiserver knows no CEL rules: the CRD rendering without them (crdgen). A CRD a
-    # chart release installed earlier in the session is left alone (Helm owns it); one applied
-    # here is removed afterwards, so a later `helm install` can own it.
-    crd = REPO / "crds" / "pre-1.25" / "weightupdates.weightroll.io.yaml"
-    ours = kubectl(kube_cluster, "get", "crd", "weightupdates.weightroll.io", check=False)
-    applied = ours.returncode != 0
-    if applied:
-        kubectl(kube_cluster, "apply", "-f", str(crd))
-    kubectl(kube_cluster, "wait", "--for=condition=established", "--timeout=30s",
-            "crd/weightupdates.weightroll.io")  # fmt: skip
+    ca = loopback_certificates(work)
+    applied = ensure_crd(kube_cluster)
     ns = f"webhook-{uuid.uuid4().hex[:6]}"
     kubectl(kube_cluster, "create", "namespace", ns)
     kubectl(kube_cluster, "label", "namespace", ns, f"{LABEL}={ns}")
-    (port,) = free_ports(1)
-    log = work / "operator.log"
-    proc = launch_operator(
-        kube_cluster.kubeconfig,
-        log,
-        free_ports(1)[0],
-        f"--namespace={ns}",
-        f"--webhook-port={port}",
-        f"--webhook-cert-dir={work}",
-        env={"WEIGHTROLL_WEBHOOK_ADDR": "127.0.0.1"},
-    )
     name = f"weightroll-test-{ns}"
-    try:
-        deadline = time.monotonic() + 60
-        while b"Serving the admission webhook" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log_tail(log)
-            time.sleep(0.2)
-        config = _webhook_configuration(name, ns, port, ca)
-        kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(config))
-        # The API server picks a new webhook configuration up from its informer a moment later.
-        probe = _wu(ns, "probe", selector={})
-        deadline = time.monotonic() + 30
-        while _apply(kube_cluster, probe).returncode == 0:
-            kubectl(kube_cluster, "delete", "wu", "probe", "-n", ns, "--wait=false", check=False)
-            assert time.monotonic() < deadline, "webhook never called\n" + log_tail(log)
-            time.sleep(0.5)
-        yield ns
-    finally:
-        kubectl(kube_cluster, "delete", "validatingwebhookconfiguration", name, check=False)
-        # The running operator releases the WeightUpdates (finalizers) before it stops.
-        kubectl(kube_cluster, "delete", "wu", "--all", "-n", ns, "--timeout=60s", check=False)
-        kubectl(kube_cluster, "delete", "namespace", ns, "--wait=false", check=False)
-        stop_process(proc)
-        if applied:
-            kubectl(kube_cluster, "delete", "-f", str(crd), "--timeout=60s", check=False)
+    with webhook_operator(kube_cluster, work, ns) as (port, log):
+        try:
+            config = _webhook_configuration(name, ns, port, ca)
+            kubectl(kube_cluster, "apply", "-f", "-", input_=yaml.safe_dump(config))
+            # The API server picks a new webhook configuration up from its informer a moment
+            # later.
+            probe = _wu(ns, "probe", selector={})
+            deadline = time.monotonic() + 30
+            while _apply(kube_cluster, probe).returncode == 0:
+                kubectl(kube_cluster, "delete", "wu", "probe", "-n", ns, "--wait=false",
+                        check=False)  # fmt: skip
+                assert time.monotonic() < deadline, "webhook never called\n" + log_tail(log)
+                time.sleep(0.5)
+            yield ns
+        finally:
+            kubectl(kube_cluster, "delete", "validatingwebhookconfiguration", name, check=False)
+            # The running operator releases the WeightUpdates (finalizers) before it stops.
+            kubectl(kube_cluster, "delete", "wu", "--all", "-n", ns, "--timeout=60s", check=False)
+            kubectl(kube_cluster, "delete", "namespace", ns, "--wait=false", check=False)
+    if applied:
+        remove_crd(kube_cluster)
 
 
 def _wu(ns: str, name: str, **spec: Any) -> dict[str, Any]:

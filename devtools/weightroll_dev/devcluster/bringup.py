@@ -480,7 +480,7 @@ class _Supervisor:
         """The operator's webhook flags and the chart's ``WEIGHTROLL_INJECT_*`` settings (read
         from the installed operator Deployment, which this cluster never runs)."""
         certs = _mkdir(self.dir / "webhook")
-        _loopback_certificates(certs)
+        loopback_certificates(certs)
         selector = "app.kubernetes.io/component=operator"
         found = self.kubectl("get", "deploy", "-n", NAMESPACE, "-l", selector, "-o", "json")
         deploy = json.loads(found)["items"][0]
@@ -636,8 +636,9 @@ class _Supervisor:
         self.say("stopped")
 
 
-def _loopback_certificates(directory: Path) -> None:
-    """A CA (``ca.crt``) and a serving certificate for 127.0.0.1 (``tls.crt``, ``tls.key``)."""
+def loopback_certificates(directory: Path) -> bytes:
+    """A CA (``ca.crt``) and a serving certificate for 127.0.0.1 (``tls.crt``, ``tls.key``) in
+    ``directory``; returns the CA's PEM (a webhook configuration's ``caBundle``)."""
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
@@ -649,6 +650,7 @@ def _loopback_certificates(directory: Path) -> None:
     (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
     openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
             "-CAcreateserial", "-days", "7", "-extfile", "san.ext", "-out", "tls.crt")  # fmt: skip
+    return (directory / "ca.crt").read_bytes()
 
 
 def _mkdir(path: Path) -> Path:
