@@ -2,8 +2,9 @@
 
 A CI pipeline can gate on it: the exit status says how the rollout ended (:class:`Exit`), and
 ``--watch`` polls until it ends (a terminal phase for the spec's current generation) or
-``--timeout`` passes. ``-o json|yaml`` prints one document whose schema is :data:`VIEW_SCHEMA`
-(documented in docs/api.md, generated from it); without ``-o`` the text view.
+``--timeout`` passes. ``-o json|yaml`` prints one document, a
+:class:`~weightroll_operator.status_document.StatusView` (its JSON Schema and the table in
+docs/api.md are generated from that model); without ``-o`` the text view.
 
 Fail closed: a phase counts only when ``status.observedGeneration`` equals
 ``metadata.generation``. Right after ``kubectl apply`` of a new ``spec.version`` the status still
@@ -35,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -43,9 +44,19 @@ from weightroll_operator.api.names import is_dns_label, is_dns_subdomain
 from weightroll_operator.errors import KubeError, KubeNotFound, KubeUnavailable
 from weightroll_operator.k8s.client import KubeApi, KubeConfig
 from weightroll_operator.k8s.describe import kubeconfig_line, unreachable_line
+from weightroll_operator.status_document import (
+    SCHEMA_VERSION,
+    ConditionStatus,
+    ExitCode,
+    Result,
+    StatusView,
+    ViewCondition,
+    ViewEvent,
+    ViewPod,
+    ViewReplicas,
+)
 
 __all__ = [
-    "VIEW_SCHEMA",
     "Exit",
     "add_target_arguments",
     "context_namespace",
@@ -178,187 +189,73 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
     return "\n".join(lines)
 
 
-def _str_or_null(description: str) -> dict[str, Any]:
-    return {"type": ["string", "null"], "description": description}
-
-
-_CONDITION_ITEM: dict[str, Any] = {
-    "type": "object",
-    "required": ["type", "status", "reason", "message"],
-    "properties": {
-        "type": {"type": "string", "description": "Progressing, Verified, Degraded, ..."},
-        "status": {"enum": ["True", "False", "Unknown"], "description": "The condition's state."},
-        "reason": {"type": "string", "description": "CamelCase reason (docs/api.md)."},
-        "message": {"type": "string", "description": "One line for humans."},
-        "lastTransitionTime": _str_or_null("RFC 3339; null when not reported."),
-    },
+_RESULT: dict[Exit, Result] = {
+    Exit.SUCCEEDED: "Succeeded",
+    Exit.FAILED: "Failed",
+    Exit.NOT_FINISHED: "NotFinished",
 }
-_POD_ITEM: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "state", "version", "reason", "unit"],
-    "properties": {
-        "name": {"type": "string", "description": "Pod name."},
-        "state": {"type": "string", "description": "Verified, Updating, Pending, Failed, ..."},
-        "version": _str_or_null("Version of the pod's weight-state annotation."),
-        "reason": _str_or_null("Why the pod failed or waits."),
-        "unit": _str_or_null("The unit (groupBy value); null without groupBy."),
-    },
-}
-_EVENT_ITEM: dict[str, Any] = {
-    "type": "object",
-    "required": ["time", "type", "reason", "message", "count"],
-    "properties": {
-        "time": _str_or_null("lastTimestamp of the Event (RFC 3339)."),
-        "type": {"type": "string", "description": "Normal or Warning."},
-        "reason": {"type": "string", "description": "CamelCase reason."},
-        "message": {"type": "string", "description": "The Event's message."},
-        "count": {"type": "integer", "description": "How often the Event occurred."},
-    },
-}
-#: JSON Schema of ``weightroll status -o json|yaml`` (docs/api.md renders it as a table; a
-#: test validates the command's output against it). Additive changes keep ``schemaVersion`` 1.
-VIEW_SCHEMA: dict[str, Any] = {
-    "$schema": "http://json-schema.org/draft-07/schema#",
-    "title": "weightroll status -o json",
-    "type": "object",
-    "additionalProperties": False,
-    "required": [
-        "schemaVersion",
-        "namespace",
-        "name",
-        "version",
-        "generation",
-        "observedGeneration",
-        "current",
-        "phase",
-        "result",
-        "exitCode",
-        "message",
-        "stableVersion",
-        "replicas",
-        "conditions",
-        "pods",
-        "events",
-    ],
-    "properties": {
-        "schemaVersion": {"const": 1, "description": "Version of this document's schema."},
-        "namespace": {"type": "string", "description": "Namespace of the WeightUpdate."},
-        "name": {"type": "string", "description": "Name of the WeightUpdate."},
-        "version": _str_or_null("spec.version: the version being rolled out."),
-        "generation": {
-            "type": ["integer", "null"],
-            "description": "metadata.generation of the spec.",
-        },
-        "observedGeneration": {
-            "type": ["integer", "null"],
-            "description": "The generation the status is about; null before the first pass.",
-        },
-        "current": {
-            "type": "boolean",
-            "description": "observedGeneration equals generation: the phase is about this spec.",
-        },
-        "phase": {
-            "enum": [
-                "Pending",
-                "Progressing",
-                "Paused",
-                "Succeeded",
-                "Failed",
-                "RollingBack",
-                "RolledBack",
-            ],
-            "description": "status.phase (Pending when there is no status yet).",
-        },
-        "result": {
-            "enum": ["Succeeded", "Failed", "NotFinished"],
-            "description": "What the exit status means: the rollout's outcome for a pipeline.",
-        },
-        "exitCode": {
-            "enum": [0, 3, 4],
-            "description": "The command's exit status: 0 Succeeded, 3 Failed, 4 not finished.",
-        },
-        "message": {"type": "string", "description": "status.message: one line."},
-        "stableVersion": _str_or_null("What the fleet served before this rollout."),
-        "replicas": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": list(_COUNTS),
-            "properties": {
-                k: {"type": "integer", "minimum": 0, "description": f"Pods {k} (status.replicas)."}
-                for k in _COUNTS
-            },
-            "description": "Pods by state (status.replicas; 0 when absent).",
-        },
-        "conditions": {
-            "type": "array",
-            "items": _CONDITION_ITEM,
-            "description": "status.conditions.",
-        },
-        "pods": {"type": "array", "items": _POD_ITEM, "description": "status.pods."},
-        "events": {
-            "type": "array",
-            "items": _EVENT_ITEM,
-            "description": "The most recent Events of the WeightUpdate, oldest first (--events).",
-        },
-    },
-}
-_RESULT = {Exit.SUCCEEDED: "Succeeded", Exit.FAILED: "Failed", Exit.NOT_FINISHED: "NotFinished"}
 
 
 def view(
     body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: int = 10
 ) -> dict[str, Any]:
-    """The document ``weightroll status -o json|yaml`` prints (schema :data:`VIEW_SCHEMA`)."""
+    """The document ``weightroll status -o json|yaml`` prints (a validated :class:`StatusView`)."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
     status = body.get("status") or {}
     replicas = status.get("replicas") or {}
     code = outcome(body)
     recent = sorted(events, key=lambda e: str(e.get("lastTimestamp") or ""))[-last:] if last else []
-    return {
-        "schemaVersion": 1,
-        "namespace": str(meta.get("namespace") or ""),
-        "name": str(meta.get("name") or ""),
-        "version": spec.get("version"),
-        "generation": meta.get("generation"),
-        "observedGeneration": status.get("observedGeneration"),
-        "current": _current(body),
-        "phase": str(status.get("phase") or "Pending"),
-        "result": _RESULT[code],
-        "exitCode": int(code),
-        "message": str(status.get("message") or ""),
-        "stableVersion": status.get("stableVersion"),
-        "replicas": {k: int(replicas.get(k) or 0) for k in _COUNTS},
-        "conditions": [
-            {
-                "type": str(c.get("type") or ""),
-                "status": str(c.get("status") or "Unknown"),
-                "reason": str(c.get("reason") or ""),
-                "message": str(c.get("message") or ""),
-                "lastTransitionTime": c.get("lastTransitionTime"),
-            }
-            for c in status.get("conditions") or []
-        ],
-        "pods": [
-            {
-                "name": str(p.get("name") or ""),
-                "state": str(p.get("state") or ""),
-                "version": p.get("version"),
-                "reason": p.get("reason"),
-                "unit": p.get("unit"),
-            }
-            for p in status.get("pods") or []
-        ],
-        "events": [
-            {
-                "time": e.get("lastTimestamp"),
-                "type": str(e.get("type") or ""),
-                "reason": str(e.get("reason") or ""),
-                "message": str(e.get("message") or ""),
-                "count": int(e.get("count") or 1),
-            }
-            for e in recent
-        ],
-    }
+    document = StatusView(
+        schema_version=SCHEMA_VERSION,
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        version=spec.get("version"),
+        generation=meta.get("generation"),
+        observed_generation=status.get("observedGeneration"),
+        current=_current(body),
+        phase=str(status.get("phase") or "Pending"),
+        result=_RESULT[code],
+        # outcome() returns only 0, 3 or 4; the model checks it again.
+        exit_code=cast(ExitCode, int(code)),
+        message=str(status.get("message") or ""),
+        stable_version=status.get("stableVersion"),
+        replicas=ViewReplicas(**{k: int(replicas.get(k) or 0) for k in _COUNTS}),
+        conditions=[_condition(c) for c in status.get("conditions") or []],
+        pods=[_pod(p) for p in status.get("pods") or []],
+        events=[_event(e) for e in recent],
+    )
+    return document.to_document()
+
+
+def _condition(c: Mapping[str, Any]) -> ViewCondition:
+    return ViewCondition(
+        type=str(c.get("type") or ""),
+        # What the API server holds (the CRD enumerates it); the model checks it again.
+        status=cast(ConditionStatus, str(c.get("status") or "Unknown")),
+        reason=str(c.get("reason") or ""),
+        message=str(c.get("message") or ""),
+        last_transition_time=c.get("lastTransitionTime"),
+    )
+
+
+def _pod(p: Mapping[str, Any]) -> ViewPod:
+    return ViewPod(
+        name=str(p.get("name") or ""),
+        state=str(p.get("state") or ""),
+        version=p.get("version"),
+        reason=p.get("reason"),
+        unit=p.get("unit"),
+    )
+
+
+def _event(e: Mapping[str, Any]) -> ViewEvent:
+    return ViewEvent(
+        time=e.get("lastTimestamp"),
+        type=str(e.get("type") or ""),
+        reason=str(e.get("reason") or ""),
+        message=str(e.get("message") or ""),
+        count=int(e.get("count") or 1),
+    )
 
 
 def progress_line(body: Mapping[str, Any]) -> str:

@@ -311,29 +311,38 @@ def wire_table(name: str) -> str:
 
 
 def view_rows() -> Iterator[tuple[str, str, str]]:
-    """``(path, type, description)`` of every field of ``weightroll status -o json``."""
-    from weightroll_operator.status_view import VIEW_SCHEMA
+    """``(path, type, description)`` of every field of ``weightroll status -o json``.
 
-    def kind(node: Mapping[str, Any]) -> str:
+    Read from the JSON Schema generated from ``status_document.StatusView``, the same schema a
+    pipeline validates the command's output against.
+    """
+    from weightroll_operator.status_document import view_schema
+
+    schema = view_schema()
+    defs = schema.get("$defs", {})
+
+    def kind(raw: Mapping[str, Any], node: Mapping[str, Any]) -> str:
+        if "anyOf" in raw:  # an Optional: "string or null"
+            return " or ".join(str(option.get("type")) for option in raw["anyOf"])
         if "const" in node:
             return f"`{node['const']}`"
         if "enum" in node:
             return " \\| ".join(f"`{v}`" for v in node["enum"])
-        types = node.get("type")
-        names = types if isinstance(types, list) else [types]
-        return " or ".join(str(n) for n in names)
+        return str(node.get("type"))
 
     def walk(node: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, str, str]]:
-        for key, prop in node["properties"].items():
+        for key, raw in node["properties"].items():
+            prop, _ = _resolve(raw, defs)
             path = f"{prefix}{key}"
-            yield path, kind(prop), str(prop.get("description", "**undocumented**"))
+            text = raw.get("description") or prop.get("description") or UNDOCUMENTED
+            yield path, kind(raw, prop), str(text)
             if prop.get("type") == "object" and "properties" in prop:
                 yield from walk(prop, f"{path}.")
-            items = prop.get("items")
-            if isinstance(items, Mapping) and "properties" in items:
+            items, _ = _resolve(prop.get("items") or {}, defs)
+            if "properties" in items:
                 yield from walk(items, f"{path}[].")
 
-    yield from walk(VIEW_SCHEMA, "")
+    yield from walk(schema, "")
 
 
 def view_table() -> str:

@@ -1,6 +1,7 @@
 """``weightroll status`` for pipelines, against kmock: the exit status by outcome, ``-o json|yaml``
-and its schema, ``--watch`` ending on a terminal phase or at ``--timeout``, the namespace of the
-kubeconfig context, and the ``kubectl weightroll`` plugin entry point run by the real kubectl.
+and its schema (generated from the StatusView model), ``--watch`` ending on a terminal phase or
+at ``--timeout``, the namespace of the kubeconfig context, and the ``kubectl weightroll`` plugin
+entry point run by the real kubectl.
 
 The objects are the golden ones of ``test_status_view.py`` (statuses the operator writes).
 """
@@ -21,10 +22,12 @@ from typing import Any
 import aiohttp
 import jsonschema
 import kmock
+import pydantic
 import pytest
 import yaml
 from weightroll_operator.api import v1alpha1 as api
-from weightroll_operator.status_view import VIEW_SCHEMA, Exit, main, outcome, view
+from weightroll_operator.status_document import StatusView, view_schema
+from weightroll_operator.status_view import Exit, main, outcome, view
 
 from tests.harness.kube_fleet import FleetEmulator, fleet_emulator, write_kubeconfig
 from tests.unit.weightroll_operator.test_status_view import (
@@ -86,10 +89,16 @@ def test_exit_statuses_are_distinct() -> None:
     assert {Exit.SUCCEEDED, Exit.FAILED, Exit.NOT_FINISHED} == {0, 3, 4}
 
 
+def _validate(doc: dict[str, Any]) -> None:
+    """``doc`` is valid by the generated JSON Schema and by the model, and the model keeps it."""
+    jsonschema.Draft202012Validator(view_schema()).validate(doc)
+    assert StatusView.model_validate(doc).to_document() == doc
+
+
 def test_json_view_golden_and_schema() -> None:
     events = [{**e, "count": 2 if e["reason"] == "UnitFailed" else 1} for e in FAILED_EVENTS]
     doc = view(_generation(FAILED, 2), events, last=2)
-    jsonschema.Draft7Validator(VIEW_SCHEMA).validate(doc)
+    _validate(doc)
     assert doc == {
         "schemaVersion": 1,
         "namespace": NS,
@@ -152,12 +161,38 @@ def test_json_view_golden_and_schema() -> None:
     }
 
 
-def test_schema_rejects_what_it_does_not_document() -> None:
+_BROKEN = {
+    "an-undocumented-key": {"extra": 1},
+    "an-exit-code-without-document": {"exitCode": 1},
+    "an-unknown-phase": {"phase": "Done"},
+    "a-string-for-a-number": {"exitCode": "3"},
+    "a-missing-schema-version": {"schemaVersion": None},
+    "a-negative-count": {"replicas": {**view(RUNNING, [])["replicas"], "failed": -1}},
+}
+
+
+@pytest.mark.parametrize("change", list(_BROKEN.values()), ids=list(_BROKEN))
+def test_schema_and_model_reject_what_they_do_not_document(change: dict[str, Any]) -> None:
     doc = view(RUNNING, [])
-    jsonschema.Draft7Validator(VIEW_SCHEMA).validate(doc)
-    for broken in ({**doc, "extra": 1}, {**doc, "exitCode": 1}, {**doc, "phase": "Done"}):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.Draft7Validator(VIEW_SCHEMA).validate(broken)
+    _validate(doc)
+    broken = {k: v for k, v in {**doc, **change}.items() if v is not None}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(view_schema()).validate(broken)
+    with pytest.raises(pydantic.ValidationError):
+        StatusView.model_validate(broken)
+
+
+def test_schema_is_generated_from_the_model() -> None:
+    """Every key the command prints is required, none other allowed, at every level."""
+    schema = view_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["title"] == "weightroll status -o json"
+    assert schema["required"] == list(view(RUNNING, []))
+    assert schema["additionalProperties"] is False
+    for nested in schema["$defs"].values():
+        if nested.get("type") == "object":
+            assert nested["additionalProperties"] is False
+            assert nested["required"] == list(nested["properties"])
 
 
 # ---- the command against kmock ------------------------------------------------------------
@@ -202,7 +237,7 @@ async def test_output_document_against_kmock(
     out = capsys.readouterr()
     assert (rc, out.err) == (0, "")
     doc = json.loads(out.out) if output == "json" else yaml.safe_load(out.out)
-    jsonschema.Draft7Validator(VIEW_SCHEMA).validate(doc)
+    _validate(doc)
     assert doc == view(SUCCEEDED, [])
 
 
