@@ -4,8 +4,11 @@ Builds the clients, the reconciler and the metrics endpoint, registers the handl
 ``kopf.operator``. With ``--leader-elect`` (the chart's default, two replicas) kopf runs only
 while this process holds the leader Lease (``k8s/lease.py``); a standby serves its liveness and
 the admission webhook meanwhile, and a leader that loses the Lease stops (exit code 1, the
-kubelet restarts it as a standby). Without it the process runs kopf standalone at once: one
-replica, or ``--peering NAME --priority N`` with a distinct priority per replica.
+kubelet restarts it as a standby). Without it the process acts at once: run one replica.
+
+One HA mechanism: the Lease. kopf always runs standalone (:func:`kopf_options`): its own peering
+(``KopfPeering`` objects, a CRD and RBAC of their own) would be a second, weaker election next to
+the Lease, and kopf without ``standalone=True`` looks for peering objects on every start.
 
 The admission webhook (``webhook.py``, ``--webhook-port``) runs in every replica, leader or not.
 """
@@ -38,15 +41,15 @@ from weightroll_operator.reconcile import Reconciler
 from weightroll_operator.settings import OperatorConfig
 from weightroll_operator.webhook import WebhookServer
 
-__all__ = ["build_runtime", "main"]
+__all__ = ["build_runtime", "kopf_options", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="weightroll-operator",
         description=(
-            "Run the WeightUpdate operator (kopf) in this process. Standalone by default: run one "
-            "replica, or pass --peering NAME --priority N with a distinct priority per replica."
+            "Run the WeightUpdate operator (kopf) in this process. For more than one replica, "
+            "pass --leader-elect: only the holder of the leader Lease acts."
         ),
     )
     scope = p.add_mutually_exclusive_group()
@@ -68,10 +71,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--webhook-port", type=int, help="admission webhook HTTPS port (0 disables)")
     p.add_argument("--webhook-cert-dir", help="directory with the webhook's tls.crt, tls.key")
-    p.add_argument("--peering", help="kopf peering name (default: standalone)")
-    p.add_argument("--priority", type=int, default=0, help="peering priority (distinct!)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
+
+
+def kopf_options(namespaces: Sequence[str], all_namespaces: bool) -> dict[str, Any]:
+    """``kopf.operator``'s watch scope and HA arguments.
+
+    Args:
+        namespaces: ``-n`` values (names or kopf globs); empty with ``-A`` or no ``-n``.
+        all_namespaces: ``-A``.
+
+    Returns:
+        ``standalone=True`` always (the Lease is the one HA mechanism, so kopf never looks for
+        ``KopfPeering`` objects, which the chart neither creates nor grants), the namespaces,
+        and ``clusterwide`` when no namespace is named.
+    """
+    return {
+        "standalone": True,
+        "namespaces": list(namespaces),
+        "clusterwide": all_namespaces or not namespaces,
+    }
 
 
 def build_runtime(
@@ -241,11 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kube,
             runtime.reconciler.begin_acting,
             registry=registry,
-            standalone=args.peering is None,
-            peering_name=args.peering,
-            priority=args.priority,
-            namespaces=args.namespace,
-            clusterwide=args.all_namespaces or not args.namespace,
             liveness_endpoint=liveness,
+            **kopf_options(args.namespace, args.all_namespaces),
         )
     )

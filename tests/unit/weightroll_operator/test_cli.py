@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from weightroll_operator import cli
+from weightroll_operator.main import kopf_options
 from weightroll_operator.main import main as operator_main
 
 from engine_agent.sidecar.main import main as agent_main
@@ -30,8 +31,7 @@ DAEMON_OPTIONS = {
         "--interval",
         "--metrics-port",
         "--health-port",
-        "--peering",
-        "--priority",
+        "--leader-elect",
         "--verbose",
     ],
     "engine_agent.sidecar.main": [
@@ -285,3 +285,28 @@ def test_operator_refuses_an_out_of_range_setting_in_one_line(
         "weightroll-operator: WEIGHTROLL_BURST='0': must be a whole number at least 1 "
         "(pods one pass starts a forward step on)\n"
     )
+
+
+@pytest.mark.parametrize("flag", ["--peering=weightroll", "--priority=1", "--standalone"])
+def test_operator_has_no_kopf_peering_flags(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """One HA mechanism: the leader Lease (--leader-elect); kopf's peering is not offered."""
+    with pytest.raises(SystemExit) as done:
+        operator_main([flag])
+    assert done.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("namespaces", "all_namespaces", "clusterwide"),
+    [([], False, True), ([], True, True), (["ml", "ml-*"], False, False)],
+    ids=["default", "all-namespaces", "named"],
+)
+def test_kopf_runs_standalone_in_every_scope(
+    namespaces: list[str], all_namespaces: bool, clusterwide: bool
+) -> None:
+    """kopf never looks for KopfPeering objects (the chart grants none), whatever the scope."""
+    assert kopf_options(namespaces, all_namespaces) == {
+        "standalone": True,
+        "namespaces": namespaces,
+        "clusterwide": clusterwide,
+    }
