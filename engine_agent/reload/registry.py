@@ -21,6 +21,8 @@ import os
 import weakref
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from engine_agent.protocol import RankId
 from engine_agent.vllm_surface import SUPPORTED_VLLM
 
@@ -28,13 +30,24 @@ __all__ = ["GUARD_PERIOD_ENV", "check_vllm_version", "guard_period", "rank_engin
 
 
 def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` unless ``version`` is within :data:`SUPPORTED_VLLM`."""
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    """Raise ``RuntimeError`` unless ``version`` is within :data:`SUPPORTED_VLLM`.
+
+    Only the release's major.minor counts (PEP 440, parsed by ``packaging``): a release
+    candidate, a dev build or a local build of an accepted minor (``0.33.0rc1``,
+    ``0.34.1.dev5+g1234``, ``0.32.0+cpu``) is accepted, because the contact surface
+    (docs/vllm-surface.md) is checked per minor release.
+
+    Raises:
+        RuntimeError: the version is outside the range, or not a PEP 440 version at all.
+    """
     low, high = SUPPORTED_VLLM
-    if not (low <= parts < high):
-        raise RuntimeError(
-            f"weightroll supports vLLM {low[0]}.{low[1]} to <{high[0]}.{high[1]}, found {version}"
-        )
+    supported = f"weightroll supports vLLM {low[0]}.{low[1]} to <{high[0]}.{high[1]}"
+    try:
+        minor = Version(version).release[:2]
+    except InvalidVersion as e:
+        raise RuntimeError(f"{supported}, found {version!r} (not a PEP 440 version)") from e
+    if not low <= minor < high:
+        raise RuntimeError(f"{supported}, found {version}")
 
 
 #: Seconds between still-true content checks of a committed rank (engine_agent/reload/guard.py).

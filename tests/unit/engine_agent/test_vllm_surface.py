@@ -5,7 +5,8 @@
 * the installed vLLM (the release the engine tier runs) has every required contact;
 * the static checker finds a missing name, member and route in a source tree;
 * docs/vllm-surface.md (generated from the 0.33 and 0.34 wheels, which cannot run here) lists
-  exactly today's contacts, with every required one present in every release it names.
+  exactly today's contacts, with every required one present in every release it names;
+* the run-time range check (``check_vllm_version``) reads PEP 440 versions with ``packaging``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from weightroll_dev.vllm_surface import SourceTree, check, markdown
 
 from engine_agent import vllm_extension, vllm_surface
+from engine_agent.reload.registry import check_vllm_version
 from engine_agent.vllm_surface import CONTACTS, Contact
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -129,6 +131,35 @@ def test_the_support_table_is_current() -> None:
 
 def test_one_supported_range() -> None:
     assert vllm_extension.SUPPORTED_VLLM == vllm_surface.SUPPORTED_VLLM
+
+
+@pytest.mark.parametrize(
+    "version",
+    ["0.32.0", "0.32.0+cpu", "0.33.0rc1", "0.34.1.dev5+g1234abc", "0.34.9", "0.32"],
+)
+def test_a_release_of_a_supported_minor_is_accepted(version: str) -> None:
+    assert vllm_surface.SUPPORTED_VLLM == ((0, 32), (0, 35)), "update the versions of this table"
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize(
+    ("version", "said"),
+    [
+        ("0.31.9", "found 0.31.9"),
+        ("0.35.0", "found 0.35.0"),
+        ("0.35.0rc1", "found 0.35.0rc1"),  # a candidate of the first unsupported minor
+        ("1.0.0", "found 1.0.0"),
+        ("0.4.0", "found 0.4.0"),  # 4 < 32 as a number, not as text
+        ("0.320.0", "found 0.320.0"),
+        ("not-a-version", "not a PEP 440 version"),
+        ("", "not a PEP 440 version"),
+    ],
+)
+def test_a_version_outside_the_range_is_refused(version: str, said: str) -> None:
+    with pytest.raises(RuntimeError) as refused:
+        check_vllm_version(version)
+    assert str(refused.value).startswith("weightroll supports vLLM 0.32 to <0.35, found ")
+    assert said in str(refused.value)
 
 
 def test_vllms_incomplete_flag_follows_the_rank_state() -> None:
