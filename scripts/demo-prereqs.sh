@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-# Idempotent and quick when everything is present.
+# Idempotent and quick when everything is present; one line for apt (its log only on failure).
 bash scripts/system-deps.sh
 build_pid=
 if ! bash scripts/kube-apiserver.sh path >/dev/null 2>&1; then

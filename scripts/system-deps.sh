@@ -13,8 +13,14 @@
 #
 # Needs root (or passwordless sudo). Without either it prints what is missing and exits 0, so
 # tests that need the tools skip with a reason instead of CI failing here.
+#
+# apt's own output goes to a log (scripts/quietly.sh): one line says what is installed and
+# `… done`, or `… failed` followed by the log's tail (exit status non-zero, so CI fails here).
+# WEIGHTROLL_VERBOSE=1 shows apt's output.
 # Details and measured costs: ../shared/design/tooling.md §1, §5.
 set -euo pipefail
+# shellcheck source=scripts/quietly.sh
+source "$(dirname "$0")/quietly.sh"
 
 SUDO=()
 if [ "$(id -u)" != 0 ]; then
@@ -32,16 +38,25 @@ if ! command -v apt-get >/dev/null 2>&1; then
 fi
 
 need_pkgs=()
-command -v promtool >/dev/null 2>&1 || need_pkgs+=(prometheus)
-command -v go >/dev/null 2>&1 || need_pkgs+=(golang-go)
-[ -d /usr/share/gocode/src/github.com/modern-go/reflect2 ] ||
+need_tools=()
+# need TOOL PACKAGE: install PACKAGE (apt) unless TOOL is on PATH.
+need() {
+  command -v "$1" >/dev/null 2>&1 && return
+  need_tools+=("$1")
+  need_pkgs+=("$2")
+}
+need promtool prometheus
+need go golang-go
+if [ ! -d /usr/share/gocode/src/github.com/modern-go/reflect2 ]; then
+  need_tools+=(reflect2)
   need_pkgs+=(golang-github-modern-go-reflect2-dev)
-command -v etcd >/dev/null 2>&1 || need_pkgs+=(etcd-server)
-command -v etcdctl >/dev/null 2>&1 || need_pkgs+=(etcd-client)
-command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)
-command -v make >/dev/null 2>&1 || need_pkgs+=(make)
-command -v kubectl >/dev/null 2>&1 || need_pkgs+=(kubernetes-client)
-command -v curl >/dev/null 2>&1 || need_pkgs+=(curl)
+fi
+need etcd etcd-server
+need etcdctl etcd-client
+need openssl openssl
+need make make
+need kubectl kubernetes-client
+need curl curl
 
 # deb-src: derive a deb-src sources file from the deb822 one (tooling.md §1 step 1).
 src_added=0
@@ -63,10 +78,18 @@ if [ ${#need_pkgs[@]} -eq 0 ] && [ "$src_added" = 0 ]; then
   exit 0
 fi
 
-echo "system-deps: installing ${need_pkgs[*]:-(none)}; deb-src added: $src_added"
-export DEBIAN_FRONTEND=noninteractive
-"${SUDO[@]}" apt-get update -qq
-if [ ${#need_pkgs[@]} -gt 0 ]; then
-  "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"
+# Each step returns on failure itself: quietly runs it behind `||`, where `set -e` is off.
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  "${SUDO[@]}" apt-get update -qq || return
+  if [ ${#need_pkgs[@]} -gt 0 ]; then
+    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" || return
+  fi
+}
+
+what=("${need_tools[@]}")
+if [ "$src_added" = 1 ]; then
+  what+=("deb-src entries")
 fi
-echo "system-deps: done"
+summary=$(printf '%s, ' "${what[@]}")
+quietly "system-deps: installing system packages (${summary%, })" apt_install
