@@ -55,11 +55,13 @@ __all__ = [
     "COLD",
     "FIRST_UPDATE",
     "GATE",
+    "INJECTED_PODS",
     "NAMESPACE",
     "PODS",
     "Fleet",
     "dev_up",
     "fleet",
+    "injected",
     "kube_cluster",
     "processes_naming",
     "skip_without_dev_cluster",
@@ -76,6 +78,8 @@ GATE = "weightroll.io/weights-ready"
 #: The reference pod: vLLM alone, cold on a checkpoint (``dev up --reference``).
 COLD = REFERENCE_POD
 PODS = tuple(f"{WORKLOAD}-{i}" for i in range(3))
+#: The pods of :func:`injected`: two (one at a time still leaves one serving; light on 2 cores).
+INJECTED_PODS = PODS[:2]
 #: Version of the first WeightUpdate (a checkpoint of the dev cluster) and of the reference pod.
 FIRST_UPDATE = "v2"
 #: Seconds allowed for ``dev up`` (three vLLM servers and a reference start at once on 2 cores).
@@ -472,6 +476,25 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         assert leftovers(directory) == [], "dev down left processes behind"
         if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
             # the model copies are large; the container logs stay for a post-mortem
+            for pod_dir in (directory / "pods").glob("*"):
+                for bulky in ("rootfs", "volumes"):
+                    shutil.rmtree(pod_dir / bulky, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def injected(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """``weightroll_dev dev up --pods 2 --inject``: the chart's example workload carries only the
+    ``weightroll.io/inject`` label and the operator's webhook (the chart's configurations pointed
+    at the local operator) prepares its pods, as on a real cluster; ``dev down`` afterwards."""
+    skip_without_dev_cluster()
+    directory = tmp_path_factory.mktemp("inject") / "dev"
+    info, _ = dev_up(directory, "--pods", str(len(INJECTED_PODS)), "--inject")
+    try:
+        yield Fleet(info=info, pods=INJECTED_PODS)
+    finally:
+        dev_down(directory)
+        assert leftovers(directory) == [], "dev down left processes behind"
+        if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
             for pod_dir in (directory / "pods").glob("*"):
                 for bulky in ("rootfs", "volumes"):
                     shutil.rmtree(pod_dir / bulky, ignore_errors=True)

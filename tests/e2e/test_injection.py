@@ -7,42 +7,24 @@ boot version; no readiness gate, vLLM flags, agent or weightroll volumes) and po
 chart's own webhook configurations at the local operator. The pods the API server stores carry
 the four pieces, their real vLLM servers and agents come up Ready on v1, and a WeightUpdate rolls
 them to v2. The refusal of a pod the webhook cannot complete is checked on the same API server.
+The fleet is the e2e tier's ``injected`` fixture (``tests/e2e/conftest.py``), which
+docs/getting-started.md runs on too.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 import yaml
-from weightroll_dev.devcluster.bringup import leftovers
 from weightroll_dev.devcluster.workload import WORKLOAD
 
-from tests.e2e.conftest import GATE, NAMESPACE, Fleet, dev_down, dev_up, skip_without_dev_cluster
+from tests.e2e.conftest import GATE, INJECTED_PODS, NAMESPACE, Fleet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(1500)]
 
-PODS = tuple(f"{WORKLOAD}-{i}" for i in range(2))
-
-
-@pytest.fixture(scope="module")
-def injected(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    skip_without_dev_cluster()
-    directory = tmp_path_factory.mktemp("inject") / "dev"
-    info, _ = dev_up(directory, "--pods", str(len(PODS)), "--inject")
-    try:
-        yield Fleet(info=info, pods=PODS)
-    finally:
-        dev_down(directory)
-        assert leftovers(directory) == [], "dev down left processes behind"
-        if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
-            for pod_dir in (directory / "pods").glob("*"):
-                for bulky in ("rootfs", "volumes"):
-                    shutil.rmtree(pod_dir / bulky, ignore_errors=True)
+PODS = INJECTED_PODS
 
 
 def test_label_only_example_comes_up_ready_and_rolls_v1_to_v2(injected: Fleet) -> None:
