@@ -102,13 +102,6 @@ def _hash_range(handle: BinaryIO, start: int, nbytes: int, algorithm: HashAlgori
     return str(digest.hexdigest())
 
 
-def _first_offset(info: Any) -> int:
-    try:
-        return int(info["data_offsets"][0])
-    except (KeyError, TypeError, ValueError, IndexError):
-        return 0
-
-
 def _file_entries(path: Path, algorithm: HashAlgorithm) -> dict[str, TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     size = path.stat().st_size

@@ -28,6 +28,7 @@ from weightroll_operator.domain.conditions import (
     remove_condition,
     set_condition,
 )
+from weightroll_operator.domain.model import OwnerKey, UnitState, WeightState
 from weightroll_operator.domain.plan import Plan, PodClass
 
 __all__ = [
@@ -263,6 +264,19 @@ def _message(phase: Phase, counts: ReplicaCounts, spec: WeightUpdateSpec, plan: 
     return "; ".join(parts)
 
 
+def _served_before(state: WeightState | None, owner: OwnerKey | None) -> str | None:
+    """What a pod served before ``owner`` drained it: the ``previous_version`` its own state
+    records, or, for a pod it has not claimed yet, the version another WeightUpdate verified
+    (or rolled back to) there; ``None`` when unknown (boot weights, a pod mid-update)."""
+    if state is None:
+        return None
+    if owner is None or state.by == owner:
+        return state.previous_version
+    if state.state in (UnitState.VERIFIED, UnitState.ROLLED_BACK):
+        return state.version
+    return None
+
+
 def build_status(
     plan: Plan,
     spec: WeightUpdateSpec,
@@ -270,8 +284,13 @@ def build_status(
     generation: int | None,
     now: datetime,
     notes: Mapping[str, str] | None = None,
+    owner: OwnerKey | None = None,
 ) -> WeightUpdateStatus:
     """The new status: counts, conditions, phase, ``observedGeneration``, persisted intents.
+
+    ``owner`` is this WeightUpdate (``None``: every pod state is taken as its own); the
+    ``stableVersion`` of a new rollout is what its pods served before it, which for a pod it
+    has not claimed yet is the verdict another WeightUpdate left there.
 
     ``notes`` are per-pod reasons seen while applying the plan (e.g. an agent refusing the
     update); they show in ``status.pods`` until the pod's state explains itself.
@@ -282,12 +301,8 @@ def build_status(
     p = plan.persisted
     stable = old.stable_version if old is not None and old.target_version == spec.version else None
     if stable is None:
-        previous = {
-            pod.state.previous_version
-            for pod in plan.pods.values()
-            if pod.state is not None and pod.state.previous_version
-        }
-        stable = previous.pop() if len(previous) == 1 else None
+        served = {_served_before(pod.state, owner) for pod in plan.pods.values()} - {None}
+        stable = served.pop() if len(served) == 1 else None
     if phase is Phase.SUCCEEDED:
         stable = spec.version
     return WeightUpdateStatus(

@@ -408,7 +408,7 @@ class Reconciler:
             and not isinstance(r.error, KubeConflict)  # re-read and re-planned next pass
         }
         with paused_gc():
-            status = build_status(the_plan, spec, old_status, generation, now, notes)
+            status = build_status(the_plan, spec, old_status, generation, now, notes, owner=owner)
         written = await self.reporter.report(
             ctx, raw_status, old_status, status, spec, the_plan, fleet.agents, unwritten
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from weightroll_operator.api.v1alpha1 import ConditionType, Phase
 from weightroll_operator.domain.conditions import (
     get_condition,
@@ -9,13 +10,13 @@ from weightroll_operator.domain.conditions import (
     remove_condition,
     set_condition,
 )
-from weightroll_operator.domain.model import UnitState
+from weightroll_operator.domain.model import UnitState, WeightState
 from weightroll_operator.domain.plan import Persisted
 from weightroll_operator.domain.status import build_status, status_patch
 from weightroll_operator.status_view import render
 
 from engine_agent.protocol import UpdatePhase
-from tests.unit.weightroll_operator.builders import NOW, agent, pod, run, spec, state
+from tests.unit.weightroll_operator.builders import ME, NOW, OTHER, agent, pod, run, spec, state
 
 
 def test_golden_status_mid_rollout() -> None:
@@ -57,6 +58,34 @@ def test_golden_status_mid_rollout() -> None:
         "lastProgressTime": "2026-01-01T12:00:00Z",
         "message": "Progressing: 1/3 pods verified at v2; 2 updating",
     }
+
+
+def _mine(st: UnitState = UnitState.DRAINING, previous: str = "v2") -> WeightState:
+    return state(st, version="v3", previous_version=previous)
+
+
+@pytest.mark.parametrize(
+    ("states", "stable"),
+    [
+        # pods this WeightUpdate (to v3) claimed: what each served before it drained them
+        ([_mine(UnitState.VERIFIED), _mine()], "v2"),
+        # a fleet another WeightUpdate finished at v2 (whose pods served v1 before it): the
+        # rollout to v3 starts from v2 (found by the getting-started page's test)
+        ([state(UnitState.VERIFIED, by=OTHER), state(UnitState.VERIFIED, by=OTHER)], "v2"),
+        ([state(UnitState.ROLLED_BACK, version="v1", by=OTHER), None], "v1"),
+        ([_mine(), state(UnitState.VERIFIED, by=OTHER)], "v2"),
+        # unknown, or pods disagreeing: no stable version is claimed
+        ([state(UnitState.FAILED, by=OTHER), None], None),
+        ([_mine(previous="v1"), state(UnitState.VERIFIED, by=OTHER)], None),
+    ],
+)
+def test_stable_version_is_what_the_pods_served_before_this_rollout(
+    states: list[WeightState | None], stable: str | None
+) -> None:
+    s = spec(_spec={"version": "v3", "source": {"uri": "/weights/v3"}})
+    pods = [pod(f"p{i}", st=st) for i, st in enumerate(states)]
+    the_plan = run(s, pods, {}, Persisted(target_version="v3"))
+    assert build_status(the_plan, s, None, 1, NOW, owner=ME).stable_version == stable
 
 
 def test_unchanged_status_is_not_written() -> None:
