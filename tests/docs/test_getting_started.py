@@ -418,6 +418,9 @@ def _failed(fleet: Fleet, prom: Prometheus, out: str) -> None:
 
 def _failed_status(fleet: Fleet, prom: Prometheus, out: str) -> None:
     assert "Failed" in out and BAD in out, out
+    # The fleet served v2 when llama-v3 started: that is its stable version, not the v1 the
+    # pods served before llama-v2 (what the previous owner's states record as previous).
+    assert "(stable: v2)" in out, out
 
 
 def _recovered(fleet: Fleet, prom: Prometheus, out: str) -> None:
