@@ -60,6 +60,9 @@ __all__ = ["Agent", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFo
 
 logger = logging.getLogger(__name__)
 
+#: Phases of an update in which the replica still serves (a prefetch before its drain).
+_SERVING_PHASES: Final = (UpdatePhase.PREFETCHING, UpdatePhase.PREFETCHED)
+
 ABORT: Final = ExtensionRpc.ABORT
 STATE: Final = ExtensionRpc.STATE
 #: vLLM's weight version before anything set it.
@@ -320,7 +323,7 @@ class Agent:
         memory = self.store.memory
         paused = bool(observation and observation.paused)
         if self.store.active is not None:
-            paused = self.store.active.phase is not UpdatePhase.PENDING
+            paused = self.store.active.phase not in (UpdatePhase.PENDING, *_SERVING_PHASES)
         # What the ranks serve now (one version on every rank), never the agent's record alone:
         # a vLLM restarted under a committed agent serves its boot weights again.
         live = {r.version for r in self._last_ranks}
@@ -470,7 +473,17 @@ class Agent:
             await asyncio.sleep(self.config.watch_interval)
 
     def _updating(self) -> bool:
-        return self.pipeline.busy
+        """An attempt owns the replica's pause, resume and readiness now; a prefetching update
+        before its hold does not: the replica serves its old weights meanwhile."""
+        return self.pipeline.busy and not self._prefetching()
+
+    def _prefetching(self) -> bool:
+        active = self.store.active
+        return (
+            active is not None
+            and active.phase in _SERVING_PHASES
+            and self.store.memory.hold is None
+        )
 
     async def _guard_once(self) -> None:
         watchdog = self.pipeline.watchdog
