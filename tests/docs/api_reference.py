@@ -33,7 +33,7 @@ API_MD = ROOT / "docs" / "api.md"
 #: Table cell for "no default" / "no extra validation".
 NONE = "-"
 #: Objects whose fields get rows of their own; any other object is one row.
-_RECURSE = frozenset({"SourceSpec", "StrategySpec", "DrainSpec", "AgentSpec"})
+_RECURSE = frozenset({"SourceSpec", "StrategySpec", "DrainSpec", "PrefetchSpec", "AgentSpec"})
 
 #: Table cell of a field without a description (the tests fail on it).
 UNDOCUMENTED = "**undocumented**"
@@ -204,7 +204,10 @@ def status_table() -> str:
 
 #: Agent wire models documented in docs/api.md: name -> (model, nested models flattened).
 WIRE_MODELS: dict[str, tuple[type[BaseModel], frozenset[str]]] = {
-    "UpdateRequest": (protocol.UpdateRequest, frozenset({"SourceSpec", "DrainSpec", "PrefetchSpec"})),
+    "UpdateRequest": (
+        protocol.UpdateRequest,
+        frozenset({"SourceSpec", "DrainSpec", "PrefetchSpec"}),
+    ),
     "UpdateStatus": (protocol.UpdateStatus, frozenset()),
     "AgentState": (protocol.AgentState, frozenset()),
     "ErrorBody": (protocol.ErrorBody, frozenset()),
