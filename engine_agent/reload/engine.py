@@ -394,14 +394,15 @@ class RankEngine:
         return self._report("load", ok=True)
 
     @staticmethod
-    def _loaded(active: _Session, checkpoint: Any) -> None:
-        """Record a batch whose every byte was hashed (and verified, with a manifest)."""
+    def _loaded(active: _Session, checkpoint: Any, *, prefix: str = "") -> None:
+        """Record a batch whose every byte was hashed (and verified, with a manifest); its
+        hashing times under ``prefix`` (``prefetch_``: they were spent before the drain)."""
         active.source_hashes |= checkpoint.content_hashes
         if checkpoint.manifest is not None:
             active.manifest_digest = checkpoint.manifest.digest
         for step, seconds in (
-            ("hash_overlapped", checkpoint.hash_seconds),
-            ("hash_wait", checkpoint.hash_wait_seconds),
+            (prefix + "hash_overlapped", checkpoint.hash_seconds),
+            (prefix + "hash_wait", checkpoint.hash_wait_seconds),
         ):
             active.timings[step] = round(active.timings.get(step, 0.0) + seconds, 6)
 
@@ -535,7 +536,7 @@ class RankEngine:
         with _timed(active.timings, "load"):
             active.router.load(staging.consume())
         failpoints.check("load.read", self.rank)
-        self._loaded(active, checkpoint)
+        self._loaded(active, checkpoint, prefix="prefetch_")
         active.timings |= staging.timings
         return self._report("apply", ok=True)
 
