@@ -133,6 +133,8 @@ class Agent:
         self._task: asyncio.Task[None] | None = None
         self._guard: asyncio.Task[None] | None = None
         self._recovered = asyncio.Event()
+        #: An update was interrupted while its ranks prefetched: free their staging at recovery.
+        self._stale_prefetch = False
         self._observation: _Observation | None = None
         self._observe_lock = asyncio.Lock()
         self._last_ranks: list[RankStatus] = []
@@ -157,15 +159,25 @@ class Agent:
             memory.source = self.config.initial_source
         interrupted = self.store.active
         if interrupted is not None and not interrupted.phase.terminal:
+            # A prefetch before its hold wrote nothing and paused nothing: its staging is freed
+            # once vLLM answers (_recover) and the replica serves on; anything later is held.
+            serving = interrupted.phase in _SERVING_PHASES and memory.hold is None
             problem = Problem(
                 "agent_restarted",
-                f"the agent restarted during phase {interrupted.phase.value}; the session was "
-                "aborted on every rank and generation stays paused",
+                f"the agent restarted during phase {interrupted.phase.value}; "
+                + (
+                    "the ranks' prefetched staging is freed and the replica serves on"
+                    if serving
+                    else "the session was aborted on every rank and generation stays paused"
+                ),
             )
             finish_record(
                 self.store, self.metrics, interrupted, UpdatePhase.FAILED, [problem], self._stamp()
             )
-            self._set_hold(problem)
+            if serving:
+                self._stale_prefetch = True
+            else:
+                self._set_hold(problem)
         self.store.active_id = None
         self.store.save()
         self._guard = asyncio.create_task(self._guard_loop(), name="weightroll-agent-guard")
@@ -517,6 +529,11 @@ class Agent:
             await asyncio.sleep(min(1.0, self.config.watch_interval))
         states = observation.states
         assert states is not None
+        if self._stale_prefetch:
+            # Without poison: nothing was written. A rank that restarted holds none (a no-op).
+            with contextlib.suppress(EngineError):
+                await self.client.collective_rpc(ABORT, "{}", self.config.control_timeout)
+                self._stale_prefetch = False
         open_ids = sorted(
             {
                 s.update_id or "?"

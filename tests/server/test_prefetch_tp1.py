@@ -121,3 +121,25 @@ async def test_a_prefetch_above_its_memory_limit_is_refused_before_any_read(
         for reason in reasons
     ), reasons
     await _serving(sc, "v3", "pf-after-tampered")
+
+
+async def test_an_agent_restarted_during_a_prefetch_frees_the_staging_and_serves_on(
+    sc: Scenario,
+) -> None:
+    gate = sc.models.root / "prefetch-never"  # never created: the read stays held
+    sc.set_failpoints(f"prefetch.read=wait:{gate}")
+    await sc.post_update("pf-killed", "v5", sc.models.c, **PREFETCH)
+    await sc.wait_phase("pf-killed", "Prefetching")
+    await sc.agent.kill()
+    await sc.agent.start()
+    status = await sc.wait_phase("pf-killed")
+    assert status["phase"] == "Failed", status
+    assert status["verdict"]["reasons"][0].startswith("agent_restarted:"), status
+    # nothing was written or paused: no hold, the replica serves its commit, Ready
+    await _serving(sc, "v3", "pf-after-tampered")
+    sc.set_failpoints("")
+    # the ranks' staging of pf-killed was freed: another update is not refused as a conflict
+    await sc.post_update("pf-after-kill", "v6", sc.models.a, **PREFETCH)
+    assert (await sc.wait_phase("pf-after-kill"))["phase"] == "Committed"
+    await _serving(sc, "v6", "pf-after-kill")
+    assert await sc.outputs() == sc.notes["cold_a"]
