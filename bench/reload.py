@@ -7,7 +7,11 @@ engine with weightroll's extension, and times, in the same run and on the same e
   preallocated tensors of the same shapes — the floor for moving these bytes;
 * ``vllm_reload``: vLLM's ``reload_weights(weights_path=...)`` (its layerwise reload);
 * ``verified``: weightroll's begin/load/finish (coverage, identity, derived state), with every
-  byte checked against a BLAKE3 manifest (``weightroll.manifest/v2``) as the loaders consume it.
+  byte checked against a BLAKE3 manifest (``weightroll.manifest/v2``) as the loaders consume it;
+* ``prefetch`` and ``window``: the same update prefetched (issue 30): ``prefetch`` is
+  ``weightroll_prefetch`` until every rank reports ``ready`` (read, hashed and verified into
+  host staging while the engine serves); ``window`` is begin/apply/finish, what the drain must
+  hold (the pause and resume around it are the agent's and not timed here).
 
 Each is repeated ``--rounds`` times alternating between two checkpoints; medians are reported
 and compared as ratios (machines here are noisy, absolute seconds are not comparable across
@@ -124,6 +128,28 @@ def main() -> None:
 
     counter = iter(range(10_000))
 
+    def prefetched(path: Path) -> tuple[float, float, dict[str, float]]:
+        update = {"updateId": f"bench-{next(counter)}", "version": f"v-{path.name}"}
+        source = {"path": str(path), "manifest": str(manifests[path])}
+        started = time.perf_counter()
+        report = engine.rpc("weightroll_prefetch", {"spec": update, "source": source})[0]
+        assert report["ok"], report
+        while report["prefetch"] != "ready":  # the read runs on the rank's own thread
+            time.sleep(0.002)
+            report = engine.rpc("weightroll_prefetched")[0]
+            assert report["ok"], report
+        ready = time.perf_counter()
+        for method, payload in (
+            ("weightroll_begin", update),
+            ("weightroll_apply", {}),
+            ("weightroll_finish", {}),
+        ):
+            report = engine.rpc(method, payload)[0]
+            assert report["ok"], report
+        done = time.perf_counter()
+        assert report["manifestDigest"] and report["digest"], report
+        return ready - started, done - ready, report["timings"]
+
     def verified(path: Path) -> tuple[float, dict[str, float]]:
         started = time.perf_counter()
         update = {"updateId": f"bench-{next(counter)}", "version": f"v-{path.name}"}
@@ -144,9 +170,17 @@ def main() -> None:
     # Warm-up: page cache, allocator, first-call costs.
     for path in (b, a):
         raw_copy(path), vllm_reload(path), verified(path)
+    prefetched(b), prefetched(a)
 
-    results: dict[str, list[float]] = {"raw_copy": [], "vllm_reload": [], "verified": []}
+    results: dict[str, list[float]] = {
+        "raw_copy": [],
+        "vllm_reload": [],
+        "verified": [],
+        "prefetch": [],
+        "window": [],
+    }
     breakdowns: list[dict[str, float]] = []
+    window_breakdowns: list[dict[str, float]] = []
     for i in range(args.rounds * 2):
         path = b if i % 2 == 0 else a
         results["raw_copy"].append(raw_copy(path))
@@ -154,6 +188,11 @@ def main() -> None:
         seconds, timings = verified(path)
         results["verified"].append(seconds)
         breakdowns.append(timings)
+        # the same full update again, prefetched (same bytes moved, same checks)
+        ahead, window, window_timings = prefetched(path)
+        results["prefetch"].append(ahead)
+        results["window"].append(window)
+        window_breakdowns.append(window_timings)
     # The still-true guard's content check on the last commit (issue 26 E): what one period
     # costs the rank (identity checks on every state answer read no byte and are not timed).
     guard_seconds = []
@@ -183,9 +222,19 @@ def main() -> None:
             "hash_overlapped_share_of_verified": round(
                 steps.get("hash_overlapped", 0.0) / median["verified"], 4
             ),
+            "prefetch_vs_vllm_reload": round(median["prefetch"] / median["vllm_reload"], 3),
+            "window_vs_vllm_reload": round(median["window"] / median["vllm_reload"], 3),
+            "prefetch_plus_window_vs_vllm_reload": round(
+                (median["prefetch"] + median["window"]) / median["vllm_reload"], 3
+            ),
         },
         "verified_breakdown_seconds": {k: round(v, 4) for k, v in sorted(steps.items())},
         "where_verified_goes_seconds": _where(steps, structural),
+        # the prefetched update's steps (prefetch_* ran before the drain, the rest inside it)
+        "prefetched_breakdown_seconds": {
+            k: round(statistics.median(t.get(k, 0.0) for t in window_breakdowns), 4)
+            for k in sorted(window_breakdowns[0])
+        },
         "hash_throughput_gb_per_s": hashing,
         "still_true_guard": {
             "content_check_seconds": round(statistics.median(guard_seconds), 4),
@@ -194,7 +243,12 @@ def main() -> None:
             "goal_share": "<= 0.01",
         },
         "verification": "every tensor BLAKE3-checked against a weightroll.manifest/v2 as loaded",
-        "goals": {"verified_vs_vllm_reload": "<= 1.1", "structural_checks_share": "<= 0.05"},
+        "goals": {
+            "verified_vs_vllm_reload": "<= 1.1",
+            "structural_checks_share": "<= 0.05",
+            "window_vs_vllm_reload": "<= 0.5",
+            "prefetch_plus_window_vs_vllm_reload": "<= 1.0",
+        },
         "engine_serves_after": bool(out_ok.tokens),
         "machine": machine(),
     }

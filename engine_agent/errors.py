@@ -17,6 +17,7 @@ __all__ = [
     "InvalidRequest",
     "LoaderUnsupported",
     "ManifestMismatch",
+    "PrefetchMemory",
     "ShapeMismatch",
     "SourceUnavailable",
     "SparseRefused",
@@ -114,3 +115,9 @@ class DerivedStateUnsupported(AgentError):
     """A touched module has derived state that no registered refresher can rebuild."""
 
     code = "derived_state_unsupported"
+
+
+class PrefetchMemory(AgentError):
+    """A prefetch would stage more bytes than its limit or the host's available memory."""
+
+    code = "prefetch_memory"

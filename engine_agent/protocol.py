@@ -39,6 +39,9 @@ __all__ = [
     "ErrorBody",
     "ExtensionRpc",
     "LoadSource",
+    "PrefetchArgs",
+    "PrefetchMode",
+    "PrefetchSpec",
     "RankId",
     "RankReport",
     "RankStatus",
@@ -163,6 +166,16 @@ class LoadSource(WireModel):
     manifest_digest: str | None = Field(default=None, pattern=MANIFEST_DIGEST_PATTERN)
 
 
+class PrefetchArgs(WireModel):
+    """Argument of ``weightroll_prefetch``: read the session's checkpoint into host staging
+    while the replica still serves (nothing processed, nothing written to live storage)."""
+
+    spec: UpdateSpec
+    source: LoadSource
+    #: Refuse (``prefetch_memory``) when this rank would stage more bytes than this.
+    max_bytes: int | None = Field(default=None, ge=1)
+
+
 class AbortArgs(WireModel):
     """Argument of ``weightroll_abort``.
 
@@ -270,6 +283,11 @@ class RankReport(WireModel):
     manifest_digest: str = ""
     #: Seconds spent in each step of the call (read, load, process, refresh, verify, digest).
     timings: dict[str, float] = Field(default_factory=dict)
+    #: The rank's prefetch of this update: ``""`` none, ``reading`` (the checkpoint is being read
+    #: and hashed into host staging), ``ready`` (read, verified, waiting for the drain).
+    prefetch: str = ""
+    #: Bytes this rank holds (or will hold) in host staging for the prefetch.
+    staged_bytes: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,6 +346,25 @@ class SourceSpec(WireModel):
         return None if self.manifest is None else self.manifest.removeprefix("file://")
 
 
+class PrefetchMode(StrEnum):
+    """Whether the checkpoint is read before the drain (``Host``) or inside it (``None``)."""
+
+    #: Today's path: every byte is read inside the drain.
+    NONE = "None"
+    #: Every rank reads and verifies its checkpoint into host memory while the replica serves;
+    #: the drain only processes it and writes it into live storage (docs/engine.md, Prefetch).
+    HOST = "Host"
+
+
+class PrefetchSpec(WireModel):
+    """``prefetch`` of an update: read before the drain, within a memory bound."""
+
+    mode: PrefetchMode = PrefetchMode.NONE
+    #: The most bytes one rank may stage in host memory (``null``: bounded only by the host's
+    #: available memory, which is always checked).
+    max_bytes: int | None = Field(default=None, ge=1)
+
+
 class UpdateRequest(WireModel):
     """Body of ``POST /v1/updates``."""
 
@@ -338,9 +375,16 @@ class UpdateRequest(WireModel):
     base_version: Version | None = None
     scope: list[str] | None = None
     drain: DrainSpec = DrainSpec()
+    prefetch: PrefetchSpec = PrefetchSpec()
 
     @model_validator(mode="after")
     def _mode_fields(self) -> Self:
+        if self.prefetch.mode is PrefetchMode.HOST and self.mode is UpdateMode.SPARSE:
+            # A patch is planned against, and written into, the live bytes: there is nothing to
+            # stage ahead that the drain would not have to redo.
+            raise ValueError(
+                "prefetch.mode 'Host' is not supported for sparse updates; use mode 'None'"
+            )
         UpdateSpec(
             update_id=self.id,
             version=self.version,
@@ -365,6 +409,10 @@ class UpdateRequest(WireModel):
 
 class UpdatePhase(StrEnum):
     PENDING = "Pending"
+    #: The ranks read and verify the checkpoint into host staging; the replica still serves.
+    PREFETCHING = "Prefetching"
+    #: Every rank holds the verified checkpoint; the drain comes next.
+    PREFETCHED = "Prefetched"
     DRAINING = "Draining"
     LOADING = "Loading"
     VERIFYING = "Verifying"
@@ -444,6 +492,12 @@ class ExtensionRpc(StrEnum):
     BEGIN = "weightroll_begin"
     #: Load one batch of checkpoint tensors (:class:`LoadSource`).
     LOAD = "weightroll_load"
+    #: Start reading the checkpoint into host staging while serving (:class:`PrefetchArgs`).
+    PREFETCH = "weightroll_prefetch"
+    #: How the rank's prefetch stands (``RankReport.prefetch``; an error ends it).
+    PREFETCHED = "weightroll_prefetched"
+    #: Load the open session from the prefetched staging (inside the drain).
+    APPLY = "weightroll_apply"
     #: Verify and commit the session.
     FINISH = "weightroll_finish"
     #: Abort the session, or fence the rank (:class:`AbortArgs`).

@@ -85,6 +85,18 @@ class WeightRollExtension(TransferRpcMixin):
         """Load one batch of checkpoint tensors (JSON ``LoadSource``); returns a ``RankReport``."""
         return self._weightroll_after(self._weightroll_engine().load(source_json))
 
+    def weightroll_prefetch(self, args_json: str) -> dict[str, Any]:
+        """Start reading the checkpoint into host staging while serving (JSON ``PrefetchArgs``)."""
+        return self._weightroll_after(self._weightroll_engine().prefetch(args_json))
+
+    def weightroll_prefetched(self, args_json: str = "{}") -> dict[str, Any]:
+        """How this rank's prefetch stands; a ``RankReport`` whose ``prefetch`` says it."""
+        return self._weightroll_after(self._weightroll_engine().prefetched(args_json))
+
+    def weightroll_apply(self, args_json: str = "{}") -> dict[str, Any]:
+        """Load the open session from the prefetched staging (inside the drain)."""
+        return self._weightroll_after(self._weightroll_engine().apply(args_json))
+
     def weightroll_finish(self, args_json: str = "{}") -> dict[str, Any]:
         """Verify and commit the session; returns the rank's final ``RankReport``."""
         return self._weightroll_after(self._weightroll_engine().finish(args_json))

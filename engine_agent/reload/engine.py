@@ -18,7 +18,14 @@ Order contracts:
       was processed and refreshed, identity is unchanged and every derived item of an updated
       module was rebuilt in this session.
 
-Failpoints (:mod:`.failpoints`) sit at every step boundary: ``begin``, ``begin.snapshot``,
+Prefetch (issue 30): ``prefetch`` checks what needs no live state and reads the checkpoint into
+host staging on a thread of its own while the rank serves, clean, its guard armed
+(:mod:`.prefetch`); ``prefetched`` reports the read; inside the drain, ``begin`` opens the
+session and ``apply`` loads it from the staging (the same routing, processing and live writes as
+``load``). A failed prefetch, or an abort, frees the staging and leaves the rank as it was.
+
+Failpoints (:mod:`.failpoints`) sit at every step boundary: ``prefetch.read`` (on the reading
+thread), ``begin``, ``begin.snapshot``,
 ``load``, ``load.dry_run``, ``load.staged``, ``post_load.before``, ``post_load.after``,
 ``refresh.after``, ``copy.before``, ``copy.after``, ``tied.before``, ``tied.after``,
 ``sparse.before_write``, ``sparse.after_write``, ``finish``, ``finish.coverage``,
@@ -43,12 +50,15 @@ from engine_agent.errors import (
     IdentityChanged,
     InvalidRequest,
     ManifestMismatch,
+    PrefetchMemory,
+    UpdateConflict,
     WrongState,
 )
 from engine_agent.protocol import (
     AbortArgs,
     ErrorBody,
     LoadSource,
+    PrefetchArgs,
     RankId,
     RankReport,
     RankStatus,
@@ -63,6 +73,7 @@ from engine_agent.reload.identity import StorageRecord, compare_kernels, compare
 from engine_agent.reload.index import ModelIndex, build_index
 from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.modelwise import LoadRouter
+from engine_agent.reload.prefetch import Prefetch, available_memory, memory_problem
 from engine_agent.reload.sources import open_source
 
 __all__ = ["RankEngine"]
@@ -127,6 +138,10 @@ class RankEngine:
         self.state = session.initial(boot_version)
         self._index: ModelIndex | None = None
         self._session: _Session | None = None
+        #: The update whose checkpoint this rank reads or holds in host staging (``prefetch``
+        #: up to ``apply``); kept outside the session, so the rank serves and its guard checks
+        #: meanwhile.
+        self._prefetch: Prefetch | None = None
         #: "Still true now": sealed at each commit (and for the boot weights at the first state
         #: answer), re-checked on every state answer (:mod:`.guard`).
         self.guard = StillTrueGuard(
@@ -143,6 +158,22 @@ class RankEngine:
 
     def load(self, source_json: str) -> dict[str, Any]:
         return self._call("load", lambda: self._load(_parse(LoadSource, source_json, "source")))
+
+    def prefetch(self, args_json: str) -> dict[str, Any]:
+        """Start reading an update's checkpoint into host staging while the rank serves
+        (:mod:`.prefetch`); returns at once, the read goes on in a thread of its own."""
+        return self._call(
+            "prefetch", lambda: self._prefetch_start(_parse(PrefetchArgs, args_json, "args"))
+        )
+
+    def prefetched(self, _args_json: str = "{}") -> dict[str, Any]:
+        """How the prefetch stands (``RankReport.prefetch``); a failed read ends it."""
+        return self._call("prefetched", self._prefetch_poll)
+
+    def apply(self, _args_json: str = "{}") -> dict[str, Any]:
+        """Load the open session from its prefetched staging (inside the drain): the same
+        routing, processing and live writes as :meth:`load`, without the read."""
+        return self._call("apply", self._apply)
 
     def load_tensors(self, weights: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Load one batch of tensors received over a transport (the trainer path).
@@ -207,7 +238,7 @@ class RankEngine:
             return body()
         except AgentError as e:
             logger.warning("Weight update %s failed on rank %s: %s", call, self.rank.key, e.message)
-            return self._failed(call, e, ends_session=call in ("load", "finish"))
+            return self._failed(call, e, ends_session=call in ("load", "apply", "finish"))
         except Exception as e:  # an engine bug must still leave the rank fail-closed
             logger.exception("Weight update %s crashed on rank %s", call, self.rank.key)
             return self._failed(call, AgentError(f"{type(e).__name__}: {e}"), ends_session=True)
@@ -216,12 +247,18 @@ class RankEngine:
                 self._session.timings[call] = round(time.perf_counter() - started, 6)
 
     def _failed(self, call: str, error: AgentError, *, ends_session: bool) -> dict[str, Any]:
+        if call in ("prefetch", "prefetched"):
+            # Nothing was written: the staging is freed and the rank serves on, clean.
+            staged = self._prefetch
+            self._drop_prefetch()
+            return self._prefetch_report(call, staged, ok=False, error=error)
         fields = self._progress_fields()
         if ends_session and self.state.in_session:
             self.state = session.fail(self.state, f"{call} failed: {error.message}")
             if self._session is not None:
                 self._session.router.discard()
             self._session = None
+            self._drop_prefetch()
         return self._report(call, ok=False, error=error, fields=fields)
 
     @property
@@ -246,6 +283,25 @@ class RankEngine:
             self._check_still_true(force_content=True)
         self.guard.unseal()
         new_state = session.begin(self.state, spec)
+        active = self._new_session(spec)
+        failpoints.check("begin.snapshot", self.rank)
+        self._session = active
+        self.state = new_state
+        logger.info(
+            "Began weight update %s on rank %s: %d shards required",
+            spec.update_id,
+            self.rank.key,
+            active.ledger.required_count,
+        )
+        return self._report("begin", ok=True)
+
+    def _new_session(self, spec: UpdateSpec) -> _Session:
+        """What a session of ``spec`` keeps: required shards, inventory, router and identity
+        snapshots. Changes no state (a prefetch builds one for its dry run only).
+
+        Raises:
+            DerivedStateUnsupported: a required module has derived state with no refresher.
+        """
         index = self.index
         if spec.mode is UpdateMode.PARTIAL:
             assert spec.scope is not None
@@ -286,19 +342,9 @@ class RankEngine:
             inventory,
             lambda point: failpoints.check(point, self.rank),
         )
-        active = _Session(
+        return _Session(
             spec, ledger, router, index.storage_snapshot(), index.kernel_snapshot(), inventory
         )
-        failpoints.check("begin.snapshot", self.rank)
-        self._session = active
-        self.state = new_state
-        logger.info(
-            "Began weight update %s on rank %s: %d shards required",
-            spec.update_id,
-            self.rank.key,
-            ledger.required_count,
-        )
-        return self._report("begin", ok=True)
 
     def _mark_written(self) -> None:
         active = self._session
@@ -313,8 +359,10 @@ class RankEngine:
             )
         return self._session
 
-    def _load(self, source: LoadSource) -> dict[str, Any]:
-        active = self._require_session()
+    def _open_checkpoint(self, source: LoadSource, spec: UpdateSpec) -> Any:
+        """Read ``source``'s manifest (checked against the pin and ``spec``) and open its files:
+        headers are checked against the manifest here; content hashes on the very bytes the
+        loaders consume, while they consume them (sources.py): one read, no window."""
         manifest = None
         if source.manifest is not None:
             from engine_agent.manifest import ManifestError, load_manifest
@@ -323,11 +371,13 @@ class RankEngine:
                 manifest = load_manifest(source.manifest, pinned=source.manifest_digest)
             except (ManifestError, OSError) as e:
                 raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
-            _check_manifest_versions(manifest, active.spec, source.manifest)
+            _check_manifest_versions(manifest, spec, source.manifest)
+        return open_source(source.path, source.names, manifest)
+
+    def _load(self, source: LoadSource) -> dict[str, Any]:
+        active = self._require_session()
         with _timed(active.timings, "read_headers"):
-            # Headers are checked against the manifest here; content hashes on the very bytes
-            # the loaders consume, while they consume them (sources.py): one read, no window.
-            checkpoint = open_source(source.path, source.names, manifest)
+            checkpoint = self._open_checkpoint(source, active.spec)
         if active.spec.mode is UpdateMode.SPARSE:
             return self._load_sparse(active, checkpoint)
         with _timed(active.timings, "dry_run"):
@@ -344,14 +394,15 @@ class RankEngine:
         return self._report("load", ok=True)
 
     @staticmethod
-    def _loaded(active: _Session, checkpoint: Any) -> None:
-        """Record a batch whose every byte was hashed (and verified, with a manifest)."""
+    def _loaded(active: _Session, checkpoint: Any, *, prefix: str = "") -> None:
+        """Record a batch whose every byte was hashed (and verified, with a manifest); its
+        hashing times under ``prefix`` (``prefetch_``: they were spent before the drain)."""
         active.source_hashes |= checkpoint.content_hashes
         if checkpoint.manifest is not None:
             active.manifest_digest = checkpoint.manifest.digest
         for step, seconds in (
-            ("hash_overlapped", checkpoint.hash_seconds),
-            ("hash_wait", checkpoint.hash_wait_seconds),
+            (prefix + "hash_overlapped", checkpoint.hash_seconds),
+            (prefix + "hash_wait", checkpoint.hash_wait_seconds),
         ):
             active.timings[step] = round(active.timings.get(step, 0.0) + seconds, 6)
 
@@ -392,6 +443,125 @@ class RankEngine:
         )
         active.source_hashes |= hashes
         return self._report("load", ok=True)
+
+    # -- prefetch (issue 30) --------------------------------------------------------------
+
+    def _prefetch_start(self, args: PrefetchArgs) -> dict[str, Any]:
+        """Check everything that needs no live state, then start the read (module
+        :mod:`.prefetch`). The rank stays clean at its version, serving, its guard armed."""
+        spec = args.spec
+        if self._prefetch is not None and self._prefetch.spec == spec:
+            return self._prefetch_report("prefetch", self._prefetch, ok=True)  # a retried call
+        prefetched = session.prefetch(self.state, spec)
+        if callable(getattr(self.model, "process_weights_after_loading", None)):
+            raise WrongState(
+                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
+                "replayed per module; in-place updates are refused for this model"
+            )
+        started = time.perf_counter()
+        checkpoint = self._open_checkpoint(args.source, spec)
+        stage_bytes = sum(info.nbytes for info in checkpoint.infos.values())
+        refused = memory_problem(stage_bytes, args.max_bytes, available_memory())
+        if refused is not None:
+            raise PrefetchMemory(refused, field="prefetch.maxBytes")
+        # Names, shapes, dtypes, shard keys, duplicates and per-shard coverage, over meta
+        # tensors: the model's loaders run with proxies installed, inside this call (the engine
+        # does not step meanwhile), and nothing is staged or recorded for the real session.
+        probe = self._new_session(spec)
+        keys = probe.router.dry_run(
+            (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
+        )
+        for key in keys:
+            probe.ledger.record(key)
+        probe.ledger.require_complete()
+        staging = Prefetch(
+            spec, checkpoint, stage_bytes, lambda point: failpoints.check(point, self.rank)
+        )
+        staging.timings["prefetch_check"] = round(time.perf_counter() - started, 6)
+        self._prefetch, self.state = staging, prefetched
+        staging.start()
+        logger.info(
+            "Started prefetch of %s on rank %s: %d bytes to stage, %d shards",
+            spec.update_id,
+            self.rank.key,
+            stage_bytes,
+            probe.ledger.required_count,
+        )
+        return self._prefetch_report("prefetch", staging, ok=True)
+
+    def _prefetch_poll(self) -> dict[str, Any]:
+        staging = self._current_prefetch()
+        if staging is None:
+            raise WrongState("no prefetch is held on this rank (aborted, or the rank restarted)")
+        if staging.error is not None:
+            raise staging.error
+        return self._prefetch_report("prefetched", staging, ok=True)
+
+    def _current_prefetch(self) -> Prefetch | None:
+        """The prefetch the state still names (a poisoned rank, say, names none: dropped)."""
+        if self._prefetch is not None and self.state.prefetched != self._prefetch.spec.update_id:
+            self._drop_prefetch()
+        return self._prefetch
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            self._prefetch = None
+        self.state = session.drop_prefetch(self.state)
+
+    def _apply(self) -> dict[str, Any]:
+        active = self._require_session()
+        staging = self._current_prefetch()
+        if staging is None or staging.status != "ready":
+            state = "none" if staging is None else staging.status
+            raise WrongState(
+                f"update {active.spec.update_id} has no prefetched checkpoint ready on this "
+                f"rank (prefetch: {state}); load it instead",
+                field="prefetch",
+            )
+        if staging.spec != active.spec:
+            raise UpdateConflict(
+                f"the prefetched checkpoint was read for another spec of update "
+                f"{active.spec.update_id}; abort and send it again",
+                field="prefetch",
+            )
+        self._prefetch, self.state = None, session.drop_prefetch(self.state)
+        checkpoint = staging.checkpoint
+        with _timed(active.timings, "dry_run"):
+            active.router.dry_run(
+                (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
+            )
+        failpoints.check("load.dry_run", self.rank)
+        # Every byte was hashed and verified before the drain: nothing to wait for here.
+        with _timed(active.timings, "load"):
+            active.router.load(staging.consume())
+        failpoints.check("load.read", self.rank)
+        self._loaded(active, checkpoint, prefix="prefetch_")
+        active.timings |= staging.timings
+        return self._report("apply", ok=True)
+
+    def _prefetch_report(
+        self,
+        call: str,
+        staging: Prefetch | None,
+        *,
+        ok: bool,
+        error: AgentError | None = None,
+    ) -> dict[str, Any]:
+        return RankReport(
+            rank=self.rank,
+            call=call,
+            ok=ok,
+            state=self.state.state,
+            version=self.state.version,
+            update_id=None if staging is None else staging.spec.update_id,
+            error=None
+            if error is None
+            else ErrorBody(code=error.code, message=error.message, field=error.field),
+            prefetch="" if staging is None or not ok else staging.status,
+            staged_bytes=0 if staging is None else staging.stage_bytes,
+            timings={} if staging is None else dict(staging.timings),
+        ).to_wire()
 
     def _retarget(self, version: str) -> dict[str, Any]:
         active = self._require_session()
@@ -468,6 +638,7 @@ class RankEngine:
 
     def _abort(self, args: AbortArgs) -> dict[str, Any]:
         fields = self._progress_fields()
+        self._drop_prefetch()  # staging of an update that will not be applied: just freed
         if args.poison:
             # The coordinator saw another rank of this replica write: the replica is mixed even
             # if this rank's own bytes are intact.

@@ -36,11 +36,17 @@ __all__ = ["POINTS", "check"]
 #: Every failpoint, in the order an update passes them (full and partial updates skip the
 #: ``sparse.*`` points, sparse updates skip ``load.staged`` to ``copy.after``; ``tied.*`` fire
 #: only on models with tied parameters; ``load.read`` fires once this rank's loaders consumed
-#: and hashed every tensor of the batch).
+#: and hashed every tensor of the batch; only prefetched updates pass ``prefetch`` to
+#: ``prefetched`` — ``prefetch.read`` fires on the reading thread, before its first byte — and
+#: ``apply``, which replaces ``load``).
 POINTS = (
+    "prefetch",
+    "prefetch.read",
+    "prefetched",
     "begin",
     "begin.snapshot",
     "load",
+    "apply",
     "load.dry_run",
     "load.staged",
     "post_load.before",

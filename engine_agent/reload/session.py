@@ -9,6 +9,13 @@ States and transitions::
     POISONED --begin(full)--> OPEN(poisoned) --finish ok--> CLEAN(v')
     OPEN(poisoned) --finish fails / abort--> POISONED
 
+Prefetch (issue 30) is not a state: a rank reading an update's checkpoint into host staging
+keeps serving what it served, so ``prefetched`` only names the update whose staging it holds::
+
+    CLEAN(v) --prefetch--> CLEAN(v, prefetched=u) --begin(u)--> OPEN(prefetched=u)
+             --apply (staging consumed)--> OPEN --first live write--> DIRTY ...
+    CLEAN(v, prefetched=u) --drop (failure or abort before the drain)--> CLEAN(v)
+
 Invariants (gap 1 of the mission):
     * Only :func:`commit` produces ``CLEAN`` with a new version, and the caller may call it only
       after coverage, derived-state refresh and identity checks all passed. A session that
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine_agent.errors import UpdateConflict, WrongState
+from engine_agent.errors import InvalidRequest, UpdateConflict, WrongState
 from engine_agent.protocol import EngineState, UpdateMode, UpdateSpec
 
 __all__ = [
@@ -38,10 +45,12 @@ __all__ = [
     "abort",
     "begin",
     "commit",
+    "drop_prefetch",
     "fail",
     "initial",
     "mark_written",
     "poison",
+    "prefetch",
 ]
 
 
@@ -62,6 +71,9 @@ class WeightState:
     committed_by: str | None = None
     #: The spec the open session began with (a repeated begin must repeat it exactly).
     spec: UpdateSpec | None = None
+    #: The update whose checkpoint this rank holds (or reads) in host staging, not yet applied.
+    #: Says nothing about what the rank serves: ``serving_safe`` is unchanged by a prefetch.
+    prefetched: str | None = None
 
     @property
     def serving_safe(self) -> bool:
@@ -102,6 +114,69 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
             f"starting {spec.update_id!r}",
             field="update_id",
         )
+    if ws.prefetched is not None and ws.prefetched != spec.update_id:
+        raise UpdateConflict(
+            f"update {ws.prefetched!r} is prefetched on this rank; abort it before starting "
+            f"{spec.update_id!r}",
+            field="update_id",
+        )
+    _check_base(ws, spec)
+    return replace(
+        ws,
+        state=EngineState.OPEN,
+        update_id=spec.update_id,
+        mode=spec.mode,
+        target_version=spec.version,
+        began_poisoned=ws.state is EngineState.POISONED,
+        spec=spec,
+    )
+
+
+def prefetch(ws: WeightState, spec: UpdateSpec) -> WeightState:
+    """Note that this rank stages ``spec``'s checkpoint ahead of its session; what it serves
+    (state, version, ``serving_safe``) is unchanged.
+
+    The checks :func:`begin` will make are made now too, so a prefetch that could never be
+    applied is refused before any byte is read; :func:`begin` makes them again in the drain.
+
+    Raises:
+        UpdateConflict: a session is open, or another update is prefetched (the same one again
+            is acknowledged, ``ws`` unchanged).
+        InvalidRequest: a sparse update (applied in place, nothing to stage ahead).
+        WrongState: as :func:`begin` for a poisoned engine or a delta's base.
+    """
+    if ws.in_session:
+        raise UpdateConflict(
+            f"update {ws.update_id!r} is active ({ws.state.value}); a prefetch of "
+            f"{spec.update_id!r} must come before its session",
+            field="update_id",
+        )
+    if ws.prefetched == spec.update_id:
+        return ws
+    if ws.prefetched is not None:
+        raise UpdateConflict(
+            f"update {ws.prefetched!r} is prefetched on this rank; abort it before prefetching "
+            f"{spec.update_id!r}",
+            field="update_id",
+        )
+    if spec.mode is UpdateMode.SPARSE:
+        raise InvalidRequest(
+            "a sparse update cannot be prefetched: its patch is planned against and written "
+            "into the live bytes inside the drain",
+            field="prefetch",
+        )
+    _check_base(ws, spec)
+    return replace(ws, prefetched=spec.update_id)
+
+
+def drop_prefetch(ws: WeightState) -> WeightState:
+    """The staging was consumed (applied) or freed (a failure or abort before the drain)."""
+    return replace(ws, prefetched=None)
+
+
+def _check_base(ws: WeightState, spec: UpdateSpec) -> None:
+    """Refuse a delta that does not build on exactly what the engine serves, and anything but a
+    full update on a poisoned engine (:func:`begin`)."""
     if ws.state is EngineState.POISONED and spec.mode is not UpdateMode.FULL:
         raise WrongState(
             f"engine is poisoned ({ws.poison_reason}); only a full update can recover it, "
@@ -121,15 +196,6 @@ def begin(ws: WeightState, spec: UpdateSpec) -> WeightState:
             f"{_commit_name(ws.committed_by)} (labelled {ws.version!r}); send a full update",
             field="base_update_id",
         )
-    return replace(
-        ws,
-        state=EngineState.OPEN,
-        update_id=spec.update_id,
-        mode=spec.mode,
-        target_version=spec.version,
-        began_poisoned=ws.state is EngineState.POISONED,
-        spec=spec,
-    )
 
 
 def mark_written(ws: WeightState) -> WeightState:

@@ -60,6 +60,9 @@ __all__ = ["Agent", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFo
 
 logger = logging.getLogger(__name__)
 
+#: Phases of an update in which the replica still serves (a prefetch before its drain).
+_SERVING_PHASES: Final = (UpdatePhase.PREFETCHING, UpdatePhase.PREFETCHED)
+
 ABORT: Final = ExtensionRpc.ABORT
 STATE: Final = ExtensionRpc.STATE
 #: vLLM's weight version before anything set it.
@@ -130,6 +133,8 @@ class Agent:
         self._task: asyncio.Task[None] | None = None
         self._guard: asyncio.Task[None] | None = None
         self._recovered = asyncio.Event()
+        #: An update was interrupted while its ranks prefetched: free their staging at recovery.
+        self._stale_prefetch = False
         self._observation: _Observation | None = None
         self._observe_lock = asyncio.Lock()
         self._last_ranks: list[RankStatus] = []
@@ -154,15 +159,25 @@ class Agent:
             memory.source = self.config.initial_source
         interrupted = self.store.active
         if interrupted is not None and not interrupted.phase.terminal:
+            # A prefetch before its hold wrote nothing and paused nothing: its staging is freed
+            # once vLLM answers (_recover) and the replica serves on; anything later is held.
+            serving = interrupted.phase in _SERVING_PHASES and memory.hold is None
             problem = Problem(
                 "agent_restarted",
-                f"the agent restarted during phase {interrupted.phase.value}; the session was "
-                "aborted on every rank and generation stays paused",
+                f"the agent restarted during phase {interrupted.phase.value}; "
+                + (
+                    "the ranks' prefetched staging is freed and the replica serves on"
+                    if serving
+                    else "the session was aborted on every rank and generation stays paused"
+                ),
             )
             finish_record(
                 self.store, self.metrics, interrupted, UpdatePhase.FAILED, [problem], self._stamp()
             )
-            self._set_hold(problem)
+            if serving:
+                self._stale_prefetch = True
+            else:
+                self._set_hold(problem)
         self.store.active_id = None
         self.store.save()
         self._guard = asyncio.create_task(self._guard_loop(), name="weightroll-agent-guard")
@@ -320,7 +335,7 @@ class Agent:
         memory = self.store.memory
         paused = bool(observation and observation.paused)
         if self.store.active is not None:
-            paused = self.store.active.phase is not UpdatePhase.PENDING
+            paused = self.store.active.phase not in (UpdatePhase.PENDING, *_SERVING_PHASES)
         # What the ranks serve now (one version on every rank), never the agent's record alone:
         # a vLLM restarted under a committed agent serves its boot weights again.
         live = {r.version for r in self._last_ranks}
@@ -470,7 +485,17 @@ class Agent:
             await asyncio.sleep(self.config.watch_interval)
 
     def _updating(self) -> bool:
-        return self.pipeline.busy
+        """An attempt owns the replica's pause, resume and readiness now; a prefetching update
+        before its hold does not: the replica serves its old weights meanwhile."""
+        return self.pipeline.busy and not self._prefetching()
+
+    def _prefetching(self) -> bool:
+        active = self.store.active
+        return (
+            active is not None
+            and active.phase in _SERVING_PHASES
+            and self.store.memory.hold is None
+        )
 
     async def _guard_once(self) -> None:
         watchdog = self.pipeline.watchdog
@@ -504,6 +529,11 @@ class Agent:
             await asyncio.sleep(min(1.0, self.config.watch_interval))
         states = observation.states
         assert states is not None
+        if self._stale_prefetch:
+            # Without poison: nothing was written. A rank that restarted holds none (a no-op).
+            with contextlib.suppress(EngineError):
+                await self.client.collective_rpc(ABORT, "{}", self.config.control_timeout)
+                self._stale_prefetch = False
         open_ids = sorted(
             {
                 s.update_id or "?"

@@ -2,8 +2,13 @@
 rank from the model volume, through the replica's one commit sequence (:mod:`.pipeline`).
 
     Pending    world size; manifest loaded and checked (pin, signature, digest, version, base)
+    Prefetching (``prefetch.mode: Host`` only) weightroll_prefetch on every rank, then
+               weightroll_prefetched until every rank holds the verified checkpoint in host
+               staging; the replica serves meanwhile: no hold, no drain, still Ready
+    Prefetched every rank is ready; the hold is saved and the drain follows
     Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
     Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
+               (prefetched: weightroll_apply, which loads from the staging without a read)
     Verifying  weightroll_finish() on every rank → all-rank agreement (ranks.check_commit)
                → the pipeline's confirmation, and the manifest still the one published
     Committed  the pipeline's commit: version named, hold cleared, generation resumed
@@ -19,6 +24,9 @@ What only this feeder does:
       rank or agreement problem, a manifest re-published mid-update, a failed cache reset, a
       timeout) aborts with ``poison: true``: ranks that committed a version the agent did not
       accept are poisoned, not left clean at it.
+    * **A prefetch that fails leaves the replica as it was.** Before the hold nothing was
+      written and nothing was paused: the ranks' staging is freed (``weightroll_abort`` without
+      poison), the update is recorded failed, and the replica serves its old weights, Ready.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from engine_agent.protocol import (
     EngineState,
     ExtensionRpc,
     LoadSource,
+    PrefetchArgs,
+    PrefetchMode,
     RankReport,
     UpdateMode,
     UpdatePhase,
@@ -61,16 +71,23 @@ from engine_agent.sidecar.signing import (
 )
 from engine_agent.sidecar.state import Store, UpdateRecord
 
-__all__ = ["LOAD", "FileUpdate", "finish_record"]
+__all__ = ["LOAD", "FileUpdate", "finish_record", "prefetch_waiting"]
 
 logger = logging.getLogger(__name__)
 
 BEGIN: Final = ExtensionRpc.BEGIN
 LOAD: Final = ExtensionRpc.LOAD
 FINISH: Final = ExtensionRpc.FINISH
+PREFETCH: Final = ExtensionRpc.PREFETCH
+PREFETCHED: Final = ExtensionRpc.PREFETCHED
+APPLY: Final = ExtensionRpc.APPLY
+#: Seconds between two questions to the ranks while they prefetch (each is one short RPC).
+PREFETCH_POLL_SECONDS: Final = 0.2
 ABORT: Final = ExtensionRpc.ABORT
 #: Phases whose timings are also exported as the phase-duration histogram.
-_TIMED_PHASES: Final = frozenset({"drain", "begin", "load", "finish", "verify", "resume"})
+_TIMED_PHASES: Final = frozenset(
+    {"prefetch", "drain", "begin", "load", "finish", "verify", "resume"}
+)
 
 
 class _Failed(Exception):
@@ -124,6 +141,11 @@ def finish_record(
     store.save()
 
 
+def prefetch_waiting(reports: Sequence[RankReport]) -> list[str]:
+    """The ranks whose prefetch is not ``ready`` yet (their keys, sorted)."""
+    return sorted(report.rank.key for report in reports if report.prefetch != "ready")
+
+
 def _merge_ranks(record: UpdateRecord, reports: Sequence[RankReport]) -> None:
     by_key = {report.rank.key: report for report in record.ranks}
     for report in reports:
@@ -162,6 +184,11 @@ class FileUpdate:
         #: :meth:`run` began (a task cancelled before its first step never does).
         self.started = False
         self._finish_sent = False
+        #: The hold is saved: from here a failure keeps the replica paused (today's path).
+        #: A prefetched update saves it only once every rank holds the checkpoint.
+        self._held = False
+        #: ``weightroll_prefetch`` was sent: the ranks may hold staging to free.
+        self._prefetch_sent = False
 
     def _stamp(self) -> str:
         return self._now().isoformat().replace("+00:00", "Z")
@@ -222,41 +249,51 @@ class FileUpdate:
                 pipeline.metrics.phase_duration.labels(phase=name).observe(now - step_start)
             step_start = now
 
-        # Accepted means held: from here only a commit clears the hold.
-        pipeline.hold(
-            Problem("update_incomplete", f"update {request.id} started and has not committed")
-        )
+        prefetch = request.prefetch.mode is PrefetchMode.HOST
+        if not prefetch:
+            self._hold()  # accepted means held: from here only a commit clears the hold
         world = await self.client.world_size()
         manifest, rank_pin = await self._preflight()
         lap("preflight")
-
-        self._enter(UpdatePhase.DRAINING)
-        how = await pipeline.drain(request.drain.mode, float(request.drain.timeout_seconds))
-        record.message = f"drained ({how})"
-        lap("drain")
-
-        self._enter(UpdatePhase.LOADING)
-        await pipeline.mark_unaccepted(request.id)
-        # A delta names the commit it builds on; each rank refuses it unless it serves exactly
-        # that one (a restart since the agent last looked is caught there).
-        base = pipeline.store.memory.committed_update_id
-        spec = request.engine_spec(base).model_dump_json(by_alias=True)
-        begin = check_session(
-            await self._call_ranks(BEGIN, spec, self.config.begin_timeout, world), request.id
-        )
-        lap("begin")
-        if not begin.ok:
-            raise _Failed(begin.problems)
         manifest_path = request.source.manifest_path
         source = LoadSource(
             path=self.config.local_path(request.source.path),
             manifest=None if manifest_path is None else self.config.local_path(manifest_path),
             manifest_digest=rank_pin,
         )
-        load = check_session(
+        # A delta names the commit it builds on; each rank refuses it unless it serves exactly
+        # that one (a restart since the agent last looked is caught there).
+        base = pipeline.store.memory.committed_update_id
+        spec = request.engine_spec(base)
+        if prefetch:
+            await self._prefetch(
+                PrefetchArgs(spec=spec, source=source, max_bytes=request.prefetch.max_bytes), world
+            )
+            lap("prefetch")
+            self._hold()
+
+        self._enter(UpdatePhase.DRAINING)
+        window_start = self._monotonic()
+        how = await pipeline.drain(request.drain.mode, float(request.drain.timeout_seconds))
+        record.message = f"drained ({how})"
+        lap("drain")
+
+        self._enter(UpdatePhase.LOADING)
+        await pipeline.mark_unaccepted(request.id)
+        begin = check_session(
             await self._call_ranks(
-                LOAD, source.model_dump_json(by_alias=True), self.config.load_timeout, world
+                BEGIN, spec.model_dump_json(by_alias=True), self.config.begin_timeout, world
             ),
+            request.id,
+        )
+        lap("begin")
+        if not begin.ok:
+            raise _Failed(begin.problems)
+        load_call, load_arg = (
+            (APPLY, "{}") if prefetch else (LOAD, source.model_dump_json(by_alias=True))
+        )
+        load = check_session(
+            await self._call_ranks(load_call, load_arg, self.config.load_timeout, world),
             request.id,
         )
         pipeline.metrics.bytes_loaded.inc(sum(report.bytes_loaded for report in load.reports))
@@ -291,9 +328,59 @@ class FileUpdate:
             raise _Failed(problems)
         await pipeline.commit(request.version, request.id, request.source)
         lap("resume")
+        record.timings["window"] = round(self._monotonic() - window_start, 6)
         record.message = f"committed version {request.version} on {world} rank(s); {how}"
         self._finish(UpdatePhase.COMMITTED, [])
         logger.info("Committed update %s (version %s)", record.id, request.version)
+
+    def _hold(self) -> None:
+        self.pipeline.hold(
+            Problem(
+                "update_incomplete",
+                f"update {self.record.request.id} started and has not committed",
+            )
+        )
+        self._held = True
+
+    async def _prefetch(self, args: PrefetchArgs, world: int) -> None:
+        """Every rank reads and verifies the checkpoint into host staging while the replica
+        serves; returns once every rank reports ``ready`` (bounded by the load timeout)."""
+        request = self.record.request
+        self._enter(UpdatePhase.PREFETCHING)
+        self._prefetch_sent = True
+        started = check_session(
+            await self._call_ranks(
+                PREFETCH, args.model_dump_json(by_alias=True), self.config.begin_timeout, world
+            ),
+            request.id,
+        )
+        if not started.ok:
+            raise _Failed(started.problems)
+        deadline = self._monotonic() + self.config.load_timeout
+        while True:
+            round_ = check_session(
+                await self._call_ranks(PREFETCHED, "{}", self.config.control_timeout, world),
+                request.id,
+            )
+            if not round_.ok:
+                raise _Failed(round_.problems)
+            waiting = prefetch_waiting(round_.reports)
+            if not waiting:
+                break
+            if self._monotonic() > deadline:
+                raise _Failed(
+                    [
+                        Problem(
+                            "prefetch_timeout",
+                            f"ranks still reading after {self.config.load_timeout}s: "
+                            + ", ".join(waiting),
+                        )
+                    ]
+                )
+            await asyncio.sleep(PREFETCH_POLL_SECONDS)  # a poll interval, not a synchronisation
+        staged = sum(report.staged_bytes for report in round_.reports)
+        self.record.message = f"prefetched {staged} bytes on {world} rank(s)"
+        self._enter(UpdatePhase.PREFETCHED)
 
     async def _preflight(self) -> tuple[Manifest | None, str | None]:
         """Load and check the manifest before the drain: a swapped or wrong manifest writes
@@ -379,7 +466,7 @@ class FileUpdate:
         """Abort the ranks' session (poisoning them once anything may have been written)."""
         record = self.record
         if record.phase not in (UpdatePhase.LOADING, UpdatePhase.VERIFYING):
-            return []  # no session was opened
+            return await self._free_prefetch()  # no session was opened
         try:
             results = await self.client.collective_rpc(
                 ABORT, abort_args(record, first, self._finish_sent), self.config.control_timeout
@@ -391,7 +478,13 @@ class FileUpdate:
         return []
 
     async def _fail(self, problems: list[Problem], phase: UpdatePhase) -> None:
-        """Close the rank sessions, keep generation paused, record the verdict."""
+        """Close the rank sessions, keep generation paused, record the verdict.
+
+        A prefetched update that fails before its hold wrote nothing and paused nothing: its
+        staging is freed and the replica serves on (:meth:`_fail_serving`)."""
+        if not self._held:
+            await self._fail_serving(problems, phase)
+            return
         record = self.record
         await self.pipeline.fail(f"update {record.id}", problems, self._close_session)
         self._finish(phase, problems)
@@ -401,6 +494,28 @@ class FileUpdate:
             phase.value,
             "; ".join(map(str, problems)),
         )
+
+    async def _fail_serving(self, problems: list[Problem], phase: UpdatePhase) -> None:
+        problems += await self._free_prefetch()
+        for problem in problems:
+            self.pipeline.metrics.verification_failures.labels(reason=problem.code).inc()
+        self._finish(phase, problems)
+        logger.warning(
+            "Update %s ended %s before the drain; the replica serves its old weights: %s",
+            self.record.id,
+            phase.value,
+            "; ".join(map(str, problems)),
+        )
+
+    async def _free_prefetch(self) -> list[Problem]:
+        """Free the ranks' staging (an abort without poison: nothing was written)."""
+        if not self._prefetch_sent:
+            return []
+        try:
+            await self.client.collective_rpc(ABORT, "{}", self.config.control_timeout)
+        except EngineError as e:
+            return [Problem("abort_failed", f"weightroll_abort: {e}")]
+        return []
 
     def _finish(self, phase: UpdatePhase, problems: Sequence[Problem]) -> None:
         pipeline = self.pipeline

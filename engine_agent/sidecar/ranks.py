@@ -232,6 +232,7 @@ _PASSTHROUGH_CODES: Final = frozenset(
         "identity_changed",
         "sparse_refused",
         "derived_state_unsupported",
+        "prefetch_memory",
         # engine_agent.manifest
         "manifest_invalid",
     }

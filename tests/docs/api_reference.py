@@ -33,7 +33,7 @@ API_MD = ROOT / "docs" / "api.md"
 #: Table cell for "no default" / "no extra validation".
 NONE = "-"
 #: Objects whose fields get rows of their own; any other object is one row.
-_RECURSE = frozenset({"SourceSpec", "StrategySpec", "DrainSpec", "AgentSpec"})
+_RECURSE = frozenset({"SourceSpec", "StrategySpec", "DrainSpec", "PrefetchSpec", "AgentSpec"})
 
 #: Table cell of a field without a description (the tests fail on it).
 UNDOCUMENTED = "**undocumented**"
@@ -204,7 +204,10 @@ def status_table() -> str:
 
 #: Agent wire models documented in docs/api.md: name -> (model, nested models flattened).
 WIRE_MODELS: dict[str, tuple[type[BaseModel], frozenset[str]]] = {
-    "UpdateRequest": (protocol.UpdateRequest, frozenset({"SourceSpec", "DrainSpec"})),
+    "UpdateRequest": (
+        protocol.UpdateRequest,
+        frozenset({"SourceSpec", "DrainSpec", "PrefetchSpec"}),
+    ),
     "UpdateStatus": (protocol.UpdateStatus, frozenset()),
     "AgentState": (protocol.AgentState, frozenset()),
     "ErrorBody": (protocol.ErrorBody, frozenset()),
@@ -241,14 +244,24 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
         "scope": "Required for `partial` (tensor names, or prefixes ending in `.`); else absent.",
         "drain.mode": "`wait` (then abort after the timeout) or `abort` at once.",
         "drain.timeoutSeconds": "Bound of the `wait` drain.",
+        "prefetch.mode": (
+            "`Host`: every rank reads and verifies the checkpoint into host memory while the "
+            "replica serves, and the drain only applies it (phases `Prefetching`, "
+            "`Prefetched`; a failure there leaves the replica serving, unpaused). `None`: read "
+            "inside the drain. Not for `sparse`."
+        ),
+        "prefetch.maxBytes": (
+            "Most bytes one rank may stage in host memory; above it, or above the host's "
+            "available memory, the update fails `prefetch_memory` before any read."
+        ),
     },
     "UpdateStatus": {
         "id": "The update id.",
         "version": "Target version.",
         "mode": "As requested.",
         "phase": (
-            "`Pending`, `Draining`, `Loading`, `Verifying`, then one of `Committed`, `Failed`, "
-            "`Aborted`."
+            "`Pending`, (`prefetch.mode: Host`: `Prefetching`, `Prefetched`), `Draining`, "
+            "`Loading`, `Verifying`, then one of `Committed`, `Failed`, `Aborted`."
         ),
         "ranks": "Latest `RankReport` per rank (`engine_agent/protocol.py`).",
         "verdict": (
@@ -256,8 +269,9 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
             "was resumed; `reasons` says why not, as `<code>: <message>`."
         ),
         "timings": (
-            "Seconds per step: `preflight`, `drain`, `begin`, `load`, `finish`, `verify`, "
-            "`resume`, `total`."
+            "Seconds per step: `preflight`, `prefetch` (prefetched only), `drain`, `begin`, "
+            "`load`, `finish`, `verify`, `resume`, `total`; `window` from the drain's start to "
+            "the resume."
         ),
         "startedAt": "RFC 3339.",
         "finishedAt": "RFC 3339, once terminal.",

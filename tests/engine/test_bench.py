@@ -36,7 +36,15 @@ def test_reload_benchmark_prints_one_json_object_on_stdout(tmp_path: Path) -> No
     report = json.loads(run.stdout)
     assert report == json.loads((tmp_path / "bench.json").read_text())
     assert "INFO" in run.stderr, "vLLM's logs should still be visible on stderr"
-    assert set(report["median_seconds"]) == {"raw_copy", "vllm_reload", "verified"}
+    assert set(report["median_seconds"]) == {
+        "raw_copy",
+        "vllm_reload",
+        "verified",
+        "prefetch",
+        "window",
+    }
+    assert report["ratios"]["window_vs_vllm_reload"] > 0
+    assert report["ratios"]["prefetch_plus_window_vs_vllm_reload"] > 0
     assert report["ratios"]["verified_vs_vllm_reload"] > 0
     assert 0 <= report["ratios"]["structural_checks_share_of_verified"] < 1
     assert 0 <= report["ratios"]["digest_share_of_verified"] < 1

@@ -52,6 +52,13 @@ TABLE = [
     ("sparse.after_write", "sparse", "poisoned"),
     ("tied.before", "sparse", "poisoned"),
     ("finish.identity", "sparse", "poisoned"),
+    # prefetched (issue 30): everything before the drain writes nothing; apply is load's twin
+    ("prefetch", "prefetch", "clean"),
+    ("prefetch.read", "prefetch", "clean"),
+    ("prefetched", "prefetch", "clean"),
+    ("apply", "prefetch", "clean"),
+    ("load.staged", "prefetch", "clean"),
+    ("copy.after", "prefetch", "poisoned"),
 ]
 
 
@@ -128,6 +135,8 @@ def test_a_failure_at_every_step_boundary_is_clean_and_unchanged_or_poisoned(
     monkeypatch.setenv(failpoints.ENV, point)
     if mode == "full":
         reports = engine.update(f"fault-{mode}", "b", tied["b"])
+    elif mode == "prefetch":
+        reports = engine.prefetched_update(f"fault-{mode}", "b", tied["b"])
     else:
         reports = engine.update(
             f"fault-{mode}", "a-x", tied["patch"], mode="sparse", baseVersion="a"

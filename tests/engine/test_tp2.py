@@ -71,3 +71,29 @@ def test_each_rank_reports_its_own_coverage_and_one_failing_rank_poisons(
     recovered = engine.update("tp2-recover", "a", tp2["a"])
     assert all(r["ok"] and r["state"] == "clean" for r in recovered), recovered
     assert engine.outputs() == tp2["boot"]
+
+
+def test_a_prefetched_update_on_two_ranks_and_one_rank_failing_its_read(
+    tp2: dict[str, Any],
+) -> None:
+    """Issue 30 on TP=2: each rank prefetches on its own thread; a read that fails on one rank
+    leaves both clean at their version (nothing was written) once the staging is freed."""
+    engine: Engine = tp2["engine"]
+    assert engine.state()[0]["version"] == "a"
+    reports = engine.prefetched_update("tp2-pf-b", "b", tp2["b"])
+    assert all(r["ok"] and r["state"] == "clean" and r["version"] == "b" for r in reports), reports
+    assert reports[0]["digest"] == reports[1]["digest"] != ""
+    assert engine.outputs().tokens != tp2["boot"].tokens
+
+    tp2["failpoints"].write_text("prefetch.read@tp1")
+    failed = engine.prefetched_update("tp2-pf-fail", "a", tp2["a"])
+    tp2["failpoints"].write_text("")
+    by_rank = {r["rank"]["tp"]: r for r in failed}
+    assert not by_rank[1]["ok"] and by_rank[1]["error"]["code"] == "source_unavailable"
+    engine.rpc("weightroll_abort")  # what the agent sends: frees rank 0's staging, no poison
+    states = engine.state()
+    assert [(s["state"], s["version"]) for s in states] == [("clean", "b"), ("clean", "b")]
+
+    recovered = engine.prefetched_update("tp2-pf-a", "a", tp2["a"])
+    assert all(r["ok"] and r["state"] == "clean" for r in recovered), recovered
+    assert engine.outputs() == tp2["boot"]

@@ -15,6 +15,7 @@ import contextlib
 import gc
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,35 @@ class Engine:
             if not all(r["ok"] for r in loaded):
                 self.rpc("weightroll_abort")
                 return loaded
+        return self.rpc("weightroll_finish")
+
+    def prefetched_update(
+        self, update_id: str, version: str, path: Path | str, **spec: Any
+    ) -> list[dict[str, Any]]:
+        """prefetch (waiting until every rank's read ended) + begin + apply + finish, as the
+        agent drives a ``prefetch.mode: Host`` update; returns the finish reports (or the first
+        failure). Full updates only."""
+        body = {"updateId": update_id, "version": version, **spec}
+        started = self.rpc("weightroll_prefetch", {"spec": body, "source": {"path": str(path)}})
+        if not all(r["ok"] for r in started):
+            return started
+        deadline = time.monotonic() + 120
+        while True:  # the read runs on the ranks' own threads; poll as the agent does
+            polled = self.rpc("weightroll_prefetched")
+            if not all(r["ok"] for r in polled) or all(r["prefetch"] == "ready" for r in polled):
+                break
+            assert time.monotonic() < deadline, f"prefetch never ended: {polled}"
+            time.sleep(0.05)
+        if not all(r["ok"] for r in polled):
+            return polled
+        begin = self.rpc("weightroll_begin", body)
+        if not all(r["ok"] for r in begin):
+            self.rpc("weightroll_abort")
+            return begin
+        applied = self.rpc("weightroll_apply")
+        if not all(r["ok"] for r in applied):
+            self.rpc("weightroll_abort")
+            return applied
         return self.rpc("weightroll_finish")
 
     def state(self) -> list[dict[str, Any]]:

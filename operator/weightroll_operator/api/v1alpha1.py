@@ -242,6 +242,25 @@ class DrainSpec(Model):
     """How long the agent waits for in-flight requests (seconds)."""
 
 
+class PrefetchMode(StrEnum):
+    """Whether the agent reads the checkpoint before the drain (see ``engine_agent.protocol``)."""
+
+    NONE = "None"
+    HOST = "Host"
+
+
+class PrefetchSpec(Model):
+    """Read and verify the checkpoint into host memory before the drain (agent issue 30)."""
+
+    mode: PrefetchMode = PrefetchMode.NONE
+    """`Host`: every rank of a pod reads and verifies the whole checkpoint into host memory
+    before the agent drains it, so the pause holds only the apply; a failure there leaves the
+    pod serving its old weights. `None`: read inside the drain. Not for `sparse` sources."""
+    max_bytes: int | None = Field(default=None, ge=1)
+    """Most bytes one rank may stage in host memory (the host's available memory is always
+    checked too); above it the pod's update fails `prefetch_memory` before any read."""
+
+
 class OnFailure(StrEnum):
     """What happens when more than ``maxFailedReplicas`` units fail."""
 
@@ -267,6 +286,9 @@ class StrategySpec(Model):
     promote (`weightroll promote`)."""
     drain: DrainSpec = Field(default_factory=DrainSpec)
     """How the agent stops generation on a pod before its reload."""
+    prefetch: PrefetchSpec = Field(default_factory=PrefetchSpec)
+    """Whether the agent reads the checkpoint before the drain. The operator passes it through
+    only: the pod is still taken out of traffic before the agent is asked."""
     traffic_label: LabelKey | None = None
     """Also removed from a pod while it is drained and restored afterwards, for routers that
     ignore Pod readiness. Keep it out of your workload's own selector."""

@@ -12,9 +12,11 @@ from pydantic import ValidationError
 
 from engine_agent.protocol import DrainMode as WireDrainMode
 from engine_agent.protocol import DrainSpec as WireDrainSpec
+from engine_agent.protocol import PrefetchMode as WirePrefetchMode
+from engine_agent.protocol import PrefetchSpec as WirePrefetchSpec
 from engine_agent.protocol import SourceSpec as WireSourceSpec
 from engine_agent.protocol import UpdateMode, UpdateRequest
-from weightroll_operator.api.v1alpha1 import SourceMode, WeightUpdateSpec
+from weightroll_operator.api.v1alpha1 import PrefetchMode, SourceMode, WeightUpdateSpec
 from weightroll_operator.domain.model import (
     OwnerKey,
     UnitState,
@@ -29,8 +31,14 @@ def check_wire(spec: WeightUpdateSpec, name: str) -> None:
     """Specs the CRD schema cannot check: the source must be expressible on the agent wire.
 
     Raises:
-        ValueError: naming ``spec.source`` and what the agent's protocol refuses in it.
+        ValueError: naming ``spec.source`` (or ``spec.strategy.prefetch``) and what the agent's
+            protocol refuses in it.
     """
+    if spec.strategy.prefetch.mode is PrefetchMode.HOST and spec.source.mode is SourceMode.SPARSE:
+        raise ValueError(
+            "spec.strategy.prefetch.mode: 'Host' is not supported for sparse sources (a patch "
+            "is written into the live bytes inside the drain); use 'None'"
+        )
     probe = WeightState(
         state=UnitState.DRAINING,
         by=OwnerKey("-"),
@@ -56,6 +64,10 @@ def build_request(
         mode=WireDrainMode(spec.strategy.drain.mode.value),
         timeout_seconds=spec.strategy.drain.timeout_seconds,
     )
+    prefetch = WirePrefetchSpec(
+        mode=WirePrefetchMode(spec.strategy.prefetch.mode.value),
+        max_bytes=spec.strategy.prefetch.max_bytes,
+    )
     if rollback:
         if st.previous_source is None:
             raise ValueError("no rollback source recorded")
@@ -69,6 +81,7 @@ def build_request(
             ),
             mode=UpdateMode.FULL,
             drain=drain,
+            prefetch=prefetch,
         )
     sparse = spec.source.mode is SourceMode.SPARSE
     return UpdateRequest(
@@ -82,4 +95,5 @@ def build_request(
         mode=UpdateMode.SPARSE if sparse else UpdateMode.FULL,
         base_version=spec.source.base_version if sparse else None,
         drain=drain,
+        prefetch=prefetch,
     )

@@ -108,9 +108,11 @@ def test_a_unit_its_agent_holds_out_costs_no_slot(p2_agent: AgentView, expected:
     assert claimed(p) == expected
 
 
-def test_in_flight_units_use_the_budget() -> None:
+@pytest.mark.parametrize("phase", [p for p in UpdatePhase if not p.terminal])
+def test_in_flight_units_use_the_budget(phase: UpdatePhase) -> None:
+    """Every agent phase before the verdict is in flight, the prefetch phases included."""
     pods = [pod("p0", gate=False, ready=False, st=state()), pod("p1"), pod("p2")]
-    p = run(spec(maxUnavailable=2), pods, {**FRESH, "p0": agent(phase=UpdatePhase.LOADING)})
+    p = run(spec(maxUnavailable=2), pods, {**FRESH, "p0": agent(phase=phase)})
     assert claimed(p) == ["p1"]
 
 
