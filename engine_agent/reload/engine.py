@@ -120,6 +120,7 @@ class RankEngine:
         act_dtype: the model's dtype (``model_config.dtype``).
         rank: this rank's position.
         boot_version: the version of the weights the engine started with.
+        ranks_on_host: the replica's ranks on this host (vLLM's ``local_world_size``).
     """
 
     def __init__(
@@ -130,8 +131,11 @@ class RankEngine:
         rank: RankId,
         boot_version: str,
         guard_period: float = DEFAULT_PERIOD_S,
+        ranks_on_host: int = 1,
     ) -> None:
         self.model = model
+        #: Ranks of this replica on this host (they prefetch at once: the memory bound).
+        self.ranks_on_host = ranks_on_host
         self.device = device
         self.act_dtype = act_dtype
         self.rank = rank
@@ -461,7 +465,9 @@ class RankEngine:
         started = time.perf_counter()
         checkpoint = self._open_checkpoint(args.source, spec)
         stage_bytes = sum(info.nbytes for info in checkpoint.infos.values())
-        refused = memory_problem(stage_bytes, args.max_bytes, available_memory())
+        refused = memory_problem(
+            stage_bytes, args.max_bytes, available_memory(), self.ranks_on_host
+        )
         if refused is not None:
             raise PrefetchMemory(refused, field="prefetch.maxBytes")
         # Names, shapes, dtypes, shard keys, duplicates and per-shard coverage, over meta

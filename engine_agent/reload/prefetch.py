@@ -54,11 +54,17 @@ def available_memory(meminfo: Path = MEMINFO) -> int | None:
     return None
 
 
-def memory_problem(stage_bytes: int, max_bytes: int | None, available: int | None) -> str | None:
+def memory_problem(
+    stage_bytes: int, max_bytes: int | None, available: int | None, ranks_on_host: int = 1
+) -> str | None:
     """Why staging ``stage_bytes`` on this rank is refused, in one line (``None``: it is not).
 
-    ``max_bytes`` is the update's limit; ``available`` the host's available memory (``None``:
-    unknown, which refuses: a prefetch that cannot be bounded is not started).
+    ``max_bytes`` is the update's limit per rank; ``available`` the host's available memory
+    (``None``: unknown, which refuses: a prefetch that cannot be bounded is not started).
+    ``ranks_on_host`` ranks of the replica share this host and prefetch at the same time, each
+    reading the same checkpoint, so the host must hold that many times ``stage_bytes``: each
+    rank checking only its own share against the same ``MemAvailable`` would let eight TP ranks
+    promise the host eight times what it has.
     """
     if max_bytes is not None and stage_bytes > max_bytes:
         return (
@@ -70,9 +76,15 @@ def memory_problem(stage_bytes: int, max_bytes: int | None, available: int | Non
             f"prefetch would stage {stage_bytes} bytes on this rank, but the host's available "
             "memory is unknown (no MemAvailable in /proc/meminfo)"
         )
-    if stage_bytes > available:
+    host_bytes = stage_bytes * max(ranks_on_host, 1)
+    if host_bytes > available:
+        each = (
+            f" ({ranks_on_host} ranks on this host, {host_bytes} bytes)"
+            if ranks_on_host > 1
+            else ""
+        )
         return (
-            f"prefetch would stage {stage_bytes} bytes on this rank, above the host's "
+            f"prefetch would stage {stage_bytes} bytes on this rank{each}, above the host's "
             f"available memory ({available} bytes)"
         )
     return None

@@ -115,6 +115,16 @@ def _group_rank(ps: Any, getter: str) -> int:
         return 0
 
 
+def _ranks_on_host(parallel_config: Any) -> int:
+    """The replica's ranks on this node (vLLM's ``local_world_size``; its world size where
+    that is missing: more, never fewer, so the prefetch bound errs towards refusing)."""
+    for attr in ("local_world_size", "world_size"):
+        value = getattr(parallel_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1
+
+
 # Weak keys: the registry must not keep a model vLLM has dropped (and its weights) alive.
 _RANK_ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -145,6 +155,7 @@ def rank_engine_for(model: Any, vllm_config: Any) -> Any:
             ),
             boot_version=os.environ.get("WEIGHTROLL_BOOT_VERSION", "boot"),
             guard_period=guard_period(os.environ.get(GUARD_PERIOD_ENV)),
+            ranks_on_host=_ranks_on_host(vllm_config.parallel_config),
         )
         _RANK_ENGINES[model] = engine
     return engine

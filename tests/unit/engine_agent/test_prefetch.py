@@ -4,6 +4,7 @@ request field, the memory bound and the agent's wait for every rank."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -21,6 +22,7 @@ from engine_agent.protocol import (
 )
 from engine_agent.reload import session
 from engine_agent.reload.prefetch import available_memory, memory_problem
+from engine_agent.reload.registry import _ranks_on_host
 from engine_agent.reload.session import WeightState
 from engine_agent.sidecar.file_update import prefetch_waiting
 
@@ -181,25 +183,41 @@ def test_prefetch_phases_come_before_the_drain_and_are_not_terminal() -> None:
 
 
 @pytest.mark.parametrize(
-    ("stage", "limit", "available", "words"),
+    ("stage", "limit", "available", "ranks", "words"),
     [
-        (100, None, 1000, None),
-        (100, 100, 1000, None),
-        (101, 100, 1000, "above its limit prefetch.maxBytes=100"),
-        (100, None, 99, "above the host's available memory (99 bytes)"),
-        (100, 1000, 99, "above the host's available memory"),
-        (100, None, None, "available memory is unknown"),
+        (100, None, 1000, 1, None),
+        (100, 100, 1000, 1, None),
+        (101, 100, 1000, 1, "above its limit prefetch.maxBytes=100"),
+        (100, None, 99, 1, "above the host's available memory (99 bytes)"),
+        (100, 1000, 99, 1, "above the host's available memory"),
+        (100, None, None, 1, "available memory is unknown"),
+        # TP ranks on one host each stage the whole checkpoint at once: the host holds them all
+        (100, None, 200, 2, None),
+        (100, None, 199, 2, "(2 ranks on this host, 200 bytes), above the host's available"),
+        (100, 100, 799, 8, "(8 ranks on this host, 800 bytes)"),
     ],
 )
 def test_memory_problem(
-    stage: int, limit: int | None, available: int | None, words: str | None
+    stage: int, limit: int | None, available: int | None, ranks: int, words: str | None
 ) -> None:
-    problem = memory_problem(stage, limit, available)
+    problem = memory_problem(stage, limit, available, ranks)
     if words is None:
         assert problem is None
     else:
         assert problem is not None and words in problem and str(stage) in problem
         assert "\n" not in problem
+
+
+@pytest.mark.parametrize(
+    ("config", "ranks"),
+    [
+        ({"local_world_size": 4, "world_size": 8}, 4),  # two nodes of four
+        ({"world_size": 2}, 2),  # a vLLM without local_world_size: never fewer
+        ({}, 1),
+    ],
+)
+def test_ranks_on_host_come_from_vllms_parallel_config(config: dict[str, int], ranks: int) -> None:
+    assert _ranks_on_host(SimpleNamespace(**config)) == ranks
 
 
 def test_available_memory_reads_meminfo(tmp_path: Path) -> None:
