@@ -942,3 +942,23 @@ def test_a_retarget_waits_for_the_agent_to_stop_the_attempt_it_supersedes() -> N
         for _ in range(10):
             sim.progress(5.0)
             sim.safety()
+
+
+def test_a_withdrawal_cut_after_its_record_still_reattests_the_gate() -> None:
+    """Found by the soak with ``leader_lost``: a verified pod restarted onto its boot weights
+    v1 while another unit held the budget; the pass that saw it wrote ``Withdrawn`` and stopped
+    before it wrote the gate again for v1. The standby saw ``Withdrawn`` (no verdict left to
+    withdraw) and never wrote the gate: the pod stayed Ready on a gate set for v2."""
+    with replay("b", "gate was set True") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.edit_version("wu-a", "v3")
+        for _ in range(3):
+            sim.reconcile("wu-a", None)  # one unit claimed and loading: the budget is spent
+        sim.restart_pod("p1", False)
+        sim.clock_step(31.0)  # the cached answer of p1's agent expires
+        sim.leader_lost_mid_pass("wu-a", 1)
+        for _ in range(4):
+            sim.reconcile("wu-a", None)
+            sim.clock_step(31.0)
+            sim.safety()

@@ -76,15 +76,20 @@ def withdraw(ctx: PassContext) -> None:
             ctx.refresh.add(pod.name)
             if not ctx.provisional:
                 continue
-        labels: dict[str, str | None] = {LABEL_WEIGHT_VERSION: agent.version}
-        ctx.actions.append(
-            Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why), labels=labels)
-        )
+        # The gate is attested for what the agent serves *before* the verdict is recorded
+        # withdrawn: an operator stopped between the two writes (a crash, the Lease fence)
+        # leaves the verdict standing, so its successor withdraws it again, both writes. In
+        # the other order it left `Withdrawn` with the gate still set for the old weights, and
+        # nothing withdraws a verdict twice (found by the simulation tier with `leader_lost`).
         if pod.gate is True:
             message = f"Serving {agent.version}: {why} (its verdict at {st.version} withdrawn)"
             ctx.actions.append(
                 GateOn(pod, version=agent.version, reason="Reattested", message=message[:1000])
             )
+        labels: dict[str, str | None] = {LABEL_WEIGHT_VERSION: agent.version}
+        ctx.actions.append(
+            Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why), labels=labels)
+        )
         ctx.emit(
             Reason.UNIT_WITHDRAWN,
             f"Withdrew the verdict of {pod.name} at {st.version}: {why}",
