@@ -55,7 +55,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +68,7 @@ from weightroll_dev import checkout_pythonpath
 from tests.charts.helpers import FAST_RULES, find, objects, render, rule_groups
 from tests.e2e.conftest import GATE, INJECTED_PODS, NAMESPACE, Fleet
 from tests.harness.helm_cli import set_values
+from tests.harness.polling import poll
 from tests.harness.prometheus import Prometheus, Target, prometheus_binary
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(1800)]
@@ -169,17 +169,6 @@ _MONITORING_CRDS = [
         ("prometheusrules", "PrometheusRule"),
     )
 ]
-
-
-def _poll(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(interval)
 
 
 class PageRun:
@@ -295,7 +284,7 @@ def _repair(fleet: Fleet, pod: str, version: str) -> None:
     assert differs, f"{pod}'s copy of {version} is not corrupt: nothing to repair"
     for f in differs:
         (mine / f.name).unlink()
-    _poll(
+    poll(
         f"{pod}'s copy of {version} linked back to the shared one",
         lambda: all((mine / f.name).exists() and (mine / f.name).samefile(f) for f in differs),
         timeout=30,

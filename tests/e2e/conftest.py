@@ -472,13 +472,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield fl
         logger.info("e2e timings: %s", json.dumps({k: round(v, 1) for k, v in fl.timings.items()}))
     finally:
-        dev_down(directory)
-        assert leftovers(directory) == [], "dev down left processes behind"
-        if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
-            # the model copies are large; the container logs stay for a post-mortem
-            for pod_dir in (directory / "pods").glob("*"):
-                for bulky in ("rootfs", "volumes"):
-                    shutil.rmtree(pod_dir / bulky, ignore_errors=True)
+        _tear_down(directory)
+
+
+def _tear_down(directory: Path) -> None:
+    """``dev down``, nothing left running, and the bulky pod copies removed."""
+    dev_down(directory)
+    assert leftovers(directory) == [], "dev down left processes behind"
+    if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
+        # the model copies are large; the container logs stay for a post-mortem
+        for pod_dir in (directory / "pods").glob("*"):
+            for bulky in ("rootfs", "volumes"):
+                shutil.rmtree(pod_dir / bulky, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -492,9 +497,4 @@ def injected(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         yield Fleet(info=info, pods=INJECTED_PODS)
     finally:
-        dev_down(directory)
-        assert leftovers(directory) == [], "dev down left processes behind"
-        if os.environ.get("WEIGHTROLL_E2E_KEEP") != "1":
-            for pod_dir in (directory / "pods").glob("*"):
-                for bulky in ("rootfs", "volumes"):
-                    shutil.rmtree(pod_dir / bulky, ignore_errors=True)
+        _tear_down(directory)

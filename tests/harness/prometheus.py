@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tests.harness.polling import poll
+
 __all__ = ["Prometheus", "PrometheusError", "Target", "prometheus_binary"]
 
 T = TypeVar("T")
@@ -212,11 +214,4 @@ class Prometheus:
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
         """Poll ``check`` (every interval) until it returns something truthy."""
-        deadline = time.monotonic() + timeout
-        while True:
-            got = check()
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout}s\n{self.tail()}")
-            time.sleep(self.interval)
+        return poll(what, check, timeout, self.interval, context=self.tail)
