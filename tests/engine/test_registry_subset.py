@@ -14,7 +14,11 @@ the families already tested do not cover (DeepSeek-V3, GPT-2 and MiniMax-M2 are 
 * ``GptOssForCausalLM``: a loader that writes parameters itself, not through their weight
   loaders (its experts' fused weights and biases with ``param.copy_``, its attention sinks with
   ``param.data.copy_``; ``engine_agent/reload/direct.py``) — every full update of it failed
-  coverage after writing, and the replica was poisoned.
+  coverage after writing, and the replica was poisoned;
+* ``ApertusForCausalLM``: checkpoint *buffers* — its XIELU activation keeps ``beta`` and
+  ``eps`` as persistent buffers beside its parameters, loaded by name by vLLM's
+  ``AutoWeightsLoader`` (``engine_agent/reload/index.py`` ``_checkpoint_buffers``); every full
+  and partial update of it was refused as derived state with no refresher.
 
 For each, a tiny random checkpoint is built from transformers' config class, and a full update
 A -> B, a partial update of decoder layer 1 and a sparse patch of a norm must each equal a cold
@@ -34,6 +38,7 @@ SUBSET = (
     "Phi3ForCausalLM",
     "MixtralForCausalLM",
     "GptOssForCausalLM",
+    "ApertusForCausalLM",
 )
 
 
