@@ -278,16 +278,20 @@ def _checkpoint_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     the checkpoint writes all four. Taken for derived state, they refused every update of the
     module (issue 26). Only modules that already hold checkpoint parameters are considered:
     elsewhere a persistent buffer is runtime state no checkpoint writes, and requiring it would
-    refuse updates that a cold load serves. A non-persistent buffer is never in a checkpoint
-    (mamba's ``conv_weights`` is a non-persistent view of ``conv1d.weight``).
+    refuse updates that a cold load serves. As for parameters, only buffers the module had when
+    it was built count (vLLM's build-time record): one a post-load step registers (a quant
+    method's gather copies, ``zero_bias``) is derived state. A non-persistent buffer is never
+    in a checkpoint (mamba's ``conv_weights`` is a non-persistent view of ``conv1d.weight``).
     """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
 
+    _, built = get_layerwise_info(module).restore_metadata
     skipped = module._non_persistent_buffers_set | _NEVER_LOADED | _RUNTIME_ATTRS
     return {
         name: to_meta_tensor(live)
         for name, live in module._buffers.items()
-        if live is not None and name not in skipped and live.numel() > 0
+        if name in built and live is not None and name not in skipped and live.numel() > 0
     }
 
 

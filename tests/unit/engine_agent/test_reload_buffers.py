@@ -19,7 +19,7 @@ from torch import nn
 pytest.importorskip("vllm", reason="the module and the loader are vLLM's")
 
 from engine_agent.reload.index import build_index
-from engine_agent.reload.inventory import CHECKPOINT, RUNTIME
+from engine_agent.reload.inventory import CHECKPOINT, DERIVED, RUNTIME
 
 
 class _Mlp(nn.Module):
@@ -108,3 +108,13 @@ def test_a_full_update_without_the_buffers_is_incomplete() -> None:
     assert router.processed == set()
     assert not router.ledger.is_complete("act_fn")
     assert torch.equal(model.act_fn.beta, before)
+
+
+def test_a_buffer_registered_after_the_build_is_derived_state() -> None:
+    """What post-load processing registers (a quant method's gather copy, ``zero_bias``) is not
+    a checkpoint tensor, persistent or not."""
+    model = _model()
+    model.act_fn.register_buffer("zero_bias", torch.zeros(1))  # after the record
+    index = build_index(model)
+    assert "zero_bias" not in index.entries["act_fn"].templates
+    assert index.inventory().items["act_fn.zero_bias"].kind == DERIVED
