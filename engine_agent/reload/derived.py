@@ -5,10 +5,13 @@ Some layers keep tensors computed from *other* modules' weights: MLA attention k
 write to a source module — full, partial or sparse — its refreshers run before the session
 commits, and they write the new values **into the old storage** so captured addresses stay valid.
 
+On CPU, a causal conv1d whose weight vLLM prepacked keeps an un-packed copy of it, and a mamba
+mixer a view of the weight as it was before the prepack (:class:`CpuConvPrepackRefresher`).
+
 Discovery is structural: every deferred attention layer that holds a reference to an indexed
-module is a derived-state owner. Owners of a known type get a refresher; any other owner marks
-its sources as *unsupported*, and updating such a source fails closed instead of leaving the
-derived copy stale.
+module is a derived-state owner, and so is every indexed module vLLM's CPU dispatch prepacked.
+Owners of a known type get a refresher; any other owner marks its sources as *unsupported*, and
+updating such a source fails closed instead of leaving the derived copy stale.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 
 from engine_agent.reload.inventory import _RUNTIME_ATTRS
 
-__all__ = ["DerivedRefresher", "MLARefresher", "find_refreshers"]
+__all__ = ["CpuConvPrepackRefresher", "DerivedRefresher", "MLARefresher", "find_refreshers"]
 
 
 class DerivedRefresher(Protocol):
@@ -123,8 +126,97 @@ class MLARefresher:
         return refreshed
 
 
+#: The attribute vLLM's CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm``) leaves on a causal
+#: conv1d layer whose weight it prepacked: the weight's un-packed ``(dim, width)`` copy.
+CPU_UNPACKED_CONV = "_cpu_unpacked_conv_weight"
+#: Owner class name -> (child holding the conv weight, the owner's buffer built as a view of it).
+#: vLLM's ``MambaMixer2`` registers ``conv_weights`` as a ``(dim, width)`` view of
+#: ``conv1d.weight`` when it is built; once the CPU prepack replaces the weight's storage, that
+#: view is the only holder of the old storage: a copy of the checkpoint weight, read by the
+#: mixer's kernels, that nothing in vLLM rebuilds.
+_CONV_WEIGHT_VIEWS = {"MambaMixer2": ("conv1d", "conv_weights")}
+
+
+class CpuConvPrepackRefresher:
+    """A causal conv1d prepacked for the CPU kernels: its un-packed copy, and the views of it.
+
+    At a cold load vLLM's CPU GEMM dispatch (the conv1d's post-load step) replaces the weight's
+    storage with ``causal_conv1d_weight_pack`` of it and keeps the un-packed ``(dim, width)``
+    weight as :data:`CPU_UNPACKED_CONV` (Qwen3-Next's gated delta net reads it); a
+    ``MambaMixer2`` further reads its ``conv_weights`` buffer, built as a view of the weight
+    before the prepack and since then the sole holder of those bytes (FalconH1,
+    GraniteMoeHybrid).
+
+    The packed weight itself is the conv1d's parameter, rebuilt by its post-load step and copied
+    into live storage like any processed parameter. This refresher runs after that step (on the
+    staged checkpoint weight) and writes the un-packed copy it made into the storage the kernels
+    captured — :data:`CPU_UNPACKED_CONV` and each view — so addresses are kept and the bytes are
+    those vLLM's own step computed. Without a fresh post-load step (a sparse rebuild) it
+    rebuilds nothing; such patches are refused earlier, as the live weight is not in checkpoint
+    layout.
+    """
+
+    def __init__(self, name: str, layer: nn.Module, views: Mapping[str, torch.Tensor]) -> None:
+        self.name = name
+        self.layer = layer
+        #: The un-packed copy the kernels captured at begin (restored after every refresh).
+        self._unpacked: torch.Tensor = vars(layer)[CPU_UNPACKED_CONV]
+        self._views = dict(views)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{self.name}.{CPU_UNPACKED_CONV}": self._unpacked} | self._views
+
+    def refresh(self, act_dtype: torch.dtype) -> list[str]:
+        from engine_agent.errors import IdentityChanged
+
+        new = vars(self.layer).get(CPU_UNPACKED_CONV)
+        if new is None or new is self._unpacked:
+            return []  # no post-load step ran since the last refresh: nothing to copy
+        setattr(self.layer, CPU_UNPACKED_CONV, self._unpacked)
+        refreshed: list[str] = []
+        for qualified, old in self.tensors().items():
+            if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+                raise IdentityChanged(
+                    f"{qualified}: the refreshed conv weight {new.dtype}{list(new.shape)} does "
+                    f"not fit the captured storage {old.dtype}{list(old.shape)}",
+                    field=qualified,
+                )
+            old.copy_(new)
+            refreshed.append(qualified)
+        return refreshed
+
+
 #: Owner layer class name -> refresher factory. Owners not listed fail closed.
 _REFRESHERS = {"MLAAttention": MLARefresher}
+
+
+def _conv_prepack_refreshers(
+    model: nn.Module, indexed: Mapping[int, str]
+) -> dict[str, CpuConvPrepackRefresher]:
+    """A refresher for every indexed conv1d vLLM's CPU dispatch prepacked, by its name."""
+    prepacked = {
+        id(m): (n, m)
+        for n, m in model.named_modules()
+        if id(m) in indexed and isinstance(vars(m).get(CPU_UNPACKED_CONV), torch.Tensor)
+    }
+    if not prepacked:
+        return {}
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    for name, owner in model.named_modules():
+        spec = next(
+            (v for cls in type(owner).__mro__ if (v := _CONV_WEIGHT_VIEWS.get(cls.__name__))),
+            None,
+        )
+        if spec is None:
+            continue
+        child, buffer = getattr(owner, spec[0], None), owner._buffers.get(spec[1])
+        if child is None or id(child) not in prepacked or buffer is None:
+            continue
+        views.setdefault(id(child), {})[f"{name}.{spec[1]}" if name else spec[1]] = buffer
+    return {
+        name: CpuConvPrepackRefresher(name, module, views.get(key, {}))
+        for key, (name, module) in prepacked.items()
+    }
 
 
 def find_refreshers(
@@ -141,7 +233,9 @@ def find_refreshers(
     """
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    refreshers: dict[str, list[DerivedRefresher]] = {}
+    refreshers: dict[str, list[DerivedRefresher]] = {
+        name: [refresher] for name, refresher in _conv_prepack_refreshers(model, indexed).items()
+    }
     unsupported: dict[str, str] = {}
     for name, layer in model.named_modules():
         if not is_deferred_attention_layer(layer):

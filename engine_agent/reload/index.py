@@ -15,7 +15,9 @@ Invariants:
       templates only; the router (:mod:`.modelwise`) swaps the templates in for a load.
     * A checkpoint parameter is a parameter the model had when it was built (vLLM's build-time
       record, with its deliberate omissions undone, :func:`_templates`); parameters created
-      later by post-load processing are derived state.
+      later by post-load processing are derived state. The persistent buffers of a module
+      with checkpoint parameters are checkpoint tensors too: vLLM's ``AutoWeightsLoader``
+      loads them by name (:func:`_checkpoint_buffers`).
 
 Limitations:
     1. A parameter held by several modules (tied embeddings; the routing bias of MiniMax-M2's
@@ -37,9 +39,9 @@ from engine_agent.errors import UnknownTensor
 from engine_agent.reload.coverage import WHOLE, ShardKey
 from engine_agent.reload.derived import DerivedRefresher, find_refreshers
 from engine_agent.reload.identity import StorageRecord, kernel_tag, storage_record
-from engine_agent.reload.inventory import Inventory, build_inventory
+from engine_agent.reload.inventory import _RUNTIME_ATTRS, Inventory, build_inventory
 
-__all__ = ["ModelIndex", "ModuleEntry", "build_index"]
+__all__ = ["ModelIndex", "ModuleEntry", "build_index", "live_tensor"]
 
 #: Parameters vLLM itself never loads through a weight loader (kept in sync with
 #: ``vllm.model_executor.model_loader.reload.meta.SKIP_LOAD_TENSORS``).
@@ -123,11 +125,11 @@ class ModelIndex:
         }
 
     def holders(self) -> dict[int, str]:
-        """``id(live parameter) -> owner module name`` for every checkpoint parameter."""
+        """``id(live tensor) -> owner module name`` for every checkpoint parameter or buffer."""
         out: dict[int, str] = {}
         for name, entry in self.entries.items():
             for pname in entry.templates:
-                live = entry.module._parameters.get(pname)
+                live = live_tensor(entry.module, pname)
                 if live is not None:
                     out[id(live)] = name
         return out
@@ -262,7 +264,41 @@ def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         if name in unrecorded or hasattr(live, "weight_loader"):
             templates[name] = to_meta_tensor(live)
+    if templates:
+        templates |= _checkpoint_buffers(module)
     return templates
+
+
+def _checkpoint_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers of a module with checkpoint parameters: checkpoint tensors too.
+
+    vLLM's ``AutoWeightsLoader`` loads a module's persistent buffers by name, as
+    ``state_dict`` saves them (``_add_loadable_non_param_tensors``): Apertus's XIELU activation
+    keeps its ``beta`` and ``eps`` as buffers next to its ``alpha_p``/``alpha_n`` parameters, and
+    the checkpoint writes all four. Taken for derived state, they refused every update of the
+    module (issue 26). Only modules that already hold checkpoint parameters are considered:
+    elsewhere a persistent buffer is runtime state no checkpoint writes, and requiring it would
+    refuse updates that a cold load serves. As for parameters, only buffers the module had when
+    it was built count (vLLM's build-time record): one a post-load step registers (a quant
+    method's gather copies, ``zero_bias``) is derived state. A non-persistent buffer is never
+    in a checkpoint (mamba's ``conv_weights`` is a non-persistent view of ``conv1d.weight``).
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+
+    _, built = get_layerwise_info(module).restore_metadata
+    skipped = module._non_persistent_buffers_set | _NEVER_LOADED | _RUNTIME_ATTRS
+    return {
+        name: to_meta_tensor(live)
+        for name, live in module._buffers.items()
+        if name in built and live is not None and name not in skipped and live.numel() > 0
+    }
+
+
+def live_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The live parameter or (checkpoint) buffer ``name`` of ``module``."""
+    param = module._parameters.get(name)
+    return param if param is not None else module._buffers.get(name)
 
 
 def _unrecorded_at_build() -> frozenset[str]:

@@ -64,6 +64,11 @@ _RUNTIME_ATTRS = frozenset(
         "expert_global_to_physical",
         "expert_physical_to_global",
         "expert_local_to_global",
+        # MambaMixer2's ReplaySSM ring trackers: per-cache-block scheduling state (int32),
+        # allocated with the KV cache and shared by a cache group's mixers
+        "_replayssm_ring_start",
+        "_replayssm_prev_num_accepted",
+        "_replayssm_prev_query_len",
     }
 )
 #: Callable attributes that are kernels: an opaque object in their closure is kernel state.

@@ -60,7 +60,7 @@ from engine_agent.errors import (
 )
 from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
 from engine_agent.reload.direct import DirectWrites
-from engine_agent.reload.index import ModelIndex, ModuleEntry
+from engine_agent.reload.index import ModelIndex, ModuleEntry, live_tensor
 from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.processing import ModuleProcessor, parameter_slots
 from engine_agent.reload.sparse_plan import plan_sparse
@@ -112,6 +112,8 @@ class LoadRouter:
         self._failpoint = failpoint
         #: id(module) -> its real parameters while proxies are installed.
         self._originals: dict[int, dict[str, Any]] = {}
+        #: id(module) -> its real buffers while proxies of its checkpoint buffers are installed.
+        self._buffer_originals: dict[int, dict[str, Any]] = {}
         #: sparse coordinate pass: (module, parameter) -> checkpoint positions, else None.
         self._coords: dict[tuple[str, str], torch.Tensor] | None = None
         self._staging: dict[str, dict[str, torch.Tensor]] = {}
@@ -129,6 +131,7 @@ class LoadRouter:
             failpoint,
             self._staging,
             self._originals,
+            self._buffer_originals,
         )
 
     # What the session reports, kept by the processor.
@@ -231,9 +234,23 @@ class LoadRouter:
         live tensor by a path that bypasses the accounting.
         """
         saved: list[tuple[nn.Module, dict[str, Any]]] = []
+        saved_buffers: list[tuple[nn.Module, dict[str, Any]]] = []
         entries = {id(e.module): e for e in self.index.entries.values()}
         self._direct = DirectWrites(self._route_direct, self._refuse_direct)
         try:
+            for owner in entries.values():
+                # Checkpoint buffers (index._checkpoint_buffers) are handed to their loader as
+                # ``AutoWeightsLoader`` finds them, in the module's buffer slots: routed alike.
+                routed = [b for b in owner.module._buffers if b in owner.templates]
+                if not routed:
+                    continue
+                saved_buffers.append((owner.module, dict(owner.module._buffers)))
+                self._buffer_originals[id(owner.module)] = saved_buffers[-1][1]
+                for bname in routed:
+                    template = owner.templates[bname]
+                    proxy = self._wrapped(owner, bname, template, dry)
+                    self._direct.register(proxy, _Direct(owner, bname, template, dry))
+                    owner.module._buffers[bname] = proxy
             for name, module in self.index.model.named_modules():
                 if not module._parameters:
                     continue
@@ -258,7 +275,11 @@ class LoadRouter:
             for module, params in saved:
                 module._parameters.clear()
                 module._parameters.update(params)
+            for module, real in saved_buffers:
+                module._buffers.clear()
+                module._buffers.update(real)
             self._originals.clear()
+            self._buffer_originals.clear()
             self._direct = None
 
     def _wrapped(
@@ -425,7 +446,7 @@ class LoadRouter:
         self._failpoint("sparse.before_write")
         for write in plan:
             self.processing.mark_dirty()
-            live = write.entry.module._parameters[write.param]
+            live = live_tensor(write.entry.module, write.param)
             assert live is not None
             local, values = write.local.to(live.device), write.values.to(live.device)
             live.data.view(-1).index_copy_(0, local, values)

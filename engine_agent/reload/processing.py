@@ -59,6 +59,7 @@ class ModuleProcessor:
             :mod:`engine_agent.reload.failpoints`).
         staging: the router's staging tensors, ``module name -> parameter name -> tensor``.
         originals: the router's ``id(module) -> real parameters`` while proxies are installed.
+        buffer_originals: the same for the real buffers of modules with checkpoint buffers.
 
     Raises:
         DerivedStateUnsupported: the update reloads a parameter that an indexed module it does
@@ -75,6 +76,7 @@ class ModuleProcessor:
         failpoint: Callable[[str], None],
         staging: dict[str, dict[str, torch.Tensor]],
         originals: dict[int, dict[str, Any]],
+        buffer_originals: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         self.index = index
         self.ledger = ledger
@@ -85,6 +87,7 @@ class ModuleProcessor:
         self._failpoint = failpoint
         self._staging = staging
         self._originals = originals
+        self._buffer_originals = buffer_originals if buffer_originals is not None else {}
         #: derived items (inventory names) rebuilt in this session.
         self.rebuilt: set[str] = set()
         self.processed: set[str] = set()
@@ -114,12 +117,17 @@ class ModuleProcessor:
         staged = self._staging.pop(entry.name, {})
         module = entry.module
         installed = dict(module._parameters)
+        installed_buffers = dict(module._buffers)
         live_params = {
             k: v
             for k, v in self._originals.get(id(module), module._parameters).items()
             if v is not None
         }
-        live_buffers = {k: v for k, v in module._buffers.items() if v is not None}
+        live_buffers = {
+            k: v
+            for k, v in self._buffer_originals.get(id(module), module._buffers).items()
+            if v is not None
+        }
         # A module's post-load step swaps its kernel (on CPU a new ``cpu_linear`` closure) on
         # the live module, and refreshers write live derived tensors: the rank is dirty from
         # here on, whatever fails next (issue 10, item 3).
@@ -132,8 +140,11 @@ class ModuleProcessor:
             # every full update crashed after live writes (issue 26, item 5).
             module._parameters.clear()
             module._parameters.update(live_params)
+            module._buffers.update(live_buffers)
             for pname, tensor in staged.items():
-                parameter_slots(module)[pname] = tensor
+                # A checkpoint buffer (XIELU's ``beta``) is staged into its buffer slot.
+                slots = module._buffers if pname in live_buffers else parameter_slots(module)
+                slots[pname] = tensor
             try:
                 self._failpoint("post_load.before")
                 with self._timed("post_load"):
@@ -165,8 +176,8 @@ class ModuleProcessor:
             # must meet the accounting (a duplicate), never the live parameter's own loader.
             module._parameters.clear()
             module._parameters.update(installed)
-            for name, buffer in live_buffers.items():
-                module._buffers[name] = buffer
+            module._buffers.clear()
+            module._buffers.update(installed_buffers)
         self._failpoint("copy.after")
         self.processed.add(entry.name)
         self._reprocess_sharers(entry)

@@ -31,7 +31,7 @@ import torch
 
 from engine_agent.errors import InvalidRequest, ShapeMismatch, SparseRefused
 from engine_agent.reload.coverage import WHOLE, ShardKey
-from engine_agent.reload.index import ModelIndex, ModuleEntry
+from engine_agent.reload.index import ModelIndex, ModuleEntry, live_tensor
 from engine_agent.reload.inventory import Inventory
 
 __all__ = ["PatchWrite", "Router", "plan_sparse"]
@@ -109,7 +109,7 @@ def plan_sparse(router: Router, patches: list[Patch]) -> list[PatchWrite]:
                 f"{reason}; send a full or partial update for it instead",
                 field=name,
             )
-        live = entry.module._parameters[key.param]
+        live = live_tensor(entry.module, key.param)
         assert live is not None
         if values.dtype != live.dtype:
             raise ShapeMismatch(
@@ -141,7 +141,7 @@ def plan_sparse(router: Router, patches: list[Patch]) -> list[PatchWrite]:
 
 def _layout_refusal(entry: ModuleEntry, param: str) -> str | None:
     """Why a sparse patch of ``entry.param`` cannot be applied in place (None: it can)."""
-    live = entry.module._parameters.get(param)
+    live = live_tensor(entry.module, param)
     template = entry.templates.get(param)
     if live is None or template is None:
         return "it has no such checkpoint parameter"

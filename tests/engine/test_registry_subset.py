@@ -14,7 +14,19 @@ the families already tested do not cover (DeepSeek-V3, GPT-2 and MiniMax-M2 are 
 * ``GptOssForCausalLM``: a loader that writes parameters itself, not through their weight
   loaders (its experts' fused weights and biases with ``param.copy_``, its attention sinks with
   ``param.data.copy_``; ``engine_agent/reload/direct.py``) — every full update of it failed
-  coverage after writing, and the replica was poisoned.
+  coverage after writing, and the replica was poisoned;
+* ``ApertusForCausalLM``: checkpoint *buffers* — its XIELU activation keeps ``beta`` and
+  ``eps`` as persistent buffers beside its parameters, loaded by name by vLLM's
+  ``AutoWeightsLoader`` (``engine_agent/reload/index.py`` ``_checkpoint_buffers``); every full
+  and partial update of it was refused as derived state with no refresher;
+* ``FalconH1ForCausalLM``: a mamba mixer (``MambaMixer2``) whose ``conv_weights`` view of its
+  conv1d weight is left holding the old storage once vLLM's CPU conv prepack replaces the
+  weight's (``engine_agent/reload/derived.py`` ``CpuConvPrepackRefresher``; GraniteMoeHybrid
+  has the same mixer);
+* ``Qwen3NextForCausalLM``: the prepacked conv1d's un-packed copy
+  (``_cpu_unpacked_conv_weight``) that its gated delta net reads, and attention layers beside
+  linear-attention ones. On a CPU without the conv prepack (no AVX512-BF16) both run with the
+  plain weight, and the check still holds.
 
 For each, a tiny random checkpoint is built from transformers' config class, and a full update
 A -> B, a partial update of decoder layer 1 and a sparse patch of a norm must each equal a cold
@@ -34,6 +46,9 @@ SUBSET = (
     "Phi3ForCausalLM",
     "MixtralForCausalLM",
     "GptOssForCausalLM",
+    "ApertusForCausalLM",
+    "FalconH1ForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 
 

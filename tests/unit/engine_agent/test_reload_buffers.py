@@ -1,0 +1,120 @@
+"""Checkpoint buffers: persistent buffers vLLM's ``AutoWeightsLoader`` loads by name
+(engine_agent/reload/index.py ``_checkpoint_buffers``, modelwise.py, processing.py).
+
+Apertus's XIELU activation keeps ``alpha_p``/``alpha_n`` as parameters and ``beta``/``eps`` as
+persistent buffers; the checkpoint writes all four, and a cold engine reads the checkpoint's
+``beta`` and ``eps`` in every forward. Taken for derived state with no refresher, they refused
+every full and partial update of Apertus at ``begin`` (issue 26). The module under test is
+vLLM's own ``XIELU``, loaded by vLLM's own ``AutoWeightsLoader`` (no engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("vllm", reason="the module and the loader are vLLM's")
+
+from engine_agent.reload.index import build_index
+from engine_agent.reload.inventory import CHECKPOINT, DERIVED, RUNTIME
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.activation import XIELU
+
+        super().__init__()
+        with set_current_vllm_config(VllmConfig()):  # a CustomOp reads it when built
+            self.act_fn = XIELU(dtype=torch.float32)
+        # a module with no checkpoint parameter: its persistent buffer is runtime state
+        self.table = nn.Module()
+        self.table.register_buffer("cache", torch.arange(4.0))
+
+
+def _model() -> nn.Module:
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    model = _Mlp()
+    record_metadata_for_reloading(model)  # as vLLM does right after building the model
+
+    def load_weights(weights: Any) -> set[str]:
+        return AutoWeightsLoader(model).load_weights(weights)
+
+    model.load_weights = load_weights  # type: ignore[method-assign]
+    return model
+
+
+def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"alpha_p": [1], "alpha_n": [1], "beta": [], "eps": []}
+    return {f"act_fn.{n}": torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def test_persistent_buffers_of_a_module_with_checkpoint_parameters_are_checkpoint_tensors() -> None:
+    index = build_index(_model())
+    assert set(index.entries["act_fn"].templates) == {"alpha_p", "alpha_n", "beta", "eps"}
+    assert "table" not in index.entries
+    items = index.inventory().items
+    assert items["act_fn.beta"].kind == CHECKPOINT
+    assert items["act_fn.eps"].kind == CHECKPOINT
+    assert items["table.cache"].kind == RUNTIME
+    assert index.inventory().unsupported(index.entries) == []
+
+
+def test_an_update_writes_the_buffers_in_place_and_equals_a_cold_load() -> None:
+    from engine_agent.reload.coverage import CoverageLedger
+    from engine_agent.reload.modelwise import LoadRouter
+
+    model = _model()
+    model.load_weights(_checkpoint(0).items())  # the engine's first (cold) load: A
+    index = build_index(model)
+    addresses = {n: t.data_ptr() for n, t in index.entries["act_fn"].live_tensors().items()}
+    router = LoadRouter(
+        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
+    )
+    b = _checkpoint(1)
+    router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
+    assert model.act_fn.beta.device.type == "cpu"  # the dry run wrote nothing, and left no proxy
+    router.load(b.items())
+    assert router.processed == {"act_fn"}
+    assert router.ledger.is_complete("act_fn")
+
+    cold = _model()
+    cold.load_weights(b.items())
+    x = torch.linspace(-3, 3, 64)
+    assert torch.equal(model.act_fn(x), cold.act_fn(x))
+    for name, tensor in index.entries["act_fn"].live_tensors().items():
+        assert torch.equal(tensor, b[f"act_fn.{name}"]), name
+        assert tensor.data_ptr() == addresses[name], f"{name} moved"
+
+
+def test_a_full_update_without_the_buffers_is_incomplete() -> None:
+    from engine_agent.reload.coverage import CoverageLedger
+    from engine_agent.reload.modelwise import LoadRouter
+
+    model = _model()
+    model.load_weights(_checkpoint(0).items())
+    before = model.act_fn.beta.clone()
+    index = build_index(model)
+    router = LoadRouter(
+        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
+    )
+    router.load((n, t) for n, t in _checkpoint(1).items() if not n.endswith(("beta", "eps")))
+    assert router.processed == set()
+    assert not router.ledger.is_complete("act_fn")
+    assert torch.equal(model.act_fn.beta, before)
+
+
+def test_a_buffer_registered_after_the_build_is_derived_state() -> None:
+    """What post-load processing registers (a quant method's gather copy, ``zero_bias``) is not
+    a checkpoint tensor, persistent or not."""
+    model = _model()
+    model.act_fn.register_buffer("zero_bias", torch.zeros(1))  # after the record
+    index = build_index(model)
+    assert "zero_bias" not in index.entries["act_fn"].templates
+    assert index.inventory().items["act_fn.zero_bias"].kind == DERIVED
