@@ -21,18 +21,10 @@ from weightroll_operator.api.v1alpha1 import Phase, ReplicaCounts
 from weightroll_operator.metrics import Metrics
 
 from tests.charts.helpers import ALERTS, NAMESPACE, find, objects, render, rule_groups
+from tests.harness.ports import free_port
 from tests.harness.prometheus import Prometheus, Target, prometheus_binary
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture()
@@ -40,7 +32,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Metrics, Prometheus, object]]:
     if prometheus_binary() is None:
         pytest.skip("prometheus is not installed: run `bash scripts/system-deps.sh`")
     metrics = Metrics()
-    port = _free_port()
+    port = free_port()
     server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
     monitor = find(objects(render({"serviceMonitor": {"enabled": True}})), "ServiceMonitor")
     honor = bool(monitor["spec"]["endpoints"][0]["honorLabels"])

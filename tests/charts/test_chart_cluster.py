@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from tests.harness.apiserver import (
     kubectl,
     service_account_token,
 )
+from tests.harness.ports import free_port
 
 pytestmark = [
     pytest.mark.cluster,
@@ -115,13 +115,6 @@ def installed(kube_cluster: KubeCluster) -> Iterator[KubeCluster]:
     finally:
         config.uninstall(RELEASE, ignore_not_found=True)
         config.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _operator_token(cluster: KubeCluster) -> str:
@@ -352,7 +345,7 @@ def test_operator_runs_under_the_chart_serviceaccount(installed: KubeCluster) ->
                 "version": "v2",
                 "source": {"uri": "file:///models/v2"},
                 "agent": {
-                    "port": _free_port(),
+                    "port": free_port(),
                     "tokenSecretRef": {"name": "vllm-example-weightroll-token"},
                 },
             },

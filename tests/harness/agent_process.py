@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,16 +18,11 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, TCPConnector
 
+from tests.harness.ports import free_port
+
 __all__ = ["AgentHttp", "AgentProcess", "AgentProcesses", "agent_env", "free_port"]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def agent_env(**settings: str) -> dict[str, str]:

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import hmac
 import re
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -61,6 +60,7 @@ from engine_agent.protocol import (
     UpdateStatus,
     Verdict,
 )
+from tests.harness.ports import free_port
 
 __all__ = ["FakeAgent", "FakeFleetAgents", "Script", "free_port"]
 
@@ -76,13 +76,6 @@ def _wall_clock() -> datetime:
 
 def _stamp(clock: Callable[[], datetime] = _wall_clock) -> str:
     return clock().isoformat().replace("+00:00", "Z")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

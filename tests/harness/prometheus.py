@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -28,6 +27,7 @@ from typing import Any, TypeVar
 import yaml
 
 from tests.harness.polling import poll
+from tests.harness.ports import free_port
 
 __all__ = ["Prometheus", "PrometheusError", "Target", "prometheus_binary"]
 
@@ -52,13 +52,6 @@ class Target:
     path: str = "/metrics"
     #: Keep the scraped labels on a clash with target labels (``honorLabels``).
     honor_labels: bool = False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -121,7 +114,7 @@ class Prometheus:
             rules = {"groups": [dict(g) for g in self.rule_groups]}
             (self.workdir / "rules.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(self._config()))
-        self.port = self.port or _free_port()
+        self.port = self.port or free_port()
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
                 [

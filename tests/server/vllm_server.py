@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,17 +20,12 @@ from typing import Any
 
 import aiohttp
 
+from tests.harness.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The production extension; run-time failpoints come from ``WEIGHTROLL_FAILPOINTS_FILE``.
 PROD_EXTENSION = "engine_agent.vllm_extension.WeightRollExtension"
 TEST_EXTENSION = PROD_EXTENSION
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from tests.contract.agent.conftest import (
     update_body,
 )
 from tests.harness.fake_vllm import FakeVllm
+from tests.harness.ports import free_port
 
 pytestmark = pytest.mark.asyncio
 
@@ -266,13 +266,6 @@ async def test_agent_stopped_mid_update_aborts_and_holds(
     assert agent.store.memory.hold is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def _spawn_agent(fake: FakeVllm, token_file: Path, state_dir: Path, port: int) -> Any:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return await asyncio.create_subprocess_exec(
@@ -320,7 +313,7 @@ async def _until_ready(http: ClientSession, url: str, timeout: float = 60) -> No
 async def test_agent_killed_mid_update_and_restarted(
     fake: FakeVllm, token_file: Path, tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     state_dir = tmp_path / "state"
     process = await _spawn_agent(fake, token_file, state_dir, port)

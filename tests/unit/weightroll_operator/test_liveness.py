@@ -8,7 +8,6 @@ kubelet's httpGet probe fails and restarts the operator.
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import aiohttp
@@ -19,6 +18,8 @@ from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.liveness import Liveness, Stalled
 from weightroll_operator.reconcile import Reconciler
 from weightroll_operator.settings import OperatorConfig
+
+from tests.harness.ports import free_port
 
 
 @pytest.mark.parametrize(
@@ -57,17 +58,10 @@ def test_zero_multiple_disables_the_check() -> None:
     assert live.check(active=True, now=1e6) == 1e6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def _probe(rt: Runtime, updates: dict[str, list[Any]]) -> int:
     registry = kopf.OperatorRegistry()
     register(registry, rt)
-    port = _free_port()
+    port = free_port()
     ready = asyncio.Event()
     task = asyncio.create_task(
         health_reporter(
