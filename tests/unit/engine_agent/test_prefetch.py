@@ -18,26 +18,17 @@ from engine_agent.protocol import (
     RankReport,
     UpdatePhase,
     UpdateRequest,
-    UpdateSpec,
 )
 from engine_agent.reload import session
 from engine_agent.reload.prefetch import available_memory, memory_problem
 from engine_agent.reload.registry import _ranks_on_host
 from engine_agent.reload.session import WeightState
 from engine_agent.sidecar.file_update import prefetch_waiting
+from tests.unit.engine_agent.test_reload_session import spec
 
 CLEAN = session.initial("v1")
 POISONED = WeightState(EngineState.POISONED, "v1", poison_reason="half-failed")
 COMMITTED = WeightState(EngineState.CLEAN, "v1", committed_by="u0")
-
-
-def spec(mode: str = "full", update_id: str = "u1", **kw: object) -> UpdateSpec:
-    extra: dict[str, object] = {"update_id": update_id, "version": "v2", "mode": mode}
-    if mode in ("sparse", "partial"):
-        extra["base_version"] = "v1"
-    if mode == "partial":
-        extra["scope"] = ["model.norm.weight"]
-    return UpdateSpec.model_validate(extra | kw)
 
 
 # -- the rank's state machine -----------------------------------------------------------------
