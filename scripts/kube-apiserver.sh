@@ -3,7 +3,8 @@
 # from Debian's `kubernetes` source package, plus etcd, with RBAC authorization and static tokens.
 #
 # Usage:
-#   scripts/kube-apiserver.sh build     # build once into the cache (≈6 min on 2 cores), then no-op
+#   scripts/kube-apiserver.sh build     # build once into the cache (≈10 min on 2 cores), then no-op;
+#                                       # kubelet, controller-manager and scheduler are built beside it
 #   scripts/kube-apiserver.sh start     # start etcd + apiserver; prints the kubeconfig path
 #   scripts/kube-apiserver.sh stop      # stop both (by the PIDs recorded at start)
 #   scripts/kube-apiserver.sh status    # exit 0 when the apiserver answers /readyz
@@ -18,6 +19,8 @@
 #       release name `weightroll`, so RBAC bindings from the chart apply to it.
 #   KEEP_BUILD=1            keep the 1.4 GB build tree (gopath + go cache) for fast relinks
 #   APISERVER_EXTRA_ARGS    appended to the kube-apiserver command line (word-split)
+#   NODE_NAME               also a static token for the kubelet of node NODE_NAME
+#                           (system:node:NODE_NAME in system:nodes), written to kubeconfig-node
 #
 # `start` writes into the run dir: kubeconfig (admin, system:masters), kubeconfig-operator (the
 # operator ServiceAccount identity), tokens.env (ADMIN_TOKEN, OPERATOR_TOKEN, OPERATOR_USER),
@@ -30,13 +33,17 @@
 # (`status.conditions.message in body must be of type string: "null"`); it is patched back to
 # upstream's meaning (only a real null). System packages: scripts/system-deps.sh.
 #
-# Limitations: no controller-manager, scheduler or kubelet — pods stay Pending unless a test
-# plays kubelet; the `default` ServiceAccount is not created; Kubernetes 1.20 has no CEL.
+# Limitations: `start` runs no controller-manager, scheduler or kubelet — pods stay Pending unless
+# a test plays kubelet, and the `default` ServiceAccount is not created (the real node of
+# devtools/weightroll_dev/realnode runs the built ones); Kubernetes 1.20 has no CEL.
 set -euo pipefail
 
 K8S_VERSION=v1.20.2
-# Bump when the build recipe changes: a cached binary from another recipe is rebuilt.
-RECIPE="v1.20.2 reflect2-1.0.2 gopath openapi-gen openapi-zero-values-2"
+# Bump when the build recipe changes: a cached binary from another recipe is rebuilt. The node
+# binaries (kubelet, controller-manager, scheduler) are built in the same run as the apiserver:
+# the run deletes its Go cache afterwards, and Go's cache only helps a build in the same tree.
+RECIPE="v1.20.2 reflect2-1.0.2 gopath openapi-gen openapi-zero-values-2 node-binaries-1"
+BINARIES="kube-apiserver kubelet kube-controller-manager kube-scheduler"
 CACHE=${WEIGHTROLL_KUBE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/weightroll/kube}
 RUN=${WEIGHTROLL_KUBE_RUN:-$CACHE/run}
 BIN=$CACHE/bin/kube-apiserver
@@ -53,9 +60,16 @@ die() {
   exit 1
 }
 
+binary_built() { # path
+  [ -x "$1" ] && [ "$(cat "$1.recipe" 2>/dev/null)" = "$RECIPE" ] &&
+    "$1" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION"
+}
+
 is_built() {
-  [ -x "$BIN" ] && [ "$(cat "$BIN.recipe" 2>/dev/null)" = "$RECIPE" ] &&
-    "$BIN" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION"
+  local b
+  for b in $BINARIES; do
+    binary_built "$CACHE/bin/$b" || return 1
+  done
 }
 
 cmd_build() {
@@ -130,11 +144,19 @@ cmd_build() {
     k8s.io/kubernetes/vendor/k8s.io/client-go/pkg/version; do
     ldf="$ldf -X $v.gitVersion=$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=20 -X $v.gitTreeState=clean"
   done
-  total=$(go list -deps k8s.io/kubernetes/cmd/kube-apiserver 2>/dev/null | wc -l) || total=0
-  log "building kube-apiserver: $total packages (several minutes; progress every 10 %)"
-  # `go build -v` names each package as it is compiled: count them for a progress line, and pass
-  # every other line (compiler errors) through unchanged.
-  go build -v -ldflags "$ldf" -o "$BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver 2>&1 |
+  local pkgs="" b
+  for b in $BINARIES; do
+    pkgs="$pkgs k8s.io/kubernetes/cmd/$b"
+  done
+  # shellcheck disable=SC2086
+  total=$(go list -deps $pkgs 2>/dev/null | LC_ALL=C sort -u | wc -l) || total=0
+  log "building $BINARIES: $total packages (several minutes; progress every 10 %)"
+  # One `go build` for all four: shared packages compile once. `-v` names each package as it is
+  # compiled: count them for a progress line, and pass every other line (compiler errors) through.
+  rm -rf "$CACHE/bin.tmp"
+  mkdir -p "$CACHE/bin.tmp"
+  # shellcheck disable=SC2086
+  go build -v -ldflags "$ldf" -o "$CACHE/bin.tmp/" $pkgs 2>&1 |
     awk -v total="$total" -v t0="$(date +%s)" '
       /^[A-Za-z0-9._~\/-]+$/ {
         n++
@@ -148,14 +170,20 @@ cmd_build() {
       }
       { print > "/dev/stderr" }'
   log "linking done"
-  mv "$BIN.tmp" "$BIN"
-  echo "$RECIPE" >"$BIN.recipe"
+  for b in $BINARIES; do
+    [ -x "$CACHE/bin.tmp/$b" ] || die "go build left no $b"
+  done
+  for b in $BINARIES; do
+    mv "$CACHE/bin.tmp/$b" "$CACHE/bin/$b"
+    echo "$RECIPE" >"$CACHE/bin/$b.recipe"
+  done
+  rmdir "$CACHE/bin.tmp"
   cd "$CACHE"
-  is_built || die "built binary does not report $K8S_VERSION"
+  is_built || die "a built binary does not report $K8S_VERSION"
   if [ "${KEEP_BUILD:-0}" != 1 ]; then
     rm -rf "$W/gopath" "$W/gocache" # ≈1.4 GB; the orig tarball stays for a rebuild
   fi
-  log "built $BIN in $(($(date +%s) - t0)) s"
+  log "built $BINARIES in $(($(date +%s) - t0)) s"
 }
 
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -226,6 +254,14 @@ cmd_start() {
     >"$RUN/tokens.csv"
   printf 'ADMIN_TOKEN=%s\nOPERATOR_TOKEN=%s\nOPERATOR_USER=%s\n' "$admin" "$op" "$user" \
     >"$RUN/tokens.env"
+  if [ -n "${NODE_NAME:-}" ]; then
+    # A kubelet's identity for the Node authorizer (devtools/weightroll_dev/realnode).
+    local node
+    node=$(openssl rand -hex 16)
+    printf '%s\n' "$node,system:node:$NODE_NAME,node-uid,system:nodes" >>"$RUN/tokens.csv"
+    printf 'NODE_TOKEN=%s\n' "$node" >>"$RUN/tokens.env"
+    write_kubeconfig "$RUN/kubeconfig-node" "system:node:$NODE_NAME" "$node"
+  fi
   write_kubeconfig "$RUN/kubeconfig" admin "$admin"
   write_kubeconfig "$RUN/kubeconfig-operator" "$user" "$op"
 
