@@ -10,6 +10,11 @@
 #   openssl                      <- service-account signing key of the test apiserver
 #   kubectl                      <- apt `kubernetes-client` (1.20, matching the apiserver) when no
 #                                   kubectl is on PATH (the demo and the cluster tests call it)
+#   containerd, runc, ctr        <- apt `containerd runc` (the container runtime of the real node,
+#   CNI bridge/host-local/loopback  devtools/weightroll_dev/realnode; no service is started)
+#                                <- apt `containernetworking-plugins` (/usr/lib/cni)
+#   ip, gcc                      <- apt `iproute2 gcc libc6-dev` (its network namespace; its
+#                                   static pause image)
 #
 # Needs root (or passwordless sudo). Without either it prints what is missing and exits 0, so
 # tests that need the tools skip with a reason instead of CI failing here.
@@ -57,6 +62,18 @@ need openssl openssl
 need make make
 need kubectl kubernetes-client
 need curl curl
+need containerd containerd
+need runc runc
+need ip iproute2
+need gcc gcc
+if [ ! -x /usr/lib/cni/bridge ]; then
+  need_tools+=(cni-plugins)
+  need_pkgs+=(containernetworking-plugins)
+fi
+if [ ! -f /usr/include/stdio.h ]; then
+  need_tools+=(libc-headers)
+  need_pkgs+=(libc6-dev)
+fi
 
 # deb-src: derive a deb-src sources file from the deb822 one (tooling.md §1 step 1).
 src_added=0
