@@ -6,7 +6,9 @@ code lives here, outside the wheel; ``make demo`` and ``make demo-engine`` run t
 
 * ``demo [--scenario ok|fail] [--on-failure Halt|Rollback]``: the cluster demo (``make demo``);
   ``demo --engine``: the single-engine demo (``make demo-engine``);
-* ``dev up|down [--dir DIR] ...``: a local dev cluster left running in the background.
+* ``dev up|down [--dir DIR] ...``: a local dev cluster left running in the background;
+* ``node up|down [--dir DIR]``: a real one-node Kubernetes (kubelet, containerd) in a network
+  namespace (root; :mod:`weightroll_dev.realnode`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dev up|down: a local cluster (kube-apiserver, chart, operator, N vLLM pods) left "
         "running in the background, described in DIR/cluster.json",
     ),
+    "node": (
+        "weightroll_dev.realnode.cli",
+        "node up|down: a real one-node Kubernetes (kubelet, containerd, controllers) inside a "
+        "network namespace; needs root and the built node binaries",
+    ),
 }
 #: ``demo --engine``: the single-engine demo (it imports vLLM).
 ENGINE_DEMO = "weightroll_dev.demo_engine"
@@ -46,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        print(f"{PROG}: unknown command {command!r}; choose one of demo, dev", file=sys.stderr)
+        known = ", ".join(COMMANDS)
+        print(f"{PROG}: unknown command {command!r}; choose one of {known}", file=sys.stderr)
         return 2
     target = COMMANDS[command][0]
     if command == "demo":

@@ -110,13 +110,21 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return out
 
 
-def start_apiserver(run_dir: Path, extra_args: Sequence[str] = ()) -> KubeCluster:
+def start_apiserver(
+    run_dir: Path,
+    extra_args: Sequence[str] = (),
+    command_prefix: Sequence[str] = (),
+    node_name: str | None = None,
+) -> KubeCluster:
     """Start etcd and kube-apiserver on free loopback ports with state in ``run_dir``.
 
     Args:
         run_dir: state, logs and kubeconfigs.
         extra_args: appended to the kube-apiserver command line (``APISERVER_EXTRA_ARGS``),
             e.g. the audit log flags of ``tests/harness/apiserver.py``; no spaces inside one.
+        command_prefix: runs the script under it, e.g. ``nsenter --net=…`` so etcd and the
+            apiserver bind the loopback of a network namespace (the real node).
+        node_name: also issue a kubelet token for this node (``kubeconfig-node`` in ``run_dir``).
 
     Raises:
         ValueError: an argument in ``extra_args`` is empty or contains whitespace.
@@ -138,8 +146,14 @@ def start_apiserver(run_dir: Path, extra_args: Sequence[str] = ()) -> KubeCluste
         raise ValueError(f"an apiserver argument is empty or holds whitespace: {extra_args!r}")
     if extra_args:
         env["APISERVER_EXTRA_ARGS"] = " ".join(extra_args)
+    if node_name:
+        env["NODE_NAME"] = node_name
     proc = subprocess.run(
-        ["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, check=False
+        [*command_prefix, "bash", str(SCRIPT), "start"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"kube-apiserver did not start:\n{proc.stderr[-4000:]}")
