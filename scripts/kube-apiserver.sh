@@ -3,7 +3,7 @@
 # from Debian's `kubernetes` source package, plus etcd, with RBAC authorization and static tokens.
 #
 # Usage:
-#   scripts/kube-apiserver.sh build     # build once into the cache (≈10 min on 2 cores), then no-op;
+#   scripts/kube-apiserver.sh build     # build once into the cache (≈9–17 min on 2 cores), then no-op;
 #                                       # kubelet, controller-manager and scheduler are built beside it
 #   scripts/kube-apiserver.sh start     # start etcd + apiserver; prints the kubeconfig path
 #   scripts/kube-apiserver.sh stop      # stop both (by the PIDs recorded at start)

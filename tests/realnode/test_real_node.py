@@ -1,5 +1,6 @@
-"""The real node (weightroll_dev.realnode) end to end: a real kubelet makes a pod Ready and
-restarts its killed container, and ``down`` leaves nothing on the host.
+"""The real node (weightroll_dev.realnode) end to end: a real kubelet makes a pod Ready by its
+probe and restarts its killed container; a readiness gate decides Ready and the EndpointSlice
+of a Service follows it; and ``down`` leaves nothing on the host.
 
 Runs as root with the node binaries built (``bash scripts/kube-apiserver.sh build``) and
 containerd, runc and the CNI plugins installed (``scripts/system-deps.sh``); otherwise skipped
@@ -51,6 +52,85 @@ POD = {
 }
 
 
+GATE = "weightroll.io/weights-ready"
+#: A pod behind a Service with the operator's readiness gate: Ready only once the gate is True.
+GATED_POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "gated", "namespace": "default", "labels": {"app": "gated"}},
+    "spec": {
+        "terminationGracePeriodSeconds": 1,
+        "readinessGates": [{"conditionType": GATE}],
+        "containers": [
+            {
+                "name": "sleeper",
+                "image": TINY_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/usr/bin/sleep", "3600"],
+                "ports": [{"containerPort": 8000, "name": "http"}],
+                "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True}],
+            }
+        ],
+        "volumes": [{"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}}],
+    },
+}
+SERVICE = {
+    "apiVersion": "v1",
+    "kind": "Service",
+    "metadata": {"name": "gated", "namespace": "default"},
+    "spec": {"selector": {"app": "gated"}, "ports": [{"port": 8000, "targetPort": "http"}]},
+}
+
+
+def _set_gate(node: RealNode, status: str) -> None:
+    patch = {"status": {"conditions": [{"type": GATE, "status": status}]}}
+    out = node.kubectl("patch", "pod", "gated", "--subresource=status", "-p", json.dumps(patch))
+    assert out.returncode == 0, out.stderr
+
+
+def _slice_readiness(node: RealNode) -> list[bool]:
+    out = node.kubectl(
+        "get", "endpointslices", "-l", "kubernetes.io/service-name=gated", "-o", "json"
+    )
+    assert out.returncode == 0, out.stderr
+    return [
+        bool(e.get("conditions", {}).get("ready"))
+        for s in json.loads(out.stdout)["items"]
+        for e in s.get("endpoints") or []
+    ]
+
+
+def _wait_slice(node: RealNode, ready: bool, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while _slice_readiness(node) != [ready]:
+        assert time.monotonic() < deadline, f"EndpointSlice never {ready}: {_slice_readiness(node)}"
+        time.sleep(0.5)
+
+
+def _check_gate_decides_ready_and_endpoints(node: RealNode) -> None:
+    for manifest in (SERVICE, GATED_POD):
+        created = node.kubectl("apply", "-f", "-", input_=json.dumps(manifest))
+        assert created.returncode == 0, created.stderr
+    running = node.kubectl("wait", "--for=condition=ContainersReady", "pod/gated",
+                           "--timeout=120s", timeout=130)  # fmt: skip
+    assert running.returncode == 0, running.stderr
+    # Containers ready, gate absent: the kubelet keeps the pod unready and out of the slice.
+    pod = json.loads(node.kubectl("get", "pod", "gated", "-o", "json").stdout)
+    ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"]
+    assert ready == "False"
+    _wait_slice(node, ready=False)
+
+    _set_gate(node, "True")
+    waited = node.kubectl("wait", "--for=condition=Ready", "pod/gated", "--timeout=60s")
+    assert waited.returncode == 0, waited.stderr
+    _wait_slice(node, ready=True)
+
+    _set_gate(node, "False")
+    waited = node.kubectl("wait", "--for=condition=Ready=false", "pod/gated", "--timeout=60s")
+    assert waited.returncode == 0, waited.stderr
+    _wait_slice(node, ready=False)
+
+
 def _wait_restarted_and_ready(node: RealNode, limit: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + limit
     while True:
@@ -62,7 +142,7 @@ def _wait_restarted_and_ready(node: RealNode, limit: float = 120) -> dict[str, A
         time.sleep(1)
 
 
-def test_kubelet_makes_a_pod_ready_and_down_leaves_nothing(tmp_path: Path) -> None:
+def test_kubelet_decides_ready_restarts_and_gates_and_down_leaves_nothing(tmp_path: Path) -> None:
     root = tmp_path / "node"
     before = host.footprint(str(root))
     node = up(root)
@@ -95,6 +175,8 @@ def test_kubelet_makes_a_pod_ready_and_down_leaves_nothing(tmp_path: Path) -> No
         status = _wait_restarted_and_ready(node)
         assert status["restartCount"] >= 1
         assert status["lastState"]["terminated"]["exitCode"] == 137
+
+        _check_gate_decides_ready_and_endpoints(node)
     finally:
         problems = down(root)
     assert problems == []
