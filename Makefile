@@ -33,7 +33,7 @@ lint: venv
 
 ## Fast tiers only (no vLLM engines).
 unit: venv
-	$(PY) -m pytest -m "not engine and not server and not cluster"
+	$(PY) -m pytest -m "not engine and not server and not cluster and not realnode"
 
 engine: venv
 	$(PY) -m pytest tests/engine

@@ -16,7 +16,7 @@ bash scripts/system-deps.sh
 build_pid=
 if ! bash scripts/kube-apiserver.sh path >/dev/null 2>&1; then
   if command -v go >/dev/null 2>&1; then
-    step "Building kube-apiserver 1.20.2 in the background (once; ≈4 min on 2 cores, cached)"
+    step "Building kube-apiserver 1.20.2 in the background (once, with the real node's binaries; ≈9–17 min on 2 cores, cached)"
     # Its progress lines are prefixed; pip's output goes on in between.
     (bash scripts/kube-apiserver.sh build 2>&1 | sed -u 's/^/    [kube-apiserver build] /') &
     build_pid=$!
