@@ -1,6 +1,7 @@
 """The real node (weightroll_dev.realnode) end to end: a real kubelet makes a pod Ready by its
-probe and restarts its killed container; a readiness gate decides Ready and the EndpointSlice
-of a Service follows it; and ``down`` leaves nothing on the host.
+probe and restarts its killed container; a readiness gate decides Ready, a failing probe takes
+the pod out with the gate True, and the EndpointSlice of a Service follows both; and ``down``
+leaves nothing on the host.
 
 Runs as root with the node binaries built (``bash scripts/kube-apiserver.sh build``) and
 containerd, runc and the CNI plugins installed (``scripts/system-deps.sh``); otherwise skipped
@@ -66,7 +67,12 @@ GATED_POD = {
                 "name": "sleeper",
                 "image": TINY_IMAGE,
                 "imagePullPolicy": "Never",
-                "command": ["/usr/bin/sleep", "3600"],
+                # The probe passes while /tmp/ready exists: the test breaks it by removing it.
+                "command": ["/usr/bin/sh", "-c", "touch /tmp/ready && exec sleep 3600"],
+                "readinessProbe": {
+                    "exec": {"command": ["/usr/bin/test", "-e", "/tmp/ready"]},
+                    "periodSeconds": 1,
+                },
                 "ports": [{"containerPort": 8000, "name": "http"}],
                 "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True}],
             }
@@ -129,6 +135,21 @@ def _check_gate_decides_ready_and_endpoints(node: RealNode) -> None:
     waited = node.kubectl("wait", "--for=condition=Ready=false", "pod/gated", "--timeout=60s")
     assert waited.returncode == 0, waited.stderr
     _wait_slice(node, ready=False)
+
+    # A failing probe takes the pod out even with the gate True.
+    _set_gate(node, "True")
+    _wait_slice(node, ready=True)
+    pod = json.loads(node.kubectl("get", "pod", "gated", "-o", "json").stdout)
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
+    broken = node.ctr("tasks", "exec", "--exec-id", "break-probe", container_id,
+                      "/usr/bin/rm", "/tmp/ready")  # fmt: skip
+    assert broken.returncode == 0, broken.stderr
+    waited = node.kubectl("wait", "--for=condition=Ready=false", "pod/gated", "--timeout=60s")
+    assert waited.returncode == 0, waited.stderr
+    _wait_slice(node, ready=False)
+    pod = json.loads(node.kubectl("get", "pod", "gated", "-o", "json").stdout)
+    conditions = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+    assert conditions[GATE] == "True" and conditions["ContainersReady"] == "False"
 
 
 def _wait_restarted_and_ready(node: RealNode, limit: float = 120) -> dict[str, Any]:
