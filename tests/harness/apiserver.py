@@ -16,7 +16,7 @@ The ``kube_cluster`` fixture (session scope) yields a :class:`KubeCluster`:
   :class:`AuditedCluster`; :meth:`AuditedCluster.requests` reads who did what. It skips with an
   external cluster (its audit log is not ours to read).
 - When the apiserver binary is not built, every test using the fixture is skipped with the command
-  that builds it (``bash scripts/kube-apiserver.sh build``, ≈9–17 min on 2 cores, cached in
+  that builds it (``bash scripts/kube-apiserver.sh build``, ≈9-17 min on 2 cores, cached in
   ``${XDG_CACHE_HOME:-~/.cache}/weightroll/kube``; ``.ci/run`` does it).
 
 Limitations of the built-in apiserver (``../shared/design/tooling.md`` §1): no controller-manager,

@@ -37,7 +37,7 @@ SCRIPT = REPO / "scripts" / "kube-apiserver.sh"
 OPERATOR_NAMESPACE = "weightroll-system"
 OPERATOR_SERVICEACCOUNT = "weightroll-operator"
 BUILD_HINT = (
-    "run `bash scripts/kube-apiserver.sh build` (with the node binaries ≈9–17 min on 2 cores, "
+    "run `bash scripts/kube-apiserver.sh build` (with the node binaries ≈9-17 min on 2 cores, "
     "cached; .ci/run does it) or set WEIGHTROLL_KUBECONFIG to an existing cluster's kubeconfig"
 )
 

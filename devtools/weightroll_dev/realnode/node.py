@@ -383,6 +383,8 @@ def _bring_up(
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # kill(0, …) would address our own process group
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
