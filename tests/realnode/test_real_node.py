@@ -1,7 +1,8 @@
 """The real node (weightroll_dev.realnode) end to end: a real kubelet makes a pod Ready by its
 probe and restarts its killed container; a readiness gate decides Ready, a failing probe takes
-the pod out with the gate True, and the EndpointSlice of a Service follows both; and ``down``
-leaves nothing on the host.
+the pod out with the gate True, and the EndpointSlice of a Service follows both; the
+checkout's virtualenv runs in a pod through read-only hostPath mounts; and ``down`` leaves
+nothing on the host.
 
 Runs as root with the node binaries built (``bash scripts/kube-apiserver.sh build``) and
 containerd, runc and the CNI plugins installed (``scripts/system-deps.sh``); otherwise skipped
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +22,9 @@ import pytest
 from weightroll_dev.realnode import RealNode, down, host, missing_prerequisites, up
 from weightroll_dev.realnode.config import NODE_ADDRESS, POD_SUBNET
 from weightroll_dev.realnode.images import TINY_IMAGE
+from weightroll_dev.realnode.pods import host_python_mounts
+
+REPO = Path(__file__).resolve().parents[2]
 
 MISSING = missing_prerequisites()
 pytestmark = [
@@ -152,6 +157,39 @@ def _check_gate_decides_ready_and_endpoints(node: RealNode) -> None:
     assert conditions[GATE] == "True" and conditions["ContainersReady"] == "False"
 
 
+def _check_checkout_python_runs_in_a_pod(node: RealNode) -> None:
+    """The venv's interpreter imports the checkout's packages in a tiny-image pod (no vLLM)."""
+    venv = Path(sys.prefix)
+    volumes, mounts = host_python_mounts(venv, REPO)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "python", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "python",
+                    "image": TINY_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": [str(venv / "bin" / "python"), "-c",
+                                "import engine_agent.protocol, weightroll_operator"],
+                    "env": [{"name": "PYTHONPATH", "value": f"{REPO}:{REPO / 'operator'}"}],
+                    "volumeMounts": mounts,
+                }
+            ],
+            "volumes": volumes,
+        },
+    }  # fmt: skip
+    created = node.kubectl("apply", "-f", "-", input_=json.dumps(pod))
+    assert created.returncode == 0, created.stderr
+    done = node.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/python",
+                        "--timeout=120s", timeout=130)  # fmt: skip
+    assert done.returncode == 0, (
+        done.stderr + node.kubectl("get", "pod", "python", "-o", "yaml").stdout
+    )
+
+
 def _wait_restarted_and_ready(node: RealNode, limit: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + limit
     while True:
@@ -198,6 +236,7 @@ def test_kubelet_decides_ready_restarts_and_gates_and_down_leaves_nothing(tmp_pa
         assert status["lastState"]["terminated"]["exitCode"] == 137
 
         _check_gate_decides_ready_and_endpoints(node)
+        _check_checkout_python_runs_in_a_pod(node)
     finally:
         problems = down(root)
     assert problems == []

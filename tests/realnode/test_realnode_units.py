@@ -11,6 +11,7 @@ from pathlib import Path
 from weightroll_dev.realnode import host
 from weightroll_dev.realnode.config import NodeLayout, cni_config, containerd_config
 from weightroll_dev.realnode.images import TINY_IMAGE, tiny_layer, write_oci_archive
+from weightroll_dev.realnode.pods import host_python_mounts
 
 
 def _members(archive: Path) -> dict[str, bytes]:
@@ -95,3 +96,20 @@ def test_footprint_difference_names_what_was_left_and_changed_settings() -> None
         "sysctls": ["kernel/panic=10"],
     }
     assert before.difference(_footprint()) == {}
+
+
+def test_host_python_mounts_cover_interpreter_venv_and_checkout_once(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "pyvenv.cfg").write_text("home = /opt/py/3.11/bin\nversion = 3.11.7\n")
+    volumes, mounts = host_python_mounts(venv, tmp_path / "checkout")
+    paths = [m["mountPath"] for m in mounts]
+    assert paths[0] == "/usr" and "/opt/py/3.11" in paths
+    assert str(venv) in paths and str(tmp_path / "checkout") in paths
+    assert all(m["readOnly"] for m in mounts)
+    assert [v["hostPath"]["path"] for v in volumes] == paths
+    # A system interpreter under /usr needs no mount of its own.
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    _, mounts = host_python_mounts(venv, tmp_path / "checkout")
+    assert [m["mountPath"] for m in mounts].count("/usr") == 1
+    assert len(mounts) == 3

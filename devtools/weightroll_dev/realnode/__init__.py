@@ -8,6 +8,7 @@ probes, restarts and Endpoints are decided by Kubernetes itself (issue 29):
 * :mod:`.images`: the pause and tiny images, built here and imported (no registry is reachable);
 * :mod:`.host`: what the node changes on the host (cgroups, mounts, kernel settings, host
   directories) and a snapshot to prove ``down`` took all of it back;
+* :mod:`.pods`: hostPath mounts that run the checkout's virtualenv in a tiny-image pod;
 * :mod:`.node`: ``up`` (to node Ready) and ``down``;
 * :mod:`.cli`: ``python -m weightroll_dev node up|down``.
 
