@@ -237,6 +237,11 @@ def test_kubelet_decides_ready_restarts_and_gates_and_down_leaves_nothing(tmp_pa
 
         _check_gate_decides_ready_and_endpoints(node)
         _check_checkout_python_runs_in_a_pod(node)
+        # The apiserver reaches the kubelet (logs, exec) at the node address, not by name.
+        execed = node.kubectl("exec", "tiny", "--", "/usr/bin/true")
+        assert execed.returncode == 0, execed.stderr
+        # Confinement: nothing was sent towards any address outside the namespace.
+        assert node.packets_towards_outside() == 0
     finally:
         problems = down(root)
     assert problems == []

@@ -60,6 +60,11 @@ CNI_PLUGINS = ("bridge", "host-local", "loopback")
 PROCESS_ORDER = ("kubelet", "kube-scheduler", "kube-controller-manager", "containerd")
 
 
+#: The kubelet's in-tree AWS credential provider asks the EC2 metadata service
+#: (169.254.169.254) for credentials at start: an address outside the namespace.
+NODE_ENV = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true"}
+
+
 class NodeError(RuntimeError):
     """The real node could not be brought up (or taken down completely)."""
 
@@ -116,6 +121,18 @@ class RealNode:
             timeout=timeout,
         )
 
+    def packets_towards_outside(self) -> int:
+        """Packets that reached the node interface's peer: every packet for an address outside
+        the namespace (the default route's only way) and nothing else (IPv6 is off)."""
+        out = subprocess.run(
+            ["ip", "-n", self.netns, "-s", "-j", "link", "show", "dev", NODE_PEER],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        (link,) = json.loads(out.stdout)
+        return int(link["stats64"]["rx"]["packets"])
+
     def ctr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """Run ``ctr`` against the node's containerd, namespace ``k8s.io``."""
         return subprocess.run(
@@ -157,6 +174,7 @@ def _start_process(
     with (layout.logs / f"{name}.log").open("ab") as log:
         proc = subprocess.Popen(
             in_netns(netns, argv),
+            env=NODE_ENV,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -269,6 +287,16 @@ def _bring_up(
     say(f"real node: network namespace {netns}")
     _run(["ip", "netns", "add", netns], "creating the network namespace")
     ip_n = ["ip", "-n", netns]
+    # No IPv6: its link-local autoconfiguration would send neighbour discovery on the node
+    # interface, the counter that proves nothing was sent towards any other address.
+    _run(
+        in_netns(netns, ["sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1"]),
+        "disabling IPv6 in the namespace",
+    )
+    _run(
+        in_netns(netns, ["sysctl", "-q", "-w", "net.ipv6.conf.default.disable_ipv6=1"]),
+        "disabling IPv6 in the namespace",
+    )
     _run([*ip_n, "link", "set", "lo", "up"], "loopback up")
     # A veth pair with both ends inside: the kernel here has no dummy interfaces, and a bridge
     # without ports has no carrier for the default route.
@@ -287,7 +315,11 @@ def _bring_up(
     say("real node: etcd + kube-apiserver")
     try:
         cluster = start_apiserver(
-            layout.apiserver_run, command_prefix=in_netns(netns, []), node_name=node_name
+            layout.apiserver_run,
+            # By name it would ask the host's DNS server (outside the namespace) for the node.
+            extra_args=["--kubelet-preferred-address-types=InternalIP"],
+            command_prefix=in_netns(netns, []),
+            node_name=node_name,
         )
     except RuntimeError as e:
         raise NodeError(str(e)) from e
