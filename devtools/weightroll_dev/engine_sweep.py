@@ -104,6 +104,13 @@ SHRINK: dict[str, Any] = {
     "shared_expert_intermediate_size": 64,
     "decoder_sparse_step": 1,
 }
+#: Config fields whose class defaults do not fit the tiny shape, by ``model_type``. (Families whose
+#: vLLM model reads fields only their released config.json has — HY-V3, LongCat-Flash, MiMo-V2 —
+#: need several more, each found only by the next start's error: they stay not runnable.)
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    # Mamba2 checks hidden_size x expand == num_heads x head_dim: 128 x 2 == 8 x 32.
+    "mamba2": {"num_heads": 8, "n_groups": 1},
+}
 #: Names of the MLP width (:func:`tiny_config` keeps their ratio to the hidden size).
 MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 #: Per-engine-process time limit: four engine starts (three cold, one live) on a shared 2-core
@@ -197,7 +204,7 @@ def tiny_config(model_type: str) -> Any:
             and name not in aliases.values()
         ):
             fields[name] = SHRINK["hidden_size"]
-    return config_class(**fields)
+    return config_class(**(fields | FAMILY_FIELDS.get(model_type, {})))
 
 
 def tiny_checkpoint(architecture: str, out_dir: Path, seed: int = 0) -> Path:
@@ -213,33 +220,47 @@ def tiny_checkpoint(architecture: str, out_dir: Path, seed: int = 0) -> Path:
     types = model_types(architecture)
     if not types:
         raise LookupError(NO_CONFIG)
-    config = tiny_config(types[0])
+    # A composite (text + vision) config nests a full-size text config the shrink does not
+    # reach (Qwen3.5-MoE's took 9 GiB); the text config of the same family is the tiny one.
+    config = tiny_config(sorted(types, key=_is_composite)[0])
     config.architectures = [architecture]
     return build_from_config(
         config, out_dir, seed, label={"architecture": architecture, "seed": seed}
     )
 
 
+def _is_composite(model_type: str) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return hasattr(CONFIG_MAPPING[model_type](), "text_config")
+
+
 def layer_prefix(names: Iterable[str]) -> str:
-    """The checkpoint-name prefix of the second decoder layer (``model.layers.1.``)."""
-    for name in sorted(names):
-        found = re.match(r"^(.*?\b(?:layers|h|blocks|layer)\.1\.)", name)
-        if found:
-            return found.group(1)
-    raise LookupError("no decoder layer 1 in the checkpoint names")
+    """The checkpoint-name prefix of the second decoder layer (``model.layers.1.``), or of the
+    first where the checkpoint has one layer only (LongCat-Flash counts two sublayers as one)."""
+    ordered = sorted(names)
+    for index in (1, 0):
+        for name in ordered:
+            found = re.match(rf"^(.*?\b(?:layers|h|blocks|layer)\.{index}\.)", name)
+            if found:
+                return found.group(1)
+    raise LookupError("no decoder layer in the checkpoint names")
 
 
 def norm_weight(names: Iterable[str], shapes: dict[str, tuple[int, ...]], prefix: str) -> str:
-    """A 1-D norm weight, preferably in the layer ``prefix`` (a sparse patch's target)."""
+    """A 1-D norm weight, preferably in the layer ``prefix``, else any 1-D tensor of at least
+    8 entries (a sparse patch's target: it writes entries 0 and 7)."""
     norms = [
         n
         for n in sorted(names)
         if len(shapes[n]) == 1 and n.endswith(".weight") and re.search(r"norm|\bln", n)
     ]
     in_layer = [n for n in norms if n.startswith(prefix)]
-    if not (in_layer or norms):
-        raise LookupError("no 1-D norm weight in the checkpoint")
-    return (in_layer or norms)[0]
+    # A family without norm weights (HRM-Text) still has 1-D tensors a patch can target.
+    vectors = [n for n in sorted(names) if len(shapes[n]) == 1 and shapes[n][0] >= 8]
+    if not (in_layer or norms or vectors):
+        raise LookupError("no 1-D tensor in the checkpoint")
+    return (in_layer or norms or vectors)[0]
 
 
 # ------------------------------------------------------------------ the check of one architecture
