@@ -2,7 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-engine test lint unit engine soak venv clean vllm-surface gpu-check engine-sweep
+.PHONY: demo demo-engine test lint unit engine soak venv clean vllm-surface gpu-check engine-sweep \
+	unit-operator unit-agent unit-dev contract-agent contract-rollout contract sim
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -37,6 +38,29 @@ unit: venv
 
 engine: venv
 	$(PY) -m pytest tests/engine
+
+## One area at a time, each well under a minute of CPU (figures: README, "Working on one area").
+## unit-operator: the operator's unit tests; unit-agent: the engine agent's (no vLLM engine);
+## unit-dev: devtools, packaging and the bench entry points.
+AREA_PYTEST = $(PY) -m pytest -q --durations=5
+unit-operator: venv
+	$(AREA_PYTEST) tests/unit/weightroll_operator
+unit-agent: venv
+	$(AREA_PYTEST) tests/unit/engine_agent
+unit-dev: venv
+	$(AREA_PYTEST) tests/unit/weightroll_dev $(wildcard tests/unit/test_*.py)
+
+## contract-agent: the agent's HTTP contract (real servers, fake engines); contract-rollout: the
+## operator against kmock and simulated agents, on virtual time (looptime); contract: both.
+contract-agent: venv
+	$(AREA_PYTEST) tests/contract/agent tests/contract/test_token_file.py
+contract-rollout: venv
+	$(AREA_PYTEST) tests/contract/rollout
+contract: contract-agent contract-rollout
+
+## The simulation tier at CI's fixed seed budget (`make soak` runs many more).
+sim: venv
+	$(AREA_PYTEST) tests/sim -m sim
 
 ## The simulation tier (tests/sim) with many more generated hostile schedules than CI runs
 ## (fresh randomness each time; a failure prints the shrunk schedule to replay). SOAK_EXAMPLES

@@ -5,14 +5,13 @@ else is written on the pod."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
 from weightroll_operator.api import v1alpha1 as api
 from weightroll_operator.domain.model import CONDITION_WEIGHTS_READY
 
-from tests.contract.rollout.harness import NS, Harness, running_operator
+from tests.contract.rollout.harness import NS, Harness, running_operator, wait_until
 from tests.harness.kube_fleet import make_pod
 
 pytestmark = pytest.mark.asyncio
@@ -27,13 +26,6 @@ def fresh_pod(name: str, app: str, *, containers_ready: bool = True) -> dict[str
         {"type": "Ready", "status": "False"},
     ]
     return body
-
-
-async def _wait(predicate: Any, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def _pod_writes(h: Harness, *, but: tuple[str, ...] = ()) -> list[tuple[str, str | None, Any]]:
@@ -55,8 +47,8 @@ async def test_unselected_ready_pod_is_admitted_once(h: Harness) -> None:
     await h.create_wu("wu", "v2", paused=True, agent={})  # selects app=llm; paused: touches no pod
 
     async with running_operator(h):
-        await _wait(lambda: _gate_is(h, "free", "True"))
-        await _wait(h.phase_is("wu", "Paused"))
+        await wait_until(lambda: _gate_is(h, "free", "True"))
+        await wait_until(h.phase_is("wu", "Paused"))
         # kubelet: the agent's /readyz answers now
         path = f"/api/v1/namespaces/{NS}/pods/late"
         conds = {"conditions": [{"type": "ContainersReady", "status": "True"}]}
@@ -66,7 +58,7 @@ async def test_unselected_ready_pod_is_admitted_once(h: Harness) -> None:
             headers={"Content-Type": "application/merge-patch+json"},
         ) as resp:
             assert resp.status < 400
-        await _wait(lambda: _gate_is(h, "late", "True"))
+        await wait_until(lambda: _gate_is(h, "late", "True"))
         await asyncio.sleep(0.5)  # a few more timer passes and pod events
         governed = await h.gate("governed")
         free = await h.pod("free")
@@ -107,7 +99,7 @@ async def test_switched_off_writes_nothing(h: Harness) -> None:
         return bool((await h.status("wu")).get("phase"))
 
     async with running_operator(h, admit_unmanaged_pods=False):
-        await _wait(has_phase)  # the operator runs and has handled the WeightUpdate
+        await wait_until(has_phase)  # the operator runs and has handled the WeightUpdate
         await asyncio.sleep(1.0)  # the pod's listing event has long been handled
         gate = await h.gate("free")
 
@@ -120,12 +112,12 @@ async def test_deleting_the_weightupdate_admits_the_pods_it_never_touched(h: Har
     await h.create_wu("wu", "v2", paused=True, agent={})
 
     async with running_operator(h):
-        await _wait(h.phase_is("wu", "Paused"))
+        await wait_until(h.phase_is("wu", "Paused"))
         assert await h.gate("governed") is None
         path = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/wu"
         async with h.http.delete(path) as resp:
             assert resp.status < 400
-        await _wait(lambda: _gate_is(h, "governed", "True"))
+        await wait_until(lambda: _gate_is(h, "governed", "True"))
 
     assert [w.pod for w in h.emu.status_writes] == ["governed"]
 

@@ -8,6 +8,7 @@ WeightUpdates").
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -156,6 +157,7 @@ async def test_a_pod_deleted_while_the_watch_was_down_is_released_not_timed_out(
         await one_pass()
         if (await h.status("wu")).get("phase") == "Succeeded":
             break
+        await asyncio.sleep(h.tick_interval)  # the agents' steps take (virtual) time
     status = await h.status("wu")
     assert status["phase"] == "Succeeded", (status.get("abortReason"), status.get("pods"))
     assert status["replicas"]["total"] == 2 and not status.get("abortReason")

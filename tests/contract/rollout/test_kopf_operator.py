@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import Any
-
 import pytest
 
-from tests.contract.rollout.harness import NS, Harness, running_operator
+from tests.contract.rollout.harness import NS, Harness, running_operator, wait_until
 
 pytestmark = pytest.mark.asyncio
-
-
-async def _wait(predicate: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def test_operator_rolls_out_8_pods(h: Harness) -> None:
@@ -25,7 +14,7 @@ async def test_operator_rolls_out_8_pods(h: Harness) -> None:
     await h.create_wu("wu", "v2", strategy={"maxUnavailable": 3})
 
     async with running_operator(h):
-        await _wait(h.phase_is("wu", "Succeeded"), timeout=30)
+        await wait_until(h.phase_is("wu", "Succeeded"), timeout=30)
         status = await h.status("wu")
         gates = [await h.gate(f"pod-{i}") for i in range(8)]
         annotations = (await h.wu("wu"))["metadata"].get("annotations", {})

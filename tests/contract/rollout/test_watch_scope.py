@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 import kopf
@@ -14,7 +13,7 @@ import pytest
 from weightroll_operator.handlers import Runtime, register
 from weightroll_operator.settings import OperatorConfig
 
-from tests.contract.rollout.harness import Harness
+from tests.contract.rollout.harness import Harness, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -32,17 +31,16 @@ async def _pod_watches(h: Harness, *, config: OperatorConfig, **kw: Any) -> list
         kopf.operator(registry=registry, standalone=True, stop_flag=stop, **kw)
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            watches = [
+
+        async def pod_reads() -> list[Any]:
+            return [
                 r
                 for r in h.emu
                 if r.resource is not None and r.resource.plural == "pods" and r.method == "GET"
             ]
-            if watches:
-                return watches
-            assert time.monotonic() < deadline, "kopf never listed or watched pods"
-            await asyncio.sleep(0.05)
+
+        watches: list[Any] = await wait_until(pod_reads, what="kopf never listed or watched pods")
+        return watches
     finally:
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
