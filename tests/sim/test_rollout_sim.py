@@ -964,3 +964,54 @@ def test_a_withdrawal_cut_after_its_record_still_reattests_the_gate() -> None:
             sim.reconcile("wu-a", None)
             sim.clock_step(31.0)
             sim.safety()
+
+
+def _fail_the_first_unit_under_rollback(sim: RolloutMachine) -> None:
+    """Budget 1, ``onFailure: Rollback``: p0 is claimed and its reload fails."""
+    sim.start(pods=3, budget=1, on_failure="Rollback", tp=1)
+    sim.progress(0.0)
+    sim.progress(0.0)
+    sim.load_ends("p0", False)
+
+
+def _rests_rolled_back(sim: RolloutMachine) -> None:
+    sim.quiesce()
+    sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+    status = sim.server.weightupdates["wu-a"]["status"]
+    if status["phase"] != "RolledBack" or any(
+        inv.weight_state(sim.server.pods[p]) is not None for p in ("p1", "p2")
+    ):
+        raise Broken(f"the halted version went on:\n{sim.describe()}")
+
+
+def test_a_rollback_claimed_by_an_operator_stopped_before_its_status_write_still_halts() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging): p0 fails; the pass
+    that halts for it stops before its status write, and so does the standby's, after it
+    claimed p0 for the rollback. The halt lived only in the lost status writes and p0, in
+    flight, was no failed unit to halt for again: the rollout went on claiming p1 and p2
+    forward and sat ``Progressing`` for ever beside the ``RolledBack`` p0. The rollback
+    recorded on p0 is the halt (``domain.halts``). Fails on 0e1cf57."""
+    with replay("d", "still") as sim:
+        _fail_the_first_unit_under_rollback(sim)
+        sim.leader_lost_mid_pass("wu-a", 1)  # Settle(Failed) lands, the halt does not
+        sim.leader_lost_mid_pass("wu-a", 2)  # the rollback claim lands, the halt does not
+        _rests_rolled_back(sim)
+
+
+def test_a_version_rolled_back_then_set_again_stays_rolled_back_until_retried() -> None:
+    """Found by the soak (without ``leader_lost``; shrunk by delta debugging): v2 rolled back
+    on p0; spec.version goes to v3 for one pass (no agent reachable, nothing claimed) and back
+    to v2, whose persisted intents start afresh: the halt was gone, the rollout claimed p1 and
+    p2 and sat ``Progressing`` for ever beside the ``RolledBack`` p0. Fails on 0e1cf57."""
+    with replay("d", "still") as sim:
+        _fail_the_first_unit_under_rollback(sim)
+        for _ in range(4):
+            sim.progress(5.0)  # p0 rolled back: RolledBack
+        sim.edit_version("wu-a", "v3")
+        for pod in POD_NAMES[:3]:
+            sim.partition(pod, True)
+        sim.reconcile("wu-a", None)
+        for pod in POD_NAMES[:3]:
+            sim.partition(pod, False)
+        sim.edit_version("wu-a", "v2")
+        _rests_rolled_back(sim)

@@ -122,6 +122,20 @@ def _retried(st: WeightState, retried_at: str | None) -> bool:
     return started is None or started <= retried
 
 
+def rollback_recorded(
+    st: WeightState | None, owner: OwnerKey, version: str, retried_at: str | None
+) -> bool:
+    """``st`` is ``owner``'s rollback from ``version`` (running, rolled back or failed) that no
+    ``weightroll retry`` came after: the rollout of ``version`` halted (``halts``, "A halt is
+    written on the pods too")."""
+    return (
+        st is not None
+        and st.by == owner
+        and st.rollback_of == version
+        and not _retried(st, retried_at)
+    )
+
+
 def _settled_here(st: WeightState, version: str, retried_at: str | None = None) -> bool:
     if _retried(st, retried_at):
         return False
