@@ -1015,3 +1015,31 @@ def test_a_version_rolled_back_then_set_again_stays_rolled_back_until_retried() 
             sim.partition(pod, False)
         sim.edit_version("wu-a", "v2")
         _rests_rolled_back(sim)
+
+
+def test_a_verified_pod_restarted_onto_boot_weights_behind_a_partition_leaves_traffic() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging, then by hand): the
+    operator cannot reach p1's agent, and p1 restarts without its agent's state onto its boot
+    weights v1. Its agent is ready, so kubelet's probe keeps it Ready, and our gate, a pod
+    condition, outlived the restart: p1 served v1 in traffic under a gate set for v2, listed
+    ``Verified`` at v2 in a ``Succeeded`` status, for as long as the partition lasted. The
+    verdict vouches for the containers it was made on (``domain.standing``): it fails closed,
+    and p1 is converged once its agent answers. Fails on 0e1cf57."""
+    with replay("b", "") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.partition("p1", True)
+        sim.restart_pod("p1", keep_state=False)
+        for _ in range(GRACE_PASSES + 1):
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+            sim.safety()
+        sim.partition("p1", False)
+        for _ in range(6):  # past the agent's backoff
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+            sim.load_ends("p1", True)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        if sim.pods["p1"].serving()[0] != {"v2"} or not sim.server.ready("p1"):
+            raise Broken(f"p1 not converged:\n{sim.describe()}")

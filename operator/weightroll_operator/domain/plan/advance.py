@@ -254,7 +254,12 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         if pod.gate is not True:
             ctx.actions.append(GateOn(pod, version=st.version))
         ctx.actions.append(
-            Settle(pod, st.evolve(state=done, reason="", started_at=st.started_at), labels=labels)
+            Settle(
+                pod,
+                # the verdict vouches for these containers only (``domain.standing``)
+                st.evolve(state=done, reason="", incarnation=pod.incarnation or None),
+                labels=labels,
+            )
         )
     version = flying[0].state.version if flying[0].state else "?"
     if rollback:
