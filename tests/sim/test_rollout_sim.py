@@ -1043,3 +1043,17 @@ def test_a_verified_pod_restarted_onto_boot_weights_behind_a_partition_leaves_tr
         sim.check(inv.liveness(sim.server, sim.pods, sim.order))
         if sim.pods["p1"].serving()[0] != {"v2"} or not sim.server.ready("p1"):
             raise Broken(f"p1 not converged:\n{sim.describe()}")
+
+
+def test_a_claim_whose_drain_never_landed_waits_for_a_slot_of_a_lowered_budget() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging to two steps): the
+    operator stops after claiming p0 and p1 (budget 2), before p1's drain; the budget goes
+    down to 1. The standby drained p1 as the recorded claim's next step: two out of traffic
+    with a budget of 1, though p1 had never left it. A claim whose drain never landed waits
+    for a slot like any claim (``plan.advance``). Fails on 0e1cf57."""
+    with replay("a", "out of traffic by a rollout") as sim:
+        sim.start(pods=4, budget=2, on_failure="Rollback", tp=1)
+        sim.leader_lost_mid_pass("wu-a", 3)  # Claim p0, GateOff p0, Claim p1
+        sim.edit_budget("wu-a", 1)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))

@@ -997,6 +997,21 @@ def test_a_contradicted_verdict_is_withdrawn_while_the_budget_is_spent(
     assert [a for a in again.actions if not isinstance(a, Emit)] == []  # withdrawn once
 
 
+@pytest.mark.parametrize(("budget", "drained"), [(1, False), (2, True)])
+def test_a_claim_whose_drain_never_landed_waits_for_a_slot(budget: int, drained: bool) -> None:
+    """Found by the simulation tier: an operator stopped between a claim and its drain, the
+    budget lowered meanwhile; the standby drained the claimed pod beside the unit holding the
+    only slot. Its drain waits for a slot like a new claim (``plan.advance``)."""
+    p0 = pod("p0", st=state(UnitState.DRAINING, update_id="wu-v2-a"))
+    p1 = pod("p1", gate=False, ready=False, st=state(UnitState.DRAINING, update_id="wu-v2-b"))
+    p = run(spec(maxUnavailable=budget), [p0, p1, pod("p2")],
+            {"p0": agent("v1"), "p1": agent("v1"), "p2": agent("v1")})  # fmt: skip
+    gates = [a.pod.name for a in p.actions if isinstance(a, GateOff)]
+    assert gates == (["p0"] if drained else [])
+    assert claimed(p) == []  # the waiting claim goes before any new one
+    assert p.classes["p0"] is PodClass.IN_FLIGHT
+
+
 @pytest.mark.parametrize(
     ("now", "live", "expected"),
     [

@@ -7,6 +7,7 @@ retargeted at the spec's version when the spec moved on while the unit was out o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 
 from engine_agent.protocol import UpdatePhase
@@ -19,6 +20,7 @@ from weightroll_operator.domain.actions import (
     Settle,
     StartUpdate,
 )
+from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
 from weightroll_operator.domain.model import (
@@ -98,6 +100,12 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
     # A restart between GateOn and Settle leaves the gate True on a committed unit: finish it
     # below instead of draining it again. Anything else with the gate not False is re-drained.
     all_committed = all(committed.values())
+    if not all_committed and _drain_never_landed(flying, agents):
+        # A claim whose drain never landed (the operator stopped between the two writes) is
+        # a claim waiting for its slot: drained by ``plan`` only within the budget of now
+        # (a budget lowered meanwhile once drained it beside the unit that held the slot).
+        ctx.undrained.append(unit)
+        return True
     for pod in flying:
         if pod.gate is not False and not all_committed:
             ctx.actions.append(GateOff(pod, message=f"Draining for weights {pod.state.version}"))  # type: ignore[union-attr]
@@ -273,6 +281,32 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         )
         ctx.finish(unit, "succeeded")
     return False
+
+
+def _drain_never_landed(flying: list[PodView], agents: Mapping[str, AgentView]) -> bool:
+    """Every pod of the unit is claimed, still in traffic by our gate, and its agent knows
+    nothing of the attempt: nothing of the claim but its record happened."""
+    for pod in flying:
+        agent, st = agents.get(pod.name), pod.state
+        if pod.gate is not True or st is None or st.state is not UnitState.DRAINING:
+            return False
+        if agent is None or not agent.reachable or agent.update is not None:
+            return False
+        if agent.active_update_id == st.update_id:
+            return False
+    return True
+
+
+def drain_waiting_claims(ctx: PassContext, slots: Slots) -> None:
+    """Drain the claims whose drain never landed (:func:`_advance_in_flight`) as the slots
+    allow, before any new claim; the others keep waiting, in traffic."""
+    for unit in ctx.undrained:
+        if not slots.affords(unit):
+            continue
+        slots.take(unit)
+        for pod in unit.pods:
+            version = pod.state.version if pod.state is not None else "?"
+            ctx.actions.append(GateOff(pod, message=f"Draining for weights {version}"))
 
 
 def outdated(spec: WeightUpdateSpec, st: WeightState) -> bool:
