@@ -52,6 +52,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from weightroll_operator.domain.model import UnitState
 from weightroll_operator.errors import InvalidSpec, KubeError
 from weightroll_operator.reconcile import Reconciler
 
@@ -173,6 +174,10 @@ class RolloutMachine(RuleBasedStateMachine):
         self.latch: dict[str, int] = {}
         #: pod -> (full passes, clock) when the cluster changed its weights under it
         self.drift: dict[str, tuple[int, float]] = {}
+        #: Pods in drift whose gate the operator set True while their ``weight-state`` still
+        #: named a verdict the ranks contradict: its answer to the change (re-attest the gate,
+        #: then record; two writes a stop can cut apart) is complete once the record agrees.
+        self.regated: set[str] = set()
         self.full_passes = 0
         #: WeightUpdate -> the generation it was first seen Succeeded at.
         self.finished: dict[str, int] = {}
@@ -207,7 +212,22 @@ class RolloutMachine(RuleBasedStateMachine):
         sim = self.pods.get(name)
         if status and sim is not None:
             self.at_gate_on[name] = sim.serving()
-            self.drift.pop(name, None)
+            self.regated.add(name)
+
+    def _regated(self) -> None:
+        """End the drift of each re-gated pod whose record agrees with its ranks now (the
+        grace still bounds an answer that never completes)."""
+        for name in sorted(self.regated):
+            sim, pod = self.pods.get(name), self.server.pods.get(name)
+            ws = inv.weight_state(pod) if pod is not None else None
+            if (
+                sim is None
+                or ws is None
+                or ws.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK)
+                or sim.serving()[0] == {ws.version}
+            ):
+                self.drift.pop(name, None)
+                self.regated.discard(name)
 
     def _excused(self) -> set[str]:
         return {
@@ -237,6 +257,7 @@ class RolloutMachine(RuleBasedStateMachine):
             states[name] = await sim.agent.state() if sim.agent is not None else None
         self.states = states
         self.served |= {n for n in self.server.pods if self.server.ready(n)}
+        self._regated()
 
     def after(self) -> None:
         self.run(self._sync())
@@ -448,6 +469,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.server.delete_pod(pod)
         self.at_gate_on.pop(pod, None)
         self.drift.pop(pod, None)
+        self.regated.discard(pod)
         self.served.discard(pod)
         if recreate:
             self._new_pod(pod, admitted=False, tp=len(sim.ranks))
