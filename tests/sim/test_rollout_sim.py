@@ -1079,3 +1079,27 @@ def test_a_claim_whose_drain_never_landed_waits_for_a_slot_of_a_lowered_budget()
         sim.edit_budget("wu-a", 1)
         sim.quiesce()
         sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+
+
+def test_a_pod_restored_at_a_reverted_version_drops_its_old_verdict_in_the_same_pass() -> None:
+    """Found by the soak with ``leader_lost`` once a restarted pod behind a partition was
+    drained (shrunk by delta debugging, then by hand): p1, verified at v2, restarts onto its
+    boot weights v1 behind a partition while spec.version goes back to v1. When its agent
+    answers, the pass restores its traffic at v1, and the withdrawal of its verdict at v2 was
+    left to the next pass (a pod acted on was skipped): Ready, recorded ``Verified`` at v2,
+    labelled ``weight-version=v2``. Fails on ed1824b."""
+    with replay("b", "weight-state Verified at v2") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.partition("p1", True)
+        sim.edit_version("wu-a", "v1")
+        sim.restart_pod("p1", keep_state=False)
+        sim.progress(5.0)
+        sim.progress(30.0)
+        sim.partition("p1", False)
+        for _ in range(6):  # past the agent's backoff
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+            sim.safety()
+        if not sim.server.ready("p1"):
+            raise Broken(f"p1 not back in traffic:\n{sim.describe()}")

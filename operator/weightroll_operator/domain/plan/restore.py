@@ -69,7 +69,11 @@ def withdraw(ctx: PassContext) -> None:
     once (``domain.standing``), unless this pass drains the pod already (its claim rewrites the
     record). Judged on a fresh answer only, as a claim is (:attr:`Plan.refresh`)."""
     owner = ctx.fleet.owner
-    acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit)}
+    # A pod whose gate step 6 sets again is withdrawn too: its record still named the old
+    # verdict after that pass, Ready (a pod restored at a reverted spec's version, found by the
+    # simulation tier); the gate is attested already, so only the record follows.
+    gated = {a.pod.name for a in ctx.actions if isinstance(a, GateOn)}
+    acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit | GateOn)}
     for pod in ctx.fleet.pods:
         st = pod.state
         if pod.name in acted or pod.stale or st is None:
@@ -93,7 +97,7 @@ def withdraw(ctx: PassContext) -> None:
         # leaves the verdict standing, so its successor withdraws it again, both writes. In
         # the other order it left `Withdrawn` with the gate still set for the old weights, and
         # nothing withdraws a verdict twice (found by the simulation tier with `leader_lost`).
-        if pod.gate is True:
+        if pod.gate is True and pod.name not in gated:
             message = f"Serving {agent.version}: {why} (its verdict at {st.version} withdrawn)"
             ctx.actions.append(
                 GateOn(pod, version=agent.version, reason="Reattested", message=message[:1000])
