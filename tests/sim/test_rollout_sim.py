@@ -1103,3 +1103,38 @@ def test_a_pod_restored_at_a_reverted_version_drops_its_old_verdict_in_the_same_
             sim.safety()
         if not sim.server.ready("p1"):
             raise Broken(f"p1 not back in traffic:\n{sim.describe()}")
+
+
+def test_a_claim_waiting_for_its_drain_is_released_by_a_halt() -> None:
+    """Found by the soak with ``leader_lost`` once a claim whose drain never landed waited for
+    a slot: the unit holding the only slot failed and halted the rollout, and the waiting
+    claim, listed ``Updating`` with no reason, waited for ever. Under a halt nothing starts:
+    the claim, which started nothing, is released (``plan.advance``). Fails on ec2aab3."""
+    with replay("d", "") as sim:
+        sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
+        sim.leader_lost_mid_pass("wu-a", 3)  # Claim p0, GateOff p0, Claim p1
+        sim.edit_budget("wu-a", 1)
+        sim.reconcile("wu-a", None)  # p0's update starts; p1's drain waits for the slot
+        sim.load_ends("p0", False)
+        sim.reconcile("wu-a", None)  # p0 failed: halted (FailureBudgetExceeded)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        if sim.server.weightupdates["wu-a"]["status"].get("abortReason") is None:
+            raise Broken(f"no halt:\n{sim.describe()}")
+
+
+def test_a_retarget_waits_for_an_agent_that_does_not_answer() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging): p1 loads v2 when
+    spec.version goes to v3; past the unit timeout its agent stops answering the operator.
+    The pass aborted the old attempt and recorded the new one at once (only an agent that
+    answered it still ran the old one held the retarget back): the record named an attempt
+    the agent never got while it ran the old one. Silence is no answer. Fails on ec2aab3."""
+    with replay("c", "the agent runs update") as sim:
+        sim.start(pods=3, budget=2, on_failure="Rollback", tp=1)
+        sim.progress(5.0)
+        sim.leader_lost_mid_pass("wu-a", 2)
+        sim.edit_version("wu-a", "v3")
+        sim.clock_step(700.0)
+        sim.partition("p1", True)
+        sim.reconcile("wu-a", None, False)
+        sim.safety()

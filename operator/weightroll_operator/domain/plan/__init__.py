@@ -152,7 +152,7 @@ def plan(
         # a NotReady unit its agents keep out until an update is as free as one our gate holds
         (u.key for u in seen.units if not u.ready and held_by_agent(u, fleet.agents)),
     )
-    drain_waiting_claims(ctx, slots)
+    drain_waiting_claims(ctx, slots, halt.aborted_at is not None)
     rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
     remaining = 0
     if rollback:

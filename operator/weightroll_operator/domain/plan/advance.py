@@ -215,15 +215,16 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         # is retargeted: a fresh attempt at the spec's version, still drained. A new attempt
         # is not recorded over one an agent says it still runs: this pass aborts it and the
         # retarget waits for the agent to say it ended (an operator stopped between the two
-        # left a record naming one attempt on an agent running another; simulation tier).
+        # left a record naming one attempt on an agent running another; simulation tier). An
+        # agent that does not answer says nothing of the kind: the retarget waits for it too.
         still_running = [
             p
             for p in aborts_after
             if p.state is not None
-            and (answer := agents.get(p.name)) is not None
-            and answer.reachable
             and (
-                answer.active_update_id == p.state.update_id
+                (answer := agents.get(p.name)) is None
+                or not answer.reachable
+                or answer.active_update_id == p.state.update_id
                 or (
                     answer.update is not None
                     and answer.update.id == p.state.update_id
@@ -297,10 +298,24 @@ def _drain_never_landed(flying: list[PodView], agents: Mapping[str, AgentView]) 
     return True
 
 
-def drain_waiting_claims(ctx: PassContext, slots: Slots) -> None:
+def drain_waiting_claims(ctx: PassContext, slots: Slots, halted: bool) -> None:
     """Drain the claims whose drain never landed (:func:`_advance_in_flight`) as the slots
-    allow, before any new claim; the others keep waiting, in traffic."""
-    for unit in ctx.undrained:
+    allow, before any new claim; the others keep waiting, in traffic. Under a halt nothing
+    starts, and such a claim started nothing: it is released (the pod wanted again, its
+    record ``Withdrawn`` with the attempt count kept), else it waited for ever."""
+    tl = ctx.spec.strategy.traffic_label
+    for unit in ctx.undrained if halted else ():
+        for pod in unit.pods:
+            st = pod.state
+            assert st is not None
+            labels: dict[str, str | None] = {}
+            if tl and st.traffic_label_value is not None:
+                labels[tl] = st.traffic_label_value
+            why = "ClaimReleased: the rollout halted before its drain"
+            ctx.actions.append(
+                Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why), labels=labels)
+            )
+    for unit in () if halted else ctx.undrained:
         if not slots.affords(unit):
             continue
         slots.take(unit)

@@ -129,7 +129,8 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         canary_failed=canary_failed,
         failed_units=sum(1 for u in units if failed(u)),
         max_unavailable=seen.max_unavailable,
-        waiting_for_slot=sum(1 for u in pending if u.ready),
+        # claims whose drain never landed wait for a slot too (``advance``)
+        waiting_for_slot=sum(1 for u in pending if u.ready) + len(ctx.undrained),
         working=bool(flying or pending) and paused_reason is None and not seen.blocked_by,
         progressed=ctx.progressed,
         clock=clock,
