@@ -52,6 +52,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from weightroll_operator.domain.model import UnitState
 from weightroll_operator.errors import InvalidSpec, KubeError
 from weightroll_operator.reconcile import Reconciler
 
@@ -104,14 +105,9 @@ EXCLUDED_UNTIL_FIXED: dict[str, str] = {
     # WeightUpdate that finished stays Succeeded while an older, unfinished one converges a
     # new pod both select (the pod Blocked there, serving the old version, drained).
     "overlap": "a finished WeightUpdate stays Succeeded while an older one updates its new pod",
-    # Item 12 / leadership loss: an operator stopped mid-pass leaves part of a plan applied.
-    # Three such defects are fixed (a rollback claim and a retarget recorded over a running
-    # attempt, a withdrawal recorded before its gate was attested; their replays below). The
-    # derandomized survey (420 schedules) finds none left, but soak runs (sim-soak, about
-    # 1,600 fresh schedules each) still find some: a pod left Verified while its agent serves
-    # its boot weights, status listing such a pod Verified, and rollouts under Rollback left
-    # Pending (the last also without this fault); no shrunk replay of them yet.
-    "leader_lost": "a partly applied plan breaks the budget, the gate's weights or the status",
+    # `leader_lost` (item 12, an operator stopped mid-pass) is back: the defects it found are
+    # fixed, each with a replay below; soak runs with it (sim-soak, 624 fresh schedules) found
+    # none left, down from 14 of 328 on 0e1cf57.
 }
 #: ``WEIGHTROLL_SIM_ALL_FAULTS=1`` puts the excluded faults back (to survey the open defects);
 #: ``WEIGHTROLL_SIM_EXCLUDE=a,b`` excludes exactly those faults instead.
@@ -173,6 +169,10 @@ class RolloutMachine(RuleBasedStateMachine):
         self.latch: dict[str, int] = {}
         #: pod -> (full passes, clock) when the cluster changed its weights under it
         self.drift: dict[str, tuple[int, float]] = {}
+        #: Pods in drift whose gate the operator set True while their ``weight-state`` still
+        #: named a verdict the ranks contradict: its answer to the change (re-attest the gate,
+        #: then record; two writes a stop can cut apart) is complete once the record agrees.
+        self.regated: set[str] = set()
         self.full_passes = 0
         #: WeightUpdate -> the generation it was first seen Succeeded at.
         self.finished: dict[str, int] = {}
@@ -207,7 +207,22 @@ class RolloutMachine(RuleBasedStateMachine):
         sim = self.pods.get(name)
         if status and sim is not None:
             self.at_gate_on[name] = sim.serving()
-            self.drift.pop(name, None)
+            self.regated.add(name)
+
+    def _regated(self) -> None:
+        """End the drift of each re-gated pod whose record agrees with its ranks now (the
+        grace still bounds an answer that never completes)."""
+        for name in sorted(self.regated):
+            sim, pod = self.pods.get(name), self.server.pods.get(name)
+            ws = inv.weight_state(pod) if pod is not None else None
+            if (
+                sim is None
+                or ws is None
+                or ws.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK)
+                or sim.serving()[0] == {ws.version}
+            ):
+                self.drift.pop(name, None)
+                self.regated.discard(name)
 
     def _excused(self) -> set[str]:
         return {
@@ -237,6 +252,7 @@ class RolloutMachine(RuleBasedStateMachine):
             states[name] = await sim.agent.state() if sim.agent is not None else None
         self.states = states
         self.served |= {n for n in self.server.pods if self.server.ready(n)}
+        self._regated()
 
     def after(self) -> None:
         self.run(self._sync())
@@ -448,6 +464,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.server.delete_pod(pod)
         self.at_gate_on.pop(pod, None)
         self.drift.pop(pod, None)
+        self.regated.discard(pod)
         self.served.discard(pod)
         if recreate:
             self._new_pod(pod, admitted=False, tp=len(sim.ranks))
@@ -964,3 +981,155 @@ def test_a_withdrawal_cut_after_its_record_still_reattests_the_gate() -> None:
             sim.reconcile("wu-a", None)
             sim.clock_step(31.0)
             sim.safety()
+
+
+def _fail_the_first_unit_under_rollback(sim: RolloutMachine) -> None:
+    """Budget 1, ``onFailure: Rollback``: p0 is claimed and its reload fails."""
+    sim.start(pods=3, budget=1, on_failure="Rollback", tp=1)
+    sim.progress(0.0)
+    sim.progress(0.0)
+    sim.load_ends("p0", False)
+
+
+def _rests_rolled_back(sim: RolloutMachine) -> None:
+    sim.quiesce()
+    sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+    status = sim.server.weightupdates["wu-a"]["status"]
+    if status["phase"] != "RolledBack" or any(
+        inv.weight_state(sim.server.pods[p]) is not None for p in ("p1", "p2")
+    ):
+        raise Broken(f"the halted version went on:\n{sim.describe()}")
+
+
+def test_a_rollback_claimed_by_an_operator_stopped_before_its_status_write_still_halts() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging): p0 fails; the pass
+    that halts for it stops before its status write, and so does the standby's, after it
+    claimed p0 for the rollback. The halt lived only in the lost status writes and p0, in
+    flight, was no failed unit to halt for again: the rollout went on claiming p1 and p2
+    forward and sat ``Progressing`` for ever beside the ``RolledBack`` p0. The rollback
+    recorded on p0 is the halt (``domain.halts``). Fails on 0e1cf57."""
+    with replay("d", "still") as sim:
+        _fail_the_first_unit_under_rollback(sim)
+        sim.leader_lost_mid_pass("wu-a", 1)  # Settle(Failed) lands, the halt does not
+        sim.leader_lost_mid_pass("wu-a", 2)  # the rollback claim lands, the halt does not
+        _rests_rolled_back(sim)
+
+
+def test_a_version_rolled_back_then_set_again_stays_rolled_back_until_retried() -> None:
+    """Found by the soak (without ``leader_lost``; shrunk by delta debugging): v2 rolled back
+    on p0; spec.version goes to v3 for one pass (no agent reachable, nothing claimed) and back
+    to v2, whose persisted intents start afresh: the halt was gone, the rollout claimed p1 and
+    p2 and sat ``Progressing`` for ever beside the ``RolledBack`` p0. Fails on 0e1cf57."""
+    with replay("d", "still") as sim:
+        _fail_the_first_unit_under_rollback(sim)
+        for _ in range(4):
+            sim.progress(5.0)  # p0 rolled back: RolledBack
+        sim.edit_version("wu-a", "v3")
+        for pod in POD_NAMES[:3]:
+            sim.partition(pod, True)
+        sim.reconcile("wu-a", None)
+        for pod in POD_NAMES[:3]:
+            sim.partition(pod, False)
+        sim.edit_version("wu-a", "v2")
+        _rests_rolled_back(sim)
+
+
+def test_a_verified_pod_restarted_onto_boot_weights_behind_a_partition_leaves_traffic() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging, then by hand): the
+    operator cannot reach p1's agent, and p1 restarts without its agent's state onto its boot
+    weights v1. Its agent is ready, so kubelet's probe keeps it Ready, and our gate, a pod
+    condition, outlived the restart: p1 served v1 in traffic under a gate set for v2, listed
+    ``Verified`` at v2 in a ``Succeeded`` status, for as long as the partition lasted. The
+    verdict vouches for the containers it was made on (``domain.standing``): it fails closed,
+    and p1 is converged once its agent answers. Fails on 0e1cf57."""
+    with replay("b", "") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.partition("p1", True)
+        sim.restart_pod("p1", keep_state=False)
+        for _ in range(GRACE_PASSES + 1):
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+            sim.safety()
+        sim.partition("p1", False)
+        for _ in range(6):  # past the agent's backoff
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+            sim.load_ends("p1", True)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        if sim.pods["p1"].serving()[0] != {"v2"} or not sim.server.ready("p1"):
+            raise Broken(f"p1 not converged:\n{sim.describe()}")
+
+
+def test_a_claim_whose_drain_never_landed_waits_for_a_slot_of_a_lowered_budget() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging to two steps): the
+    operator stops after claiming p0 and p1 (budget 2), before p1's drain; the budget goes
+    down to 1. The standby drained p1 as the recorded claim's next step: two out of traffic
+    with a budget of 1, though p1 had never left it. A claim whose drain never landed waits
+    for a slot like any claim (``plan.advance``). Fails on 0e1cf57."""
+    with replay("a", "out of traffic by a rollout") as sim:
+        sim.start(pods=4, budget=2, on_failure="Rollback", tp=1)
+        sim.leader_lost_mid_pass("wu-a", 3)  # Claim p0, GateOff p0, Claim p1
+        sim.edit_budget("wu-a", 1)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+
+
+def test_a_pod_restored_at_a_reverted_version_drops_its_old_verdict_in_the_same_pass() -> None:
+    """Found by the soak with ``leader_lost`` once a restarted pod behind a partition was
+    drained (shrunk by delta debugging, then by hand): p1, verified at v2, restarts onto its
+    boot weights v1 behind a partition while spec.version goes back to v1. When its agent
+    answers, the pass restores its traffic at v1, and the withdrawal of its verdict at v2 was
+    left to the next pass (a pod acted on was skipped): Ready, recorded ``Verified`` at v2,
+    labelled ``weight-version=v2``. Fails on ed1824b."""
+    with replay("b", "weight-state Verified at v2") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.partition("p1", True)
+        sim.edit_version("wu-a", "v1")
+        sim.restart_pod("p1", keep_state=False)
+        sim.progress(5.0)
+        sim.progress(30.0)
+        sim.partition("p1", False)
+        for _ in range(6):  # past the agent's backoff
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+            sim.safety()
+        if not sim.server.ready("p1"):
+            raise Broken(f"p1 not back in traffic:\n{sim.describe()}")
+
+
+def test_a_claim_waiting_for_its_drain_is_released_by_a_halt() -> None:
+    """Found by the soak with ``leader_lost`` once a claim whose drain never landed waited for
+    a slot: the unit holding the only slot failed and halted the rollout, and the waiting
+    claim, listed ``Updating`` with no reason, waited for ever. Under a halt nothing starts:
+    the claim, which started nothing, is released (``plan.advance``). Fails on ec2aab3."""
+    with replay("d", "") as sim:
+        sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
+        sim.leader_lost_mid_pass("wu-a", 3)  # Claim p0, GateOff p0, Claim p1
+        sim.edit_budget("wu-a", 1)
+        sim.reconcile("wu-a", None)  # p0's update starts; p1's drain waits for the slot
+        sim.load_ends("p0", False)
+        sim.reconcile("wu-a", None)  # p0 failed: halted (FailureBudgetExceeded)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        if sim.server.weightupdates["wu-a"]["status"].get("abortReason") is None:
+            raise Broken(f"no halt:\n{sim.describe()}")
+
+
+def test_a_retarget_waits_for_an_agent_that_does_not_answer() -> None:
+    """Found by the soak with ``leader_lost`` (shrunk by delta debugging): p1 loads v2 when
+    spec.version goes to v3; past the unit timeout its agent stops answering the operator.
+    The pass aborted the old attempt and recorded the new one at once (only an agent that
+    answered it still ran the old one held the retarget back): the record named an attempt
+    the agent never got while it ran the old one. Silence is no answer. Fails on ec2aab3."""
+    with replay("c", "the agent runs update") as sim:
+        sim.start(pods=3, budget=2, on_failure="Rollback", tp=1)
+        sim.progress(5.0)
+        sim.leader_lost_mid_pass("wu-a", 2)
+        sim.edit_version("wu-a", "v3")
+        sim.clock_step(700.0)
+        sim.partition("p1", True)
+        sim.reconcile("wu-a", None, False)
+        sim.safety()

@@ -35,6 +35,9 @@ class Reason:
     ABORTED_BY_USER = "AbortedByUser"
     #: ``weightroll retry NAME``: a halt was cleared and the failed pods are tried again.
     RETRIED = "Retried"
+    #: A halt found on the pods only: a rollback from the version recorded on them while the
+    #: status says nothing of it (``halts``).
+    ROLLBACK_RECORDED = "RollbackRecorded"
     ROLLING_BACK = "RollingBack"
     ROLLED_BACK = "RolledBack"
     ALL_VERIFIED = "AllReplicasVerified"

@@ -19,6 +19,18 @@ still runs for the ``WeightrollUpdateStuck`` alert: the first pass that finds wo
 ``Succeeded`` restarts it (``Persisted.idle``), as the end of a hold does, so
 ``lastProgressTime`` measures the convergence, not the hours since completion.
 
+**A halt is written on the pods too.** The status persists a halt (``abortedAt``), but a
+rollback it started is recorded on every pod it claims (``rollbackOf``), and that record
+outlives the status field in two ways: an operator stopped after a rollback claim and before
+its status write (a crash, the Lease fence), and a ``spec.version`` that leaves the version and
+comes back (the persisted intents start afresh, ``Persisted.from_status``). The status then
+said nothing of the halt while its pods were ``RolledBack``: no class of the planner waits for
+them or works on them, so the rollout sat in ``Progressing`` or ``Pending`` for ever, or went
+on claiming the rest of the fleet beside the rollback (found by the simulation tier). So a
+rollback of the version on a pod *is* a halt of the version, reconstituted from the pods
+(house rule 6) as a failed unit's is: the rollback goes on, and the version is tried again
+only by ``weightroll retry``, as after a failure with ``onFailure: Halt``.
+
 **Tolerated failures.** Up to ``maxFailedReplicas`` failed units are tolerated: they stay
 drained and reported, and the rest of the fleet goes on. They are unavailable, so they use the
 ``maxUnavailable`` budget like any other unavailable unit (as a Deployment counts every
@@ -76,6 +88,7 @@ def halt_verdict(
     strategy: StrategySpec,
     *,
     finished: bool,
+    rolled_back: list[str],
     canary_failed: list[str],
     failed_units: int,
     max_unavailable: int,
@@ -90,6 +103,7 @@ def halt_verdict(
     Args:
         strategy: the spec's strategy.
         finished: the rollout completed (``completionTime``): it never halts (module doc).
+        rolled_back: units a rollback from this version was recorded on (module doc).
         canary_failed: canary units that failed during the canary phase.
         failed_units: failed units, this pass's verdicts included.
         max_unavailable: the resolved ``maxUnavailable``.
@@ -101,6 +115,12 @@ def halt_verdict(
     """
     if finished:
         return None
+    if rolled_back:
+        return Verdict(
+            Reason.ROLLBACK_RECORDED,
+            f"Halted: {', '.join(rolled_back)} rolled back from this version, a halt the "
+            "status lost; `weightroll retry` tries the version again",
+        )
     if canary_failed:
         return Verdict(
             Reason.CANARY_FAILED, f"Halted: canary unit {', '.join(canary_failed)} failed"

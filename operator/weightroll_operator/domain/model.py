@@ -179,6 +179,10 @@ class WeightState:
     #: :func:`attempt_id`): one count per pod, so an id never repeats after another
     #: WeightUpdate drove the pod in between.
     attempt: int = 0
+    #: The pod's containers a verdict (``Verified``/``RolledBack``) was made on
+    #: (:attr:`PodView.incarnation`): it vouches for them only (``domain.standing``). ``None``
+    #: on records older than the field, and on every other state.
+    incarnation: str | None = None
 
     def __post_init__(self) -> None:
         if not self.version or not self.update_id or not self.by:
@@ -201,6 +205,7 @@ class WeightState:
             "trafficLabelValue": self.traffic_label_value,
             "rollbackOf": self.rollback_of,
             "attempt": self.attempt or None,
+            "incarnation": self.incarnation,
         }
         return json.dumps({k: v for k, v in data.items() if v is not None}, sort_keys=True)
 
@@ -222,6 +227,7 @@ class WeightState:
                 traffic_label_value=data.get("trafficLabelValue"),
                 rollback_of=data.get("rollbackOf"),
                 attempt=int(data.get("attempt") or 0),
+                incarnation=data.get("incarnation"),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None

@@ -15,7 +15,17 @@ and in traffic. The planner once asked a verified, Ready pod nothing again, so t
   (``domain.availability``) like any pod in traffic, whether the rollout finished or not
   (``domain.halts``);
 * an agent that does not answer leaves the verdict standing (it cannot be re-judged; the pod's
-  own readiness probe guards it meanwhile).
+  own readiness probe guards it meanwhile), **but only on the containers it was made on**: a
+  verdict records the pod's incarnation (its uid, IP and container restart counts), and once
+  the containers restarted it vouches for nothing. The readiness probe does not guard that
+  case: an agent restarted without its state onto the boot weights is ready, and our gate,
+  a pod condition, outlives the restart. With the agent unreachable from the operator (a
+  network policy, a partition) such a pod served its boot weights in traffic under a gate
+  set for v2, listed ``Verified`` at v2 in a ``Succeeded`` status, for as long as the
+  partition lasted (found by the simulation tier). So a verdict that outlived its containers
+  while no answer re-judges it (:func:`outlived`) fails closed: the gate goes off and the pod
+  is ``Unknown`` until its agent answers; one the new containers' agent confirms is recorded
+  for them (``plan.restore.withdraw``).
 
 A commit id the agent no longer reports (``None``: ranks that booted at the version after a
 restart report no commit) is not a contradiction: the label and files are checked instead.
@@ -36,7 +46,7 @@ from __future__ import annotations
 
 from weightroll_operator.domain.model import AgentView, OwnerKey, UnitState, WeightState
 
-__all__ = ["contradicts", "withdrawal"]
+__all__ = ["contradicts", "outlived", "withdrawal"]
 
 
 def contradicts(st: WeightState | None, agent: AgentView | None, owner: OwnerKey) -> bool:
@@ -46,6 +56,21 @@ def contradicts(st: WeightState | None, agent: AgentView | None, owner: OwnerKey
     if agent is None or not agent.reachable:
         return False
     return agent.committed_update_id not in (None, st.update_id)
+
+
+def outlived(
+    st: WeightState | None, incarnation: str, agent: AgentView | None, owner: OwnerKey
+) -> str | None:
+    """Why ``owner``'s verdict ``st`` no longer vouches for the pod though no agent answer
+    contradicts it: it was made on other containers (the pod's ``incarnation`` now) and the
+    agent does not answer (module doc); ``None`` when it stands or an answer judges it."""
+    if st is None or st.by != owner or st.incarnation is None:
+        return None
+    if st.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK):
+        return None
+    if st.incarnation == incarnation or (agent is not None and agent.reachable):
+        return None
+    return "its containers restarted since its verdict and its agent does not answer"
 
 
 def withdrawal(st: WeightState | None, agent: AgentView | None, owner: OwnerKey) -> str | None:

@@ -16,7 +16,8 @@ violations it finds as :class:`Violation` values (empty: the invariant holds).
   gate was last set True (versions *and* the commit that loaded them), and a pod whose
   ``weight-state`` says Verified/RolledBack serves that version and its agent says so. A change of
   the weights under a Ready pod by the cluster (a container restart onto boot weights) is excused
-  for ``grace`` operator passes that could see it.
+  for ``grace`` operator passes that could see it, or until the operator's answer is complete:
+  the gate set True again and the record agreeing (the machine's ``_regated``).
 * **(c) claims** (:func:`claims`): an agent runs an update only for the WeightUpdate that owns the
   pod (``weightroll.io/owner``) under the id its ``weight-state`` records; no status lists an
   ``Updating`` pod that does not exist right after a pass that saw the whole cluster

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from weightroll_operator.api.v1alpha1 import (
     Condition,
@@ -10,7 +12,15 @@ from weightroll_operator.api.v1alpha1 import (
     Phase,
     WeightUpdateStatus,
 )
-from weightroll_operator.domain.actions import AbortUpdate, Claim, Emit, GateOn, Settle, StartUpdate
+from weightroll_operator.domain.actions import (
+    AbortUpdate,
+    Claim,
+    Emit,
+    GateOff,
+    GateOn,
+    Settle,
+    StartUpdate,
+)
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.model import AgentView, UnitState
 from weightroll_operator.domain.plan import (
@@ -985,6 +995,52 @@ def test_a_contradicted_verdict_is_withdrawn_while_the_budget_is_spent(
     again = run(spec(maxUnavailable=1), [pod("p0", st=settle.state, gate=gate), *_BUSY],
                 {"p0": live}, Persisted(target_version="v2"))  # fmt: skip
     assert [a for a in again.actions if not isinstance(a, Emit)] == []  # withdrawn once
+
+
+@pytest.mark.parametrize(("budget", "drained"), [(1, False), (2, True)])
+def test_a_claim_whose_drain_never_landed_waits_for_a_slot(budget: int, drained: bool) -> None:
+    """Found by the simulation tier: an operator stopped between a claim and its drain, the
+    budget lowered meanwhile; the standby drained the claimed pod beside the unit holding the
+    only slot. Its drain waits for a slot like a new claim (``plan.advance``)."""
+    p0 = pod("p0", st=state(UnitState.DRAINING, update_id="wu-v2-a"))
+    p1 = pod("p1", gate=False, ready=False, st=state(UnitState.DRAINING, update_id="wu-v2-b"))
+    p = run(spec(maxUnavailable=budget), [p0, p1, pod("p2")],
+            {"p0": agent("v1"), "p1": agent("v1"), "p2": agent("v1")})  # fmt: skip
+    gates = [a.pod.name for a in p.actions if isinstance(a, GateOff)]
+    assert gates == (["p0"] if drained else [])
+    assert claimed(p) == []  # the waiting claim goes before any new one
+    assert p.classes["p0"] is PodClass.IN_FLIGHT
+
+
+@pytest.mark.parametrize(
+    ("now", "live", "expected"),
+    [
+        # restarted, its agent silent: nothing vouches for what it serves: out of traffic
+        ("uid|ip|1", agent("v1", reachable=False), [("GateOff", "VerdictOutlived")]),
+        # the same containers, silent: the verdict stands (the readiness probe guards them)
+        ("uid|ip|0", agent("v1", reachable=False), []),
+        # restarted, the new containers' agent confirms: the verdict is recorded for them
+        ("uid|ip|1", SERVING_V2, [("Settle", "uid|ip|1")]),
+    ],
+)
+def test_a_verdict_vouches_for_the_containers_it_was_made_on(
+    now: str, live: AgentView, expected: list[tuple[str, str]]
+) -> None:
+    """Found by the simulation tier: behind a partition from the operator, a verified pod
+    restarted onto its boot weights stayed Ready under a gate set for v2 (``domain.standing``)."""
+    st = state(UnitState.VERIFIED).evolve(incarnation="uid|ip|0")
+    p0 = dataclasses.replace(pod("p0", st=st), incarnation=now)
+    p = run(spec(maxUnavailable=1), [p0, pod("p1", st=state(UnitState.VERIFIED))],
+            {"p0": live, "p1": SERVING_V2})  # fmt: skip
+    acts = [a for a in p.actions if not isinstance(a, Emit)]
+    assert [
+        (type(a).__name__, a.reason if isinstance(a, GateOff) else str(a.state.incarnation))
+        for a in acts
+        if isinstance(a, GateOff | Settle)
+    ] == expected
+    assert len(acts) == len(expected)
+    unknown = expected == [("GateOff", "VerdictOutlived")]
+    assert p.classes["p0"] is (PodClass.UNKNOWN if unknown else PodClass.UPDATED)
 
 
 def test_a_contradicted_verdict_is_withdrawn_only_on_a_fresh_answer() -> None:

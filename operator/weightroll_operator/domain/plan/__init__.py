@@ -57,7 +57,11 @@ from weightroll_operator.api.v1alpha1 import OnFailure, WeightUpdateSpec
 from weightroll_operator.domain.availability import Slots, held_by_agent
 from weightroll_operator.domain.events import aggregate_emits, emit_holding
 from weightroll_operator.domain.plan import deadlines, restore, settle
-from weightroll_operator.domain.plan.advance import advance_units, serves_attempt
+from weightroll_operator.domain.plan.advance import (
+    advance_units,
+    drain_waiting_claims,
+    serves_attempt,
+)
 from weightroll_operator.domain.plan.classify import classify_fleet, queries
 from weightroll_operator.domain.plan.context import (
     Fleet,
@@ -139,13 +143,16 @@ def plan(
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(ctx, seen)
     halt = deadlines.deadlines(ctx, seen, persisted, flying)
+    # claims whose drain never landed are in flight but still in traffic: no slot held yet
+    out = flying - {u.key for u in ctx.undrained}
     slots = Slots.of(
         seen.max_unavailable,
-        budget(seen, flying, fleet.terminating, now),
-        (u for u in seen.units if held(seen, flying, u)),
+        budget(seen, out, fleet.terminating, now),
+        (u for u in seen.units if held(seen, out, u)),
         # a NotReady unit its agents keep out until an update is as free as one our gate holds
         (u.key for u in seen.units if not u.ready and held_by_agent(u, fleet.agents)),
     )
+    drain_waiting_claims(ctx, slots, halt.aborted_at is not None)
     rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
     remaining = 0
     if rollback:

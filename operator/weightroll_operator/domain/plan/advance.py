@@ -7,6 +7,7 @@ retargeted at the spec's version when the spec moved on while the unit was out o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 
 from engine_agent.protocol import UpdatePhase
@@ -19,6 +20,7 @@ from weightroll_operator.domain.actions import (
     Settle,
     StartUpdate,
 )
+from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
 from weightroll_operator.domain.model import (
@@ -98,6 +100,12 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
     # A restart between GateOn and Settle leaves the gate True on a committed unit: finish it
     # below instead of draining it again. Anything else with the gate not False is re-drained.
     all_committed = all(committed.values())
+    if not all_committed and _drain_never_landed(flying, agents):
+        # A claim whose drain never landed (the operator stopped between the two writes) is
+        # a claim waiting for its slot: drained by ``plan`` only within the budget of now
+        # (a budget lowered meanwhile once drained it beside the unit that held the slot).
+        ctx.undrained.append(unit)
+        return True
     for pod in flying:
         if pod.gate is not False and not all_committed:
             ctx.actions.append(GateOff(pod, message=f"Draining for weights {pod.state.version}"))  # type: ignore[union-attr]
@@ -207,15 +215,16 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         # is retargeted: a fresh attempt at the spec's version, still drained. A new attempt
         # is not recorded over one an agent says it still runs: this pass aborts it and the
         # retarget waits for the agent to say it ended (an operator stopped between the two
-        # left a record naming one attempt on an agent running another; simulation tier).
+        # left a record naming one attempt on an agent running another; simulation tier). An
+        # agent that does not answer says nothing of the kind: the retarget waits for it too.
         still_running = [
             p
             for p in aborts_after
             if p.state is not None
-            and (answer := agents.get(p.name)) is not None
-            and answer.reachable
             and (
-                answer.active_update_id == p.state.update_id
+                (answer := agents.get(p.name)) is None
+                or not answer.reachable
+                or answer.active_update_id == p.state.update_id
                 or (
                     answer.update is not None
                     and answer.update.id == p.state.update_id
@@ -254,7 +263,12 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         if pod.gate is not True:
             ctx.actions.append(GateOn(pod, version=st.version))
         ctx.actions.append(
-            Settle(pod, st.evolve(state=done, reason="", started_at=st.started_at), labels=labels)
+            Settle(
+                pod,
+                # the verdict vouches for these containers only (``domain.standing``)
+                st.evolve(state=done, reason="", incarnation=pod.incarnation or None),
+                labels=labels,
+            )
         )
     version = flying[0].state.version if flying[0].state else "?"
     if rollback:
@@ -268,6 +282,46 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         )
         ctx.finish(unit, "succeeded")
     return False
+
+
+def _drain_never_landed(flying: list[PodView], agents: Mapping[str, AgentView]) -> bool:
+    """Every pod of the unit is claimed, still in traffic by our gate, and its agent knows
+    nothing of the attempt: nothing of the claim but its record happened."""
+    for pod in flying:
+        agent, st = agents.get(pod.name), pod.state
+        if pod.gate is not True or st is None or st.state is not UnitState.DRAINING:
+            return False
+        if agent is None or not agent.reachable or agent.update is not None:
+            return False
+        if agent.active_update_id == st.update_id:
+            return False
+    return True
+
+
+def drain_waiting_claims(ctx: PassContext, slots: Slots, halted: bool) -> None:
+    """Drain the claims whose drain never landed (:func:`_advance_in_flight`) as the slots
+    allow, before any new claim; the others keep waiting, in traffic. Under a halt nothing
+    starts, and such a claim started nothing: it is released (the pod wanted again, its
+    record ``Withdrawn`` with the attempt count kept), else it waited for ever."""
+    tl = ctx.spec.strategy.traffic_label
+    for unit in ctx.undrained if halted else ():
+        for pod in unit.pods:
+            st = pod.state
+            assert st is not None
+            labels: dict[str, str | None] = {}
+            if tl and st.traffic_label_value is not None:
+                labels[tl] = st.traffic_label_value
+            why = "ClaimReleased: the rollout halted before its drain"
+            ctx.actions.append(
+                Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why), labels=labels)
+            )
+    for unit in () if halted else ctx.undrained:
+        if not slots.affords(unit):
+            continue
+        slots.take(unit)
+        for pod in unit.pods:
+            version = pod.state.version if pod.state is not None else "?"
+            ctx.actions.append(GateOff(pod, message=f"Draining for weights {version}"))
 
 
 def outdated(spec: WeightUpdateSpec, st: WeightState) -> bool:

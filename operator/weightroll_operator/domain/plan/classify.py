@@ -29,7 +29,7 @@ from weightroll_operator.domain.plan.context import (
     parse_time,
     target_source,
 )
-from weightroll_operator.domain.standing import contradicts
+from weightroll_operator.domain.standing import contradicts, outlived
 
 #: The most common query (frozen, so one instance serves every pod).
 _ASK_STATE = Query(state=True)
@@ -122,6 +122,20 @@ def _retried(st: WeightState, retried_at: str | None) -> bool:
     return started is None or started <= retried
 
 
+def rollback_recorded(
+    st: WeightState | None, owner: OwnerKey, version: str, retried_at: str | None
+) -> bool:
+    """``st`` is ``owner``'s rollback from ``version`` (running, rolled back or failed) that no
+    ``weightroll retry`` came after: the rollout of ``version`` halted (``halts``, "A halt is
+    written on the pods too")."""
+    return (
+        st is not None
+        and st.by == owner
+        and st.rollback_of == version
+        and not _retried(st, retried_at)
+    )
+
+
 def _settled_here(st: WeightState, version: str, retried_at: str | None = None) -> bool:
     if _retried(st, retried_at):
         return False
@@ -162,7 +176,11 @@ def classify(
     reachable = agent is not None and agent.reachable
     # An agent at the version that is not ready (held, paused, or poisoned after a failed push),
     # or serving it from other files, no longer vouches for the verdict: updated again.
-    if not reachable and verified_at(st, version, source, legacy=True):
+    if (
+        not reachable
+        and verified_at(st, version, source, legacy=True)
+        and outlived(st, pod.incarnation, agent, owner) is None
+    ):
         return PodClass.UPDATED
     if serves(agent, version, source) and not contradicts(st, agent, owner):
         return PodClass.UPDATED

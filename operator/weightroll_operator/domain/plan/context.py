@@ -239,6 +239,9 @@ class PassContext:
         self.deferred = False
         #: Claims may rest on cached answers (``plan``'s ``provisional``).
         self.provisional = False
+        #: In-flight units whose claim's drain never landed: they wait for a slot
+        #: (``advance.drain_waiting_claims``), in traffic, and hold none until drained.
+        self.undrained: list[Unit] = []
 
     def take_steps(self, pods: int) -> bool:
         """Spend ``pods`` forward steps (a claim, an update start, a completion, a restore of

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
 from weightroll_operator.domain.halts import halt_verdict, progress_clock
-from weightroll_operator.domain.plan.classify import Seen
+from weightroll_operator.domain.plan.classify import Seen, rollback_recorded
 from weightroll_operator.domain.plan.context import (
     PassContext,
     Persisted,
@@ -118,13 +118,19 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         hold_released=hold_released,
         now=now,
     )
+    retried_at = persisted.retried_at
+    rolled_back = sorted(
+        {p.unit for p in ctx.fleet.pods if rollback_recorded(p.state, owner, version, retried_at)}
+    )
     verdict = halt_verdict(
         spec.strategy,
         finished=persisted.completion_time is not None,
+        rolled_back=rolled_back,
         canary_failed=canary_failed,
         failed_units=sum(1 for u in units if failed(u)),
         max_unavailable=seen.max_unavailable,
-        waiting_for_slot=sum(1 for u in pending if u.ready),
+        # claims whose drain never landed wait for a slot too (``advance``)
+        waiting_for_slot=sum(1 for u in pending if u.ready) + len(ctx.undrained),
         working=bool(flying or pending) and paused_reason is None and not seen.blocked_by,
         progressed=ctx.progressed,
         clock=clock,

@@ -4,12 +4,18 @@ target, :func:`withdraw` takes back a verdict its agent contradicts (``domain.st
 
 from __future__ import annotations
 
-from weightroll_operator.domain.actions import Emit, GateOn, Settle
+from weightroll_operator.domain.actions import Emit, GateOff, GateOn, Settle
 from weightroll_operator.domain.conditions import Reason
-from weightroll_operator.domain.model import LABEL_WEIGHT_VERSION, SourceRef, UnitState
+from weightroll_operator.domain.model import (
+    LABEL_WEIGHT_VERSION,
+    PodView,
+    SourceRef,
+    UnitState,
+    WeightState,
+)
 from weightroll_operator.domain.plan.classify import Seen, serves
 from weightroll_operator.domain.plan.context import PassContext, PodClass
-from weightroll_operator.domain.standing import withdrawal
+from weightroll_operator.domain.standing import outlived, withdrawal
 
 
 def restore(ctx: PassContext, seen: Seen, back_to: tuple[str, SourceRef] | None = None) -> None:
@@ -63,13 +69,23 @@ def withdraw(ctx: PassContext) -> None:
     once (``domain.standing``), unless this pass drains the pod already (its claim rewrites the
     record). Judged on a fresh answer only, as a claim is (:attr:`Plan.refresh`)."""
     owner = ctx.fleet.owner
-    acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit)}
+    # A pod whose gate step 6 sets again is withdrawn too: its record still named the old
+    # verdict after that pass, Ready (a pod restored at a reverted spec's version, found by the
+    # simulation tier); the gate is attested already, so only the record follows.
+    gated = {a.pod.name for a in ctx.actions if isinstance(a, GateOn)}
+    acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit | GateOn)}
     for pod in ctx.fleet.pods:
         st = pod.state
         if pod.name in acted or pod.stale or st is None:
             continue
         agent = ctx.fleet.agents.get(pod.name)
+        gone = outlived(st, pod.incarnation, agent, owner)
+        if gone is not None:
+            _fail_closed(ctx, pod, st, gone)
+            continue
         why = withdrawal(st, agent, owner)
+        if why is None and agent is not None and agent.reachable and agent.ready:
+            _reaffirm(ctx, pod, st)
         if why is None or agent is None or agent.version is None:
             continue
         if pod.name in ctx.fleet.cached:
@@ -81,7 +97,7 @@ def withdraw(ctx: PassContext) -> None:
         # leaves the verdict standing, so its successor withdraws it again, both writes. In
         # the other order it left `Withdrawn` with the gate still set for the old weights, and
         # nothing withdraws a verdict twice (found by the simulation tier with `leader_lost`).
-        if pod.gate is True:
+        if pod.gate is True and pod.name not in gated:
             message = f"Serving {agent.version}: {why} (its verdict at {st.version} withdrawn)"
             ctx.actions.append(
                 GateOn(pod, version=agent.version, reason="Reattested", message=message[:1000])
@@ -95,3 +111,25 @@ def withdraw(ctx: PassContext) -> None:
             f"Withdrew the verdict of {pod.name} at {st.version}: {why}",
             pods=(pod,),
         )
+
+
+def _fail_closed(ctx: PassContext, pod: PodView, st: WeightState, why: str) -> None:
+    """A verdict that outlived its containers, with no answer to re-judge it
+    (``domain.standing``): nothing vouches for what the pod serves, so it leaves traffic
+    (a drain never waits for the budget: it is what keeps traffic safe)."""
+    if pod.gate is not True:
+        return
+    message = f"Draining {pod.name}: {why} (its verdict at {st.version} vouches for nothing now)"
+    ctx.actions.append(GateOff(pod, reason="VerdictOutlived", message=message[:1000]))
+    ctx.emit(Reason.UNIT_WITHDRAWN, message, warning=True, pods=(pod,))
+
+
+def _reaffirm(ctx: PassContext, pod: PodView, st: WeightState) -> None:
+    """A verdict made on earlier containers that the new containers' agent confirms (ready,
+    not contradicted) is recorded for them, so a later silence of that agent is no reason to
+    drain the pod (``domain.standing``)."""
+    if st.by != ctx.fleet.owner or st.incarnation in (None, pod.incarnation):
+        return
+    if st.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK) or not pod.incarnation:
+        return
+    ctx.actions.append(Settle(pod, st.evolve(incarnation=pod.incarnation), release=False))

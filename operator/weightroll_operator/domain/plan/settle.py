@@ -142,6 +142,8 @@ def settle(
             }
             if action.state.state in done:
                 classes[action.pod.name] = done[action.state.state]
+            elif classes[action.pod.name] is PodClass.IN_FLIGHT:
+                classes[action.pod.name] = PodClass.PENDING  # a claim released (``advance``)
     claimed_units = {a.pod.unit for a in ctx.actions if isinstance(a, Claim)}
     all_done = (
         bool(seen.units)

@@ -57,6 +57,29 @@ LONG_AGO = "2026-01-01T08:00:00Z"
             [pod("p0", gate=False, ready=False, st=state(UnitState.FAILED), owner=ME), pod("p1")],
             Reason.CANARY_FAILED,
         ),
+        # a rollback from v2 on a pod while the status says nothing of a halt (lost with an
+        # operator stopped before its status write, or by spec.version leaving v2 and coming
+        # back): the halt is read off the pod (``domain.halts``)
+        (
+            V2,
+            {},
+            [pod("p0", st=state(UnitState.ROLLED_BACK, version="v1", rollback_of="v2")), pod("p1")],
+            Reason.ROLLBACK_RECORDED,
+        ),
+        # ... unless `weightroll retry` came after it
+        (
+            Persisted(target_version="v2", retried_at="2026-01-01T11:59:30Z"),
+            {},
+            [pod("p0", st=state(UnitState.ROLLED_BACK, version="v1", rollback_of="v2")), pod("p1")],
+            None,
+        ),
+        # a rollback from another version is no halt of this one
+        (
+            V2,
+            {},
+            [pod("p0", st=state(UnitState.ROLLED_BACK, version="v1", rollback_of="v3")), pod("p1")],
+            None,
+        ),
         # already halted: kept
         (
             Persisted(target_version="v2", aborted_at="x", abort_reason=Reason.ABORTED_BY_USER),
