@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def test_rollout_keeps_the_budget_and_no_unverified_endpoint(
             f"--selector={selector}", f"--service={SERVICE}", f"--token-file={token}",
             f"--out={samples}"]  # fmt: skip
     sampler = subprocess.Popen(
-        in_netns(cluster["netns"], argv), env={"PYTHONPATH": checkout_pythonpath()}
+        in_netns(cluster["netns"], argv), env={**os.environ, "PYTHONPATH": checkout_pythonpath()}
     )
     try:
         # The Service's slice must show both pods ready before the rollout starts.

@@ -11,6 +11,8 @@ from weightroll_dev.realnode.images import TINY_IMAGE
 from weightroll_dev.realnode.sampler import budget_breaches, serving_accepted, violations
 from weightroll_dev.realnode.workload import host_python_patch, real_node_values
 
+from engine_agent.protocol import AgentState, EngineState
+
 
 def _venv(tmp_path: Path) -> Path:
     venv = tmp_path / "venv"
@@ -84,27 +86,32 @@ def test_patch_refuses_a_workload_of_another_shape(tmp_path: Path) -> None:
         host_python_patch(deployment, _venv(tmp_path), tmp_path, "", "v1")
 
 
-SERVING_V1 = {"ready": True, "version": "v1", "active_update_id": None}
-UPDATING = {"ready": False, "version": "v1", "active_update_id": "u1"}
+#: ``GET /v1/state`` bodies as the agent sends them (``AgentState.to_wire``: camelCase).
+SERVING_V1 = AgentState(version="v1", engine_state=EngineState.CLEAN, ready=True, paused=False)
+UPDATING = AgentState(
+    version="v1", engine_state=EngineState.CLEAN, ready=False, paused=False, active_update_id="u1"
+)
 
 
 def test_serving_accepted() -> None:
-    assert serving_accepted(SERVING_V1, ("v1", "v2"))
-    assert not serving_accepted(SERVING_V1, ("v2",))
-    assert not serving_accepted(UPDATING, ("v1", "v2"))
-    assert not serving_accepted({**SERVING_V1, "active_update_id": "u1"}, ("v1",))
+    assert serving_accepted(SERVING_V1.to_wire(), ("v1", "v2"))
+    assert not serving_accepted(SERVING_V1.to_wire(), ("v2",))
+    assert not serving_accepted(UPDATING.to_wire(), ("v1", "v2"))
+    in_update = SERVING_V1.model_copy(update={"active_update_id": "u1"})
+    assert not serving_accepted(in_update.to_wire(), ("v1",))
     assert not serving_accepted(None, ("v1",))
 
 
 def test_a_ready_endpoint_is_blamed_only_when_both_agent_reads_say_not_serving() -> None:
-    sample = {
+    serving, updating = SERVING_V1.to_wire(), UPDATING.to_wire()
+    sample: dict[str, Any] = {
         "pods": {"a": "10.0.0.1", "b": "10.0.0.2"},
-        "agents_before": {"10.0.0.1": UPDATING, "10.0.0.2": UPDATING},
+        "agents_before": {"10.0.0.1": updating, "10.0.0.2": updating},
         "endpoints": {"10.0.0.1": True, "10.0.0.2": False},
-        "agents_after": {"10.0.0.1": UPDATING, "10.0.0.2": UPDATING},
+        "agents_after": {"10.0.0.1": updating, "10.0.0.2": updating},
     }
     assert len(violations(sample, ("v1", "v2"))) == 1  # b is not ready: not blamed
-    sample["agents_after"] = {"10.0.0.1": SERVING_V1, "10.0.0.2": UPDATING}
+    sample["agents_after"] = {"10.0.0.1": serving, "10.0.0.2": updating}
     assert violations(sample, ("v1", "v2")) == []  # a finished between the reads
 
 

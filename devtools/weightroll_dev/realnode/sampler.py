@@ -33,13 +33,13 @@ __all__ = ["budget_breaches", "serving_accepted", "violations"]
 
 
 def serving_accepted(state: Mapping[str, Any] | None, accepted: Collection[str]) -> bool:
-    """Whether an agent's ``/v1/state`` says its pod serves one of ``accepted``, ready and not
-    inside an update (``None``: the agent did not answer)."""
+    """Whether an agent's ``/v1/state`` (wire names, camelCase) says its pod serves one of
+    ``accepted``, ready and not inside an update (``None``: the agent did not answer)."""
     return bool(
         state
         and state.get("ready") is True
         and state.get("version") in accepted
-        and not state.get("active_update_id")
+        and not state.get("activeUpdateId")
     )
 
 
