@@ -120,3 +120,19 @@ def test_budget_counts_selected_pods_missing_or_unready_in_the_slice() -> None:
               "endpoints": {"10.0.0.1": True, "10.0.0.2": False}}  # fmt: skip
     assert budget_breaches(sample, 2) == []
     assert budget_breaches(sample, 1) == ["2 selected pods not ready endpoints: ['b', 'c']"]
+
+
+@pytest.mark.parametrize("flag", ["--inject", "--reference=v2", "--first-ip=20"])
+def test_dev_up_refuses_stand_in_flags_with_the_real_node(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightroll_dev.devcluster import dev
+    from weightroll_dev.realnode import devcluster
+
+    def must_not_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a real node was started")
+
+    monkeypatch.setattr(devcluster, "up", must_not_start)  # never a node from a unit test
+    directory = tmp_path / "dev"
+    assert dev.main(["up", "--node", "real", flag, "--dir", str(directory)]) == 2
+    assert not directory.exists()  # refused before anything was started

@@ -121,6 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("weightroll_dev dev up: --pods must be at least 1", file=sys.stderr)
             return 2
         if args.node == "real":
+            if args.inject or args.reference or args.first_ip != 10:
+                # Not built for the real node yet: refuse rather than silently drop them.
+                print("weightroll_dev dev up: --node real takes no --inject, --reference or "
+                      "--first-ip (pods get bridge addresses)", file=sys.stderr)  # fmt: skip
+                return 2
             return _real_up(args.dir, args.pods, args.timeout)
         info = up(
             Options(args.dir, args.pods, args.first_ip, args.reference, args.timeout, args.inject),
