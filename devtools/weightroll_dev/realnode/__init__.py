@@ -10,10 +10,14 @@ probes, restarts and Endpoints are decided by Kubernetes itself (issue 29):
   directories) and a snapshot to prove ``down`` took all of it back;
 * :mod:`.pods`: hostPath mounts that run the checkout's virtualenv in a tiny-image pod;
 * :mod:`.node`: ``up`` (to node Ready) and ``down``;
-* :mod:`.cli`: ``python -m weightroll_dev node up|down``.
+* :mod:`.cli`: ``python -m weightroll_dev node up|down``;
+* :mod:`.workload` and :mod:`.devcluster`: ``weightroll_dev dev up --node real``, the chart's
+  example workload (vLLM CPU pods with the agent) and the operator on the node;
+* :mod:`.sampler`: a Service's EndpointSlices and the agents behind them, sampled in the
+  namespace, the verdict of a rollout on the node.
 
-Limitations: the node runs no chart, operator or vLLM pods yet (``weightroll dev up`` still uses
-the stand-in); one real node per host; root only. Facts and walls:
+Limitations: one real node per host; root only; the pods run as root (the interpreter lives
+under ``/root``). Facts and walls:
 ``../shared/design/real-node.md`` and docs/real-node.md.
 """
 

@@ -553,5 +553,5 @@ def down(root: Path) -> list[str]:
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
-                    entry.unlink()
+                    entry.unlink(missing_ok=True)  # a concurrent `down` may have gone first
     return problems
