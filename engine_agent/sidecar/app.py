@@ -2,8 +2,8 @@
 
 Routes (see README.md): ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (no auth: probes and
 Prometheus), and ``GET /v1/state``, ``POST /v1/updates``, ``GET /v1/updates/{id}``,
-``POST /v1/updates/{id}/abort`` (bearer token), and vLLM's native weight-transfer routes for
-trainers (bearer token; ``transfer_routes.py``).
+``POST /v1/updates/{id}/abort``, ``POST /v1/updates/{id}/swap`` (bearer token), and vLLM's
+native weight-transfer routes for trainers (bearer token; ``transfer_routes.py``).
 
 Invariants:
     * Every ``/v1`` route needs ``Authorization: Bearer <token>``; the token is compared with
@@ -267,6 +267,19 @@ async def _abort_update(request: web.Request) -> web.Response:
     return web.json_response(record.to_status().to_wire(), status=status)
 
 
+async def _swap_update(request: web.Request) -> web.Response:
+    update_id = request.match_info["id"]
+    try:
+        record = request.app[AGENT_KEY].swap(update_id)
+    except UpdateNotFound:
+        return _error(404, "not_found", f"no update with id {update_id!r}", field="id")
+    except UpdateConflict as e:
+        return _error(409, "conflict", str(e), field="id")
+    # 202 while the swap runs (drain, apply, verify); poll GET for the verdict.
+    status = 200 if record.phase.terminal else 202
+    return web.json_response(record.to_status().to_wire(), status=status)
+
+
 async def _not_found(request: web.Request) -> web.Response:
     return _error(404, "not_found", f"no route {request.method} {request.path}")
 
@@ -301,6 +314,7 @@ def create_app(
     app.router.add_post("/v1/updates", _post_update)
     app.router.add_get("/v1/updates/{id}", _get_update)
     app.router.add_post("/v1/updates/{id}/abort", _abort_update)
+    app.router.add_post("/v1/updates/{id}/swap", _swap_update)
     app.router.add_route("*", "/v1/{tail:.*}", _not_found)
     # vLLM's native weight-transfer routes for trainers, fronted (transfer_routes.py).
     add_transfer_routes(app, agent, lambda presented: tokens.matches(presented))
