@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from engine_agent.protocol import ErrorBody, UpdateRequest
 from engine_agent.sidecar.agent import Agent, SourceRefused, UpdateConflict, UpdateNotFound
 from engine_agent.sidecar.metrics import CONTENT_TYPE
+from engine_agent.sidecar.state import UpdateRecord
 from engine_agent.sidecar.tokens import TokenFile
 from engine_agent.sidecar.transfer_routes import add_transfer_routes
 
@@ -254,30 +255,34 @@ async def _get_update(request: web.Request) -> web.Response:
     return web.json_response(record.to_status().to_wire())
 
 
-async def _abort_update(request: web.Request) -> web.Response:
+async def _act_on_update(
+    request: web.Request, act: Callable[[str], Awaitable[UpdateRecord]]
+) -> web.Response:
+    """``POST /v1/updates/{id}/<verb>``: 404 unknown, 409 refused, else the record: 202 while
+    the update still runs (an abort winding down, a swap draining and applying; poll GET for
+    the verdict), 200 once it is terminal."""
     update_id = request.match_info["id"]
     try:
-        record = await request.app[AGENT_KEY].abort(update_id)
+        record = await act(update_id)
     except UpdateNotFound:
         return _error(404, "not_found", f"no update with id {update_id!r}", field="id")
     except UpdateConflict as e:
         return _error(409, "conflict", str(e), field="id")
-    # 202 while the update still winds down (ranks finishing a call); poll GET for the end.
     status = 200 if record.phase.terminal else 202
     return web.json_response(record.to_status().to_wire(), status=status)
+
+
+async def _abort_update(request: web.Request) -> web.Response:
+    return await _act_on_update(request, request.app[AGENT_KEY].abort)
 
 
 async def _swap_update(request: web.Request) -> web.Response:
-    update_id = request.match_info["id"]
-    try:
-        record = request.app[AGENT_KEY].swap(update_id)
-    except UpdateNotFound:
-        return _error(404, "not_found", f"no update with id {update_id!r}", field="id")
-    except UpdateConflict as e:
-        return _error(409, "conflict", str(e), field="id")
-    # 202 while the swap runs (drain, apply, verify); poll GET for the verdict.
-    status = 200 if record.phase.terminal else 202
-    return web.json_response(record.to_status().to_wire(), status=status)
+    agent = request.app[AGENT_KEY]
+
+    async def swap(update_id: str) -> UpdateRecord:
+        return agent.swap(update_id)
+
+    return await _act_on_update(request, swap)
 
 
 async def _not_found(request: web.Request) -> web.Response:

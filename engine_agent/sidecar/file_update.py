@@ -397,13 +397,7 @@ class FileUpdate:
             raise _Failed(started.problems)
         deadline = self._monotonic() + self.config.load_timeout
         while True:
-            round_ = check_session(
-                await self._call_ranks(PREFETCHED, "{}", self.config.control_timeout, world),
-                request.id,
-            )
-            if not round_.ok:
-                raise _Failed(round_.problems)
-            waiting = prefetch_waiting(round_.reports)
+            round_, waiting = await self._prefetched(world)
             if not waiting:
                 break
             if self._monotonic() > deadline:
@@ -420,6 +414,16 @@ class FileUpdate:
         staged = sum(report.staged_bytes for report in round_.reports)
         self.record.message = f"prefetched {staged} bytes on {world} rank(s)"
         self._enter(UpdatePhase.PREFETCHED)
+
+    async def _prefetched(self, world: int) -> tuple[RankRound, list[str]]:
+        """Ask every rank how its prefetch stands: the round, and the ranks not ``ready``."""
+        round_ = check_session(
+            await self._call_ranks(PREFETCHED, "{}", self.config.control_timeout, world),
+            self.record.request.id,
+        )
+        if not round_.ok:
+            raise _Failed(round_.problems)
+        return round_, prefetch_waiting(round_.reports)
 
     async def _await_swap(self, world: int) -> None:
         """Park in ``Prefetched``, serving, until the swap; past the deadline fail before the
@@ -441,13 +445,7 @@ class FileUpdate:
                     )
                 ]
             ) from None
-        round_ = check_session(
-            await self._call_ranks(PREFETCHED, "{}", self.config.control_timeout, world),
-            request.id,
-        )
-        if not round_.ok:
-            raise _Failed(round_.problems)
-        waiting = prefetch_waiting(round_.reports)
+        _, waiting = await self._prefetched(world)
         if waiting:
             raise _Failed(
                 [
