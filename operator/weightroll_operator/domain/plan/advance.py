@@ -18,6 +18,7 @@ from weightroll_operator.domain.actions import (
     GateOn,
     Settle,
     StartUpdate,
+    SwapUpdate,
 )
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
@@ -127,6 +128,10 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         accepted = parse_time(update.started_at) if update is not None else None
         if accepted is not None and floor is not None and floor > accepted:
             accepted = floor
+        # A unit claimed after its prefetch (accepted before the claim): its timer starts at
+        # the drain, as any unit's; the prefetch had its own bound.
+        if accepted is not None and accepted < claimed_at:
+            accepted = claimed_at
         return now >= (accepted or claimed_at) + timeout + timedelta(seconds=grace)
 
     running: list[PodView] = []
@@ -152,6 +157,10 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         elif update is None:
             if agent.active_update_id != st.update_id and ctx.take_steps(1):
                 ctx.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
+            running.append(pod)
+        elif update.phase is UpdatePhase.PREFETCHED:
+            # observed drained (above): the go for the update parked with its prefetch verified
+            ctx.actions.append(SwapUpdate(pod, st.update_id))
             running.append(pod)
         elif update.phase is UpdatePhase.COMMITTED and update.version != st.version:
             failed[pod.name] = f"CommittedWrongVersion: agent committed {update.version}"

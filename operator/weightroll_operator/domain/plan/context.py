@@ -28,6 +28,7 @@ from weightroll_operator.domain.model import (
 
 __all__ = [
     "FAILED_CLASSES",
+    "PREFETCH_FAILED",
     "Fleet",
     "PassContext",
     "Persisted",
@@ -142,6 +143,9 @@ class PodClass(StrEnum):
     UPDATED = "Updated"
     PENDING = "Pending"
     IN_FLIGHT = "InFlight"
+    #: Owned and still serving while its agent prefetches (``UnitState.PREFETCHING``): not in
+    #: flight, not unavailable, not claimed for the drain yet.
+    PREFETCHING = "Prefetching"
     FAILED = "Failed"
     ROLLED_BACK = "RolledBack"
     ROLLBACK_FAILED = "RollbackFailed"
@@ -151,6 +155,9 @@ class PodClass(StrEnum):
     #: Version unknown (agent unreachable): cannot be started.
     UNKNOWN = "Unknown"
 
+
+#: Reason prefix of a unit whose prefetch failed before its drain: it serves what it served.
+PREFETCH_FAILED = "PrefetchFailed: "
 
 #: The classes of a failed pod (a failed update, or a failed rollback).
 FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
@@ -210,6 +217,8 @@ class Plan:
     refresh: frozenset[str] = frozenset()
     #: Forward steps were left for the next pass (``plan``'s ``step_limit``): run it at once.
     deferred: bool = False
+    #: Where each pod being worked on stands (:func:`~.settle.pod_step`), by pod name.
+    steps: Mapping[str, str] = field(default_factory=dict)
 
 
 class PassContext:
