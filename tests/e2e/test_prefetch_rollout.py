@@ -41,6 +41,16 @@ class StateSampler(ReadySampler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.history: dict[str, list[tuple[str, str | None, str | None]]] = {}
+        #: When each entry of :attr:`history` was seen (monotonic seconds).
+        self.stamps: dict[str, list[float]] = {}
+
+    def seconds(self, pod: str, until: float, pick: Any) -> float:
+        """Seconds ``pod`` spent in entries ``pick(state, ready, gate)`` selects."""
+        trail, stamps = self.history.get(pod, []), self.stamps.get(pod, [])
+        ends = [*stamps[1:], until]
+        return sum(
+            end - start for seen, start, end in zip(trail, stamps, ends, strict=True) if pick(*seen)
+        )
 
     def _observe(self, *pods: dict[str, Any]) -> None:
         super()._observe(*pods)
@@ -56,6 +66,7 @@ class StateSampler(ReadySampler):
                 trail = self.history.setdefault(name, [])
                 if not trail or trail[-1] != seen:
                     trail.append(seen)
+                    self.stamps.setdefault(name, []).append(time.monotonic())
 
 
 class StepPoller:
@@ -99,6 +110,15 @@ def test_prefetched_rollout_keeps_each_pod_in_traffic_for_its_read(fleet: Fleet)
         fleet.wait_pods("Ready", "True", PODS, timeout=60)
         time.sleep(1.0)  # the last status write and Ready events reach the poll and watch
     steps = poller.steps
+    until = time.monotonic()
+    for pod in PODS:  # figures for the closing note (logged with the fleet's timings)
+        fleet.timings[f"{pod}_out_of_traffic_s"] = sampler.seconds(
+            pod, until, lambda state, ready, gate: ready != "True"
+        )
+        fleet.timings[f"{pod}_prefetching_in_traffic_s"] = sampler.seconds(
+            pod, until, lambda state, ready, gate: state == "Prefetching" and ready == "True"
+        )
+    print("prefetched rollout timings:", {k: round(v, 2) for k, v in fleet.timings.items()})
     history = sampler.history
     context = f"\nstatus: {status}\nhistory: {history}\nsteps: {steps}"
 

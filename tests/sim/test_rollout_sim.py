@@ -370,7 +370,9 @@ class RolloutMachine(RuleBasedStateMachine):
         tp=st.sampled_from([1, 2]),
         prefetch=st.sampled_from(["None", "Host"]),
     )
-    def start(self, pods: int, budget: int, on_failure: str, tp: int, prefetch: str) -> None:
+    def start(
+        self, pods: int, budget: int, on_failure: str, tp: int, prefetch: str = "None"
+    ) -> None:
         """A fleet serving v1 (admitted) and a WeightUpdate rolling it to v2 (with ``Host``,
         units prefetch ahead of their drain and are swapped once drained)."""
         for name in POD_NAMES[:pods]:

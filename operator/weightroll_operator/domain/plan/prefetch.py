@@ -99,7 +99,13 @@ def advance_prefetches(ctx: PassContext, seen: Seen, halted: bool) -> Staged:
 def _advance_unit(ctx: PassContext, unit: Unit, staged: list[PodView], halted: bool) -> bool | None:
     """One prefetching unit one step: True ready, False still prefetching, None ended."""
     spec, agents = ctx.spec, ctx.fleet.agents
-    give_up = halted or any(p.state is not None and outdated(spec, p.state) for p in staged)
+    # A unit staged in part (a pod's claim write failed, a pod joined its group) is given up
+    # and staged whole again: it is drained whole or not at all.
+    give_up = (
+        halted
+        or len(staged) != len(unit.pods)
+        or any(p.state is not None and outdated(spec, p.state) for p in staged)
+    )
     failed: dict[str, str] = {}
     ended: list[PodView] = []  # the attempt ended on the agent without a verdict
     running: list[PodView] = []

@@ -297,3 +297,16 @@ def test_each_pod_s_step(
 ) -> None:
     st = state(UnitState.VERIFIED if cls is PodClass.UPDATED else UnitState.DRAINING)
     assert pod_step(cls, pod("p0", gate=gate, st=st), view, set()) == step
+
+
+def test_a_group_staged_in_part_is_given_up_and_staged_whole_again() -> None:
+    """p1's claim write failed: the group is never drained with p1 unread."""
+    pods = [staged("p0", unit="g"), pod("p1", unit="g")]
+    s = spec(maxUnavailable=1, prefetch=HOST)
+    p = run(s, pods, {"p0": prefetch("p0", UpdatePhase.PREFETCHED), "p1": IDLE})
+    assert summary(p) == [("AbortUpdate", "p0")]
+    ended = prefetch("p0", UpdatePhase.ABORTED, "aborted: update aborted by request")
+    p = run(s, pods, {"p0": ended, "p1": IDLE})
+    assert [(type(a).__name__, a.state.state) for a in p.actions if isinstance(a, Settle)] == [
+        ("Settle", UnitState.WITHDRAWN)
+    ]
