@@ -163,8 +163,9 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
     pod_list = status.get("pods") or []
     # The UNIT column only when pods are grouped (spec.groupBy): the unit is then the group.
     units = any(p.get("unit") for p in pod_list)
-    # The STEP column only while some pod is being worked on (prefetching ... ready).
-    steps = any(p.get("step") for p in pod_list)
+    # The STEP column only while some pod is being worked on (prefetching ... verifying): once
+    # every listed pod is Ready (or has no step) it would only repeat STATE.
+    steps = any(p.get("step") not in (None, "Ready") for p in pod_list)
     pods = [
         [
             p.get("name", ""),

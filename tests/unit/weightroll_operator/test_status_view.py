@@ -384,3 +384,25 @@ def test_render_grouped_pods_shows_the_unit() -> None:
         "  ds-0-1  0     Updating  v2\n"
         "  ds-1    1     Pending   -"
     )
+
+
+def test_render_shows_each_pod_s_step_while_pods_are_worked_on() -> None:
+    body = copy.deepcopy(RUNNING)
+    body["status"]["pods"] = [
+        {"name": "p0", "state": "Updating", "version": "v2", "step": "Swapping"},
+        {"name": "p1", "state": "Prefetching", "version": "v2", "step": "Prefetched"},
+        {"name": "p2", "state": "Verified", "version": "v2", "step": "Ready"},
+        {"name": "p3", "state": "Pending"},
+    ]
+    pods = render(body, []).split("Pods:\n")[1].split("\n\n")[0]
+    assert pods == (
+        "  POD  STATE        STEP        VERSION  REASON\n"
+        "  p0   Updating     Swapping    v2\n"
+        "  p1   Prefetching  Prefetched  v2\n"
+        "  p2   Verified     Ready       v2\n"
+        "  p3   Pending      -           -"
+    )
+    # every pod Ready: the column would only repeat STATE
+    for entry in body["status"]["pods"]:
+        entry["step"] = "Ready" if entry["state"] == "Verified" else None
+    assert "STEP" not in render(body, [])
