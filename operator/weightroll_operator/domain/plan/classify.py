@@ -228,3 +228,11 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
         frozen=frozenset(frozen),
         reasons=reasons,
     )
+
+
+def drained_failure(seen: Seen, unit: Unit) -> bool:
+    """``unit`` failed and the rollout keeps it out of traffic: every failure but one whose
+    prefetch failed before its drain (``prefetch``): Ready, each gate open, it still serves."""
+    if seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES):
+        return False
+    return not (unit.ready and all(p.has_gate and p.gate is True for p in unit.pods))

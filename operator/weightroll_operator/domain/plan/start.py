@@ -17,9 +17,8 @@ from weightroll_operator.domain.plan.claim import (
     claim_prefetched,
     on_fresh_answers,
 )
-from weightroll_operator.domain.plan.classify import Seen
+from weightroll_operator.domain.plan.classify import Seen, drained_failure
 from weightroll_operator.domain.plan.context import (
-    FAILED_CLASSES,
     PassContext,
     PodClass,
     parse_time,
@@ -53,14 +52,6 @@ def budget(
         if key not in down and (now is None or (parse_time(until) or now) >= now)
     }
     return seen.max_unavailable - len(down) - len(leaving)
-
-
-def drained_failure(seen: Seen, unit: Unit) -> bool:
-    """``unit`` failed and the rollout keeps it out of traffic: every failure but one whose
-    prefetch failed before its drain (``prefetch``): Ready, each gate open, it still serves."""
-    if seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES):
-        return False
-    return not (unit.ready and all(p.has_gate and p.gate is True for p in unit.pods))
 
 
 def held(seen: Seen, flying: frozenset[str], unit: Unit) -> bool:

@@ -310,3 +310,16 @@ def test_a_group_staged_in_part_is_given_up_and_staged_whole_again() -> None:
     assert [(type(a).__name__, a.state.state) for a in p.actions if isinstance(a, Settle)] == [
         ("Settle", UnitState.WITHDRAWN)
     ]
+
+
+def test_failed_prefetches_hold_no_slot_in_the_all_slots_failed_halt() -> None:
+    """maxUnavailable 50% of 4 (2), maxFailedReplicas 3: two failed units that are drained
+    hold every slot while units wait (halt); two whose prefetch failed serve and hold none."""
+    s = spec(maxUnavailable="50%", maxFailedReplicas=3, prefetch=HOST)
+    failed = state(UnitState.FAILED, reason="PrefetchFailed: manifest_mismatch: x")
+    waiting = [pod("p2"), pod("p3")]
+    serving = [pod(n, st=failed, owner=ME) for n in ("p0", "p1")]
+    drained = [pod(n, gate=False, ready=False, st=failed, owner=ME) for n in ("p0", "p1")]
+    idle = {n: IDLE for n in ("p0", "p1", "p2", "p3")}
+    assert run(s, [*serving, *waiting], idle).persisted.aborted_at is None
+    assert run(s, [*drained, *waiting], idle).persisted.abort_reason == "FailureBudgetExceeded"
