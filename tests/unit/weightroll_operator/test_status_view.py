@@ -370,6 +370,11 @@ def test_unreachable_api_server_is_one_line(
     )
 
 
+def _pods_section(body: dict[str, Any]) -> str:
+    """The ``Pods:`` table of ``weightroll status`` for ``body``."""
+    return render(body, []).split("Pods:\n")[1].split("\n\n")[0]
+
+
 def test_render_grouped_pods_shows_the_unit() -> None:
     body = copy.deepcopy(RUNNING)
     body["status"]["pods"] = [
@@ -377,7 +382,7 @@ def test_render_grouped_pods_shows_the_unit() -> None:
         {"name": "ds-0-1", "state": "Updating", "version": "v2", "unit": "0"},
         {"name": "ds-1", "state": "Pending", "unit": "1"},
     ]
-    pods = render(body, []).split("Pods:\n")[1].split("\n\n")[0]
+    pods = _pods_section(body)
     assert pods == (
         "  POD     UNIT  STATE     VERSION  REASON\n"
         "  ds-0    0     Updating  v2\n"
@@ -394,7 +399,7 @@ def test_render_shows_each_pod_s_step_while_pods_are_worked_on() -> None:
         {"name": "p2", "state": "Verified", "version": "v2", "step": "Ready"},
         {"name": "p3", "state": "Pending"},
     ]
-    pods = render(body, []).split("Pods:\n")[1].split("\n\n")[0]
+    pods = _pods_section(body)
     assert pods == (
         "  POD  STATE        STEP        VERSION  REASON\n"
         "  p0   Updating     Swapping    v2\n"

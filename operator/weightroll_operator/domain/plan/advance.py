@@ -115,16 +115,13 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         claimed_at = floor
     if not drained:
         if now >= claimed_at + timeout:
-            return _fail_unit(
-                ctx, unit, flying, "DrainTimeout: the pods were not observed NotReady"
-            )
+            return fail_unit(ctx, unit, flying, "DrainTimeout: the pods were not observed NotReady")
         return True
 
     def timed_out(pod: PodView, grace: float = 0.0) -> bool:
         # The update timer starts when the agent accepted the update (its record's startedAt);
         # before that (not accepted yet), at the claim.
-        agent = agents.get(pod.name)
-        update = agent.update if agent is not None else None
+        _, update = ctx.answer(pod)
         accepted = parse_time(update.started_at) if update is not None else None
         if accepted is not None and floor is not None and floor > accepted:
             accepted = floor
@@ -142,8 +139,7 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
     for pod in flying:
         st = pod.state
         assert st is not None
-        agent = agents.get(pod.name)
-        update = agent.update if agent is not None else None
+        agent, update = ctx.answer(pod)
         if agent is None or not agent.reachable:
             running.append(pod)
         elif committed[pod.name]:
@@ -240,7 +236,7 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         reason = "; ".join(
             why if len(flying) == 1 else f"{name}: {why}" for name, why in sorted(failed.items())
         )
-        _fail_unit(ctx, unit, flying, reason)
+        fail_unit(ctx, unit, flying, reason)
         # after the Settle: a failed abort call must not hold the recorded verdict back
         ctx.actions.extend(AbortUpdate(p, p.state.update_id) for p in aborts_after if p.state)
         return False
@@ -309,7 +305,9 @@ def _retarget_unit(ctx: PassContext, flying: list[PodView]) -> None:
         _retarget(ctx, pod, pod.state)
 
 
-def _fail_unit(ctx: PassContext, unit: Unit, flying: list[PodView], reason: str) -> bool:
+def fail_unit(ctx: PassContext, unit: Unit, flying: list[PodView], reason: str) -> bool:
+    """``unit`` failed (``reason``): every pod of ``flying`` settles ``Failed`` and stays owned
+    and as it is (drained; a unit whose prefetch failed, in traffic)."""
     rollback = any(p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in flying)
     for pod in flying:
         st = pod.state

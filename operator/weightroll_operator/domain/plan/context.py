@@ -23,6 +23,7 @@ from weightroll_operator.domain.model import (
     PodView,
     SourceRef,
     UpdateId,
+    UpdateView,
     attempt_id,
 )
 
@@ -261,6 +262,12 @@ class PassContext:
             return False
         self.steps_left -= pods
         return True
+
+    def answer(self, pod: PodView) -> tuple[AgentView | None, UpdateView | None]:
+        """What ``pod``'s agent said this pass (``None``: not asked), and about the update
+        the pass asked it for (``None``: not asked, or unknown to the agent)."""
+        agent = self.fleet.agents.get(pod.name)
+        return agent, (agent.update if agent is not None else None)
 
     def emit(
         self, reason: str, message: str, warning: bool = False, pods: Iterable[PodView] = ()

@@ -33,7 +33,7 @@ from weightroll_operator.domain.actions import AbortUpdate, Claim, Settle, Start
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.fleet import Unit
 from weightroll_operator.domain.model import PodView, UnitState
-from weightroll_operator.domain.plan.advance import outdated
+from weightroll_operator.domain.plan.advance import fail_unit, outdated
 from weightroll_operator.domain.plan.claim import claim, on_fresh_answers
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import (
@@ -98,7 +98,7 @@ def advance_prefetches(ctx: PassContext, seen: Seen, halted: bool) -> Staged:
 
 def _advance_unit(ctx: PassContext, unit: Unit, staged: list[PodView], halted: bool) -> bool | None:
     """One prefetching unit one step: True ready, False still prefetching, None ended."""
-    spec, agents = ctx.spec, ctx.fleet.agents
+    spec = ctx.spec
     # A unit staged in part (a pod's claim write failed, a pod joined its group) is given up
     # and staged whole again: it is drained whole or not at all.
     give_up = (
@@ -113,8 +113,7 @@ def _advance_unit(ctx: PassContext, unit: Unit, staged: list[PodView], halted: b
     for pod in staged:
         st = pod.state
         assert st is not None
-        agent = agents.get(pod.name)
-        update = agent.update if agent is not None else None
+        agent, update = ctx.answer(pod)
         if agent is None or not agent.reachable:
             running.append(pod)
         elif update is None:
@@ -127,7 +126,7 @@ def _advance_unit(ctx: PassContext, unit: Unit, staged: list[PodView], halted: b
                     ctx.actions.append(StartUpdate(pod, build_request(spec, st)))
                 running.append(pod)
         elif update.phase is UpdatePhase.FAILED and not _expired(update.reasons):
-            failed[pod.name] = PREFETCH_FAILED + ("; ".join(update.reasons) or "Failed")
+            failed[pod.name] = "; ".join(update.reasons) or "Failed"
         elif update.phase.terminal:
             ended.append(pod)
         elif update.phase is UpdatePhase.PREFETCHED and not give_up:
@@ -157,22 +156,15 @@ def _expired(reasons: tuple[str, ...]) -> bool:
 
 
 def _fail(ctx: PassContext, unit: Unit, staged: list[PodView], failed: dict[str, str]) -> None:
-    """The prefetch failed on a pod: the unit fails, serving its old weights (gate open)."""
-    reason = "; ".join(
+    """The prefetch failed on a pod (``failed``: the agents' reasons): the unit fails, serving
+    its old weights (gate open); the rest of its attempt is aborted after the verdict."""
+    reason = PREFETCH_FAILED + "; ".join(
         why if len(staged) == 1 else f"{name}: {why}" for name, why in sorted(failed.items())
     )
-    for pod in staged:
-        st = pod.state
-        assert st is not None
-        ctx.actions.append(
-            Settle(pod, st.evolve(state=UnitState.FAILED, reason=reason), release=False)
-        )
-        ctx.reasons[pod.name] = reason
-        if pod.name not in failed:
-            ctx.actions.append(AbortUpdate(pod, st.update_id))
-    message = f"Failed prefetch of {unit_label(unit)}; it serves its old weights: {reason}"
-    ctx.emit(Reason.UNIT_FAILED, message[:1000], warning=True, pods=staged)
-    ctx.finish(unit, "failed")
+    fail_unit(ctx, unit, staged, reason)
+    ctx.actions.extend(
+        AbortUpdate(p, p.state.update_id) for p in staged if p.name not in failed and p.state
+    )
 
 
 def _release(ctx: PassContext, unit: Unit, staged: list[PodView], failed: dict[str, str]) -> None:

@@ -323,3 +323,24 @@ def test_failed_prefetches_hold_no_slot_in_the_all_slots_failed_halt() -> None:
     idle = {n: IDLE for n in ("p0", "p1", "p2", "p3")}
     assert run(s, [*serving, *waiting], idle).persisted.aborted_at is None
     assert run(s, [*drained, *waiting], idle).persisted.abort_reason == "FailureBudgetExceeded"
+
+
+def test_a_group_whose_prefetch_failed_on_one_pod_fails_whole_and_serves() -> None:
+    pods = [staged("p0", unit="g"), staged("p1", unit="g")]
+    agents = {
+        "p0": prefetch("p0", UpdatePhase.FAILED, "prefetch_memory: 9 GiB above maxBytes"),
+        "p1": prefetch("p1", UpdatePhase.PREFETCHED),
+    }
+    p = run(spec(maxUnavailable=1, prefetch=HOST), pods, agents)
+    settles = [a for a in p.actions if isinstance(a, Settle)]
+    assert {a.pod.name: a.state.state for a in settles} == {
+        "p0": UnitState.FAILED,
+        "p1": UnitState.FAILED,
+    }
+    # one reason for the unit, still a prefetch failure (rollback and the slot count read it)
+    assert {a.state.reason for a in settles} == {
+        "PrefetchFailed: p0: prefetch_memory: 9 GiB above maxBytes"
+    }
+    steps = summary(p)
+    assert steps.index(("AbortUpdate", "p1")) > steps.index(("Settle", "p1"))  # after the verdict
+    assert not any(type(a).__name__ == "GateOff" for a in p.actions)
