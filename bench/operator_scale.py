@@ -264,6 +264,9 @@ class MemAgents:
         key = f"{target.pod}/{request.id}"
         self.updates.setdefault(key, (request, time.monotonic() + self.seconds))
 
+    async def swap_update(self, target: AgentTarget, update_id: str) -> None:
+        self.calls["swap_update"] += 1  # no prefetch in this bench: never parked
+
     async def abort_update(self, target: AgentTarget, update_id: str) -> None:
         self.calls["abort_update"] += 1
 

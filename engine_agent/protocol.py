@@ -363,6 +363,19 @@ class PrefetchSpec(WireModel):
     #: The most bytes one rank may stage in host memory (``null``: bounded only by the host's
     #: available memory, which is always checked).
     max_bytes: int | None = Field(default=None, ge=1)
+    #: ``true``: stop in ``Prefetched`` with the replica serving and Ready until
+    #: ``POST /v1/updates/{id}/swap`` (the operator claims the pod for the drain first);
+    #: ``false``: drain as soon as every rank is ready.
+    await_swap: bool = False
+    #: Bound of the wait for the swap: a parked update nobody swaps frees its staging and
+    #: ends ``Failed`` (``swap_deadline``) with the replica serving, never poisoned.
+    swap_deadline_seconds: int = Field(default=600, ge=1, le=86400)
+
+    @model_validator(mode="after")
+    def _swap_needs_host(self) -> Self:
+        if self.await_swap and self.mode is not PrefetchMode.HOST:
+            raise ValueError("prefetch.awaitSwap needs prefetch.mode 'Host'")
+        return self
 
 
 class UpdateRequest(WireModel):

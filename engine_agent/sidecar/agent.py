@@ -50,7 +50,7 @@ from engine_agent.protocol import (
 from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.confinement import SourceRefused
 from engine_agent.sidecar.engine import EngineError, VllmClient
-from engine_agent.sidecar.file_update import FileUpdate, finish_record
+from engine_agent.sidecar.file_update import FileUpdate, finish_record, swap_refusal
 from engine_agent.sidecar.metrics import AgentMetrics
 from engine_agent.sidecar.pipeline import Pipeline
 from engine_agent.sidecar.ranks import Problem, StateRound, collect_states
@@ -131,6 +131,8 @@ class Agent:
         self._now = now
         self._monotonic = monotonic
         self._task: asyncio.Task[None] | None = None
+        #: The file update ``_task`` runs (its swap is given through it).
+        self._update: FileUpdate | None = None
         self._guard: asyncio.Task[None] | None = None
         self._recovered = asyncio.Event()
         #: An update was interrupted while its ranks prefetched: free their staging at recovery.
@@ -247,6 +249,7 @@ class Agent:
             monotonic=self._monotonic,
             stopping=lambda: self._stopping,
         )
+        self._update = update
         self._task = asyncio.create_task(update.run(), name=f"weightroll-update-{record.id}")
         # A task cancelled before its first step never runs its own cleanup: end it here.
         self._task.add_done_callback(lambda _: self._ended_unrun(update))
@@ -320,6 +323,21 @@ class Agent:
             # Cleanup (weightroll_abort on every rank) queues behind a running rank call in
             # vLLM, which can take minutes: wait briefly, then answer; callers poll the status.
             await asyncio.wait([task], timeout=self.config.abort_wait)
+        return record
+
+    def swap(self, update_id: str) -> UpdateRecord:
+        """Give the go to ``update_id``, parked in ``Prefetched`` (idempotent once given).
+
+        Raises:
+            UpdateNotFound: unknown id.
+            UpdateConflict: it does not await a swap, or is not (or no longer) swappable.
+        """
+        record = self.get(update_id)
+        refusal = swap_refusal(record)
+        if refusal is not None:
+            raise UpdateConflict(refusal, self.store.active_id)
+        if self._update is not None and self._update.record is record:
+            self._update.swap()
         return record
 
     async def readiness(self) -> Readiness:

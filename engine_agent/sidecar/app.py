@@ -2,8 +2,8 @@
 
 Routes (see README.md): ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (no auth: probes and
 Prometheus), and ``GET /v1/state``, ``POST /v1/updates``, ``GET /v1/updates/{id}``,
-``POST /v1/updates/{id}/abort`` (bearer token), and vLLM's native weight-transfer routes for
-trainers (bearer token; ``transfer_routes.py``).
+``POST /v1/updates/{id}/abort``, ``POST /v1/updates/{id}/swap`` (bearer token), and vLLM's
+native weight-transfer routes for trainers (bearer token; ``transfer_routes.py``).
 
 Invariants:
     * Every ``/v1`` route needs ``Authorization: Bearer <token>``; the token is compared with
@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from engine_agent.protocol import ErrorBody, UpdateRequest
 from engine_agent.sidecar.agent import Agent, SourceRefused, UpdateConflict, UpdateNotFound
 from engine_agent.sidecar.metrics import CONTENT_TYPE
+from engine_agent.sidecar.state import UpdateRecord
 from engine_agent.sidecar.tokens import TokenFile
 from engine_agent.sidecar.transfer_routes import add_transfer_routes
 
@@ -254,17 +255,34 @@ async def _get_update(request: web.Request) -> web.Response:
     return web.json_response(record.to_status().to_wire())
 
 
-async def _abort_update(request: web.Request) -> web.Response:
+async def _act_on_update(
+    request: web.Request, act: Callable[[str], Awaitable[UpdateRecord]]
+) -> web.Response:
+    """``POST /v1/updates/{id}/<verb>``: 404 unknown, 409 refused, else the record: 202 while
+    the update still runs (an abort winding down, a swap draining and applying; poll GET for
+    the verdict), 200 once it is terminal."""
     update_id = request.match_info["id"]
     try:
-        record = await request.app[AGENT_KEY].abort(update_id)
+        record = await act(update_id)
     except UpdateNotFound:
         return _error(404, "not_found", f"no update with id {update_id!r}", field="id")
     except UpdateConflict as e:
         return _error(409, "conflict", str(e), field="id")
-    # 202 while the update still winds down (ranks finishing a call); poll GET for the end.
     status = 200 if record.phase.terminal else 202
     return web.json_response(record.to_status().to_wire(), status=status)
+
+
+async def _abort_update(request: web.Request) -> web.Response:
+    return await _act_on_update(request, request.app[AGENT_KEY].abort)
+
+
+async def _swap_update(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+
+    async def swap(update_id: str) -> UpdateRecord:
+        return agent.swap(update_id)
+
+    return await _act_on_update(request, swap)
 
 
 async def _not_found(request: web.Request) -> web.Response:
@@ -301,6 +319,7 @@ def create_app(
     app.router.add_post("/v1/updates", _post_update)
     app.router.add_get("/v1/updates/{id}", _get_update)
     app.router.add_post("/v1/updates/{id}/abort", _abort_update)
+    app.router.add_post("/v1/updates/{id}/swap", _swap_update)
     app.router.add_route("*", "/v1/{tail:.*}", _not_found)
     # vLLM's native weight-transfer routes for trainers, fronted (transfer_routes.py).
     add_transfer_routes(app, agent, lambda presented: tokens.matches(presented))

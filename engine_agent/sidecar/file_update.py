@@ -5,7 +5,10 @@ rank from the model volume, through the replica's one commit sequence (:mod:`.pi
     Prefetching (``prefetch.mode: Host`` only) weightroll_prefetch on every rank, then
                weightroll_prefetched until every rank holds the verified checkpoint in host
                staging; the replica serves meanwhile: no hold, no drain, still Ready
-    Prefetched every rank is ready; the hold is saved and the drain follows
+    Prefetched every rank is ready; with ``prefetch.awaitSwap`` the update stops here, the
+               replica serving and Ready, until ``POST /v1/updates/{id}/swap`` (or the swap
+               deadline frees the staging: ``swap_deadline``); then the ranks are asked once
+               more that they still hold it, the hold is saved and the drain follows
     Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
     Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
                (prefetched: weightroll_apply, which loads from the staging without a read)
@@ -71,7 +74,7 @@ from engine_agent.sidecar.signing import (
 )
 from engine_agent.sidecar.state import Store, UpdateRecord
 
-__all__ = ["LOAD", "FileUpdate", "finish_record", "prefetch_waiting"]
+__all__ = ["LOAD", "FileUpdate", "finish_record", "prefetch_waiting", "swap_refusal"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +149,33 @@ def prefetch_waiting(reports: Sequence[RankReport]) -> list[str]:
     return sorted(report.rank.key for report in reports if report.prefetch != "ready")
 
 
+#: Phases in which a swap was given (or is being acted on): a repeated swap is acknowledged.
+_SWAPPING: Final = frozenset(
+    {
+        UpdatePhase.PREFETCHED,
+        UpdatePhase.DRAINING,
+        UpdatePhase.LOADING,
+        UpdatePhase.VERIFYING,
+        UpdatePhase.COMMITTED,
+    }
+)
+
+
+def swap_refusal(record: UpdateRecord) -> str | None:
+    """Why ``POST /v1/updates/{id}/swap`` is refused for ``record`` (None: it is the go, or a
+    repeat of it). Only an update that awaits its swap can be swapped, and only once it is
+    ``Prefetched``; past that the swap is idempotent."""
+    prefetch = record.request.prefetch
+    if not prefetch.await_swap:
+        return (
+            f"update {record.id!r} does not wait for a swap (prefetch.awaitSwap is false); "
+            f"it is in phase {record.phase.value}"
+        )
+    if record.phase not in _SWAPPING:
+        return f"update {record.id!r} is in phase {record.phase.value}, not Prefetched"
+    return None
+
+
 def _merge_ranks(record: UpdateRecord, reports: Sequence[RankReport]) -> None:
     by_key = {report.rank.key: report for report in record.ranks}
     for report in reports:
@@ -189,6 +219,12 @@ class FileUpdate:
         self._held = False
         #: ``weightroll_prefetch`` was sent: the ranks may hold staging to free.
         self._prefetch_sent = False
+        #: The go of an update parked in ``Prefetched`` (``prefetch.awaitSwap``).
+        self._swap = asyncio.Event()
+
+    def swap(self) -> None:
+        """Give the go to an update parked in ``Prefetched`` (a repeat changes nothing)."""
+        self._swap.set()
 
     def _stamp(self) -> str:
         return self._now().isoformat().replace("+00:00", "Z")
@@ -270,6 +306,9 @@ class FileUpdate:
                 PrefetchArgs(spec=spec, source=source, max_bytes=request.prefetch.max_bytes), world
             )
             lap("prefetch")
+            if request.prefetch.await_swap:
+                await self._await_swap(world)
+                lap("parked")
             self._hold()
 
         self._enter(UpdatePhase.DRAINING)
@@ -358,13 +397,7 @@ class FileUpdate:
             raise _Failed(started.problems)
         deadline = self._monotonic() + self.config.load_timeout
         while True:
-            round_ = check_session(
-                await self._call_ranks(PREFETCHED, "{}", self.config.control_timeout, world),
-                request.id,
-            )
-            if not round_.ok:
-                raise _Failed(round_.problems)
-            waiting = prefetch_waiting(round_.reports)
+            round_, waiting = await self._prefetched(world)
             if not waiting:
                 break
             if self._monotonic() > deadline:
@@ -381,6 +414,47 @@ class FileUpdate:
         staged = sum(report.staged_bytes for report in round_.reports)
         self.record.message = f"prefetched {staged} bytes on {world} rank(s)"
         self._enter(UpdatePhase.PREFETCHED)
+
+    async def _prefetched(self, world: int) -> tuple[RankRound, list[str]]:
+        """Ask every rank how its prefetch stands: the round, and the ranks not ``ready``."""
+        round_ = check_session(
+            await self._call_ranks(PREFETCHED, "{}", self.config.control_timeout, world),
+            self.record.request.id,
+        )
+        if not round_.ok:
+            raise _Failed(round_.problems)
+        return round_, prefetch_waiting(round_.reports)
+
+    async def _await_swap(self, world: int) -> None:
+        """Park in ``Prefetched``, serving, until the swap; past the deadline fail before the
+        hold (staging freed, nothing poisoned). The ranks are asked once more after the go: a
+        rank restarted meanwhile holds no staging, and that too is found before the drain."""
+        request = self.record.request
+        deadline = request.prefetch.swap_deadline_seconds
+        self.record.message += f"; waiting for POST /v1/updates/{request.id}/swap"
+        self.pipeline.store.save()
+        try:
+            await asyncio.wait_for(self._swap.wait(), deadline)
+        except TimeoutError:
+            raise _Failed(
+                [
+                    Problem(
+                        "swap_deadline",
+                        f"no swap within prefetch.swapDeadlineSeconds={deadline} after "
+                        "Prefetched; the staging was freed and the replica serves on",
+                    )
+                ]
+            ) from None
+        _, waiting = await self._prefetched(world)
+        if waiting:
+            raise _Failed(
+                [
+                    Problem(
+                        "prefetch_lost", "ranks no longer hold the staging: " + ", ".join(waiting)
+                    )
+                ]
+            )
+        self.record.message = f"swap requested; prefetched on {world} rank(s)"
 
     async def _preflight(self) -> tuple[Manifest | None, str | None]:
         """Load and check the manifest before the drain: a swapped or wrong manifest writes

@@ -154,6 +154,11 @@ class AgentClient:
         """``POST /v1/updates`` (idempotent by id on the agent)."""
         await self._call(target, "POST", "/v1/updates", request.to_wire())
 
+    async def swap_update(self, target: AgentTarget, update_id: str) -> None:
+        """``POST /v1/updates/{id}/swap``: the go for an update parked in ``Prefetched``
+        (idempotent once given on the agent)."""
+        await self._call(target, "POST", f"/v1/updates/{_update_segment(update_id)}/swap")
+
     async def abort_update(self, target: AgentTarget, update_id: str) -> None:
         try:
             await self._call(target, "POST", f"/v1/updates/{_update_segment(update_id)}/abort")

@@ -36,6 +36,7 @@ from weightroll_operator.domain.actions import (
     PodAction,
     Settle,
     StartUpdate,
+    SwapUpdate,
 )
 from weightroll_operator.domain.conditions import timestamp
 from weightroll_operator.domain.model import (
@@ -230,6 +231,8 @@ async def _run_one(action: PodAction, ctx: ApplyContext, rv: str | None) -> str 
         )
     if isinstance(action, StartUpdate):
         await ctx.agents.start_update(target_of(pod, ctx.token), action.request)
+    elif isinstance(action, SwapUpdate):
+        await ctx.agents.swap_update(target_of(pod, ctx.token), action.update_id)
     elif isinstance(action, AbortUpdate):
         await ctx.agents.abort_update(target_of(pod, ctx.token), action.update_id)
     elif isinstance(action, GateOn):

@@ -106,6 +106,9 @@ class ViewPod(_Document):
     """Why the pod failed or waits."""
     unit: str | None
     """The unit (groupBy value); null without groupBy."""
+    step: str | None
+    """Where a pod being worked on stands: Prefetching, Prefetched, Draining, Swapping,
+    Verifying, Ready; null for the others."""
 
 
 class ViewEvent(_Document):

@@ -163,17 +163,28 @@ def render(body: Mapping[str, Any], events: Sequence[Mapping[str, Any]], last: i
     pod_list = status.get("pods") or []
     # The UNIT column only when pods are grouped (spec.groupBy): the unit is then the group.
     units = any(p.get("unit") for p in pod_list)
+    # The STEP column only while some pod is being worked on (prefetching ... verifying): once
+    # every listed pod is Ready (or has no step) it would only repeat STATE.
+    steps = any(p.get("step") not in (None, "Ready") for p in pod_list)
     pods = [
         [
             p.get("name", ""),
             *([p.get("unit") or "-"] if units else []),
             p.get("state", ""),
+            *([p.get("step") or "-"] if steps else []),
             p.get("version") or "-",
             p.get("reason") or "",
         ]
         for p in pod_list
     ]
-    header = ["POD", *(["UNIT"] if units else []), "STATE", "VERSION", "REASON"]
+    header = [
+        "POD",
+        *(["UNIT"] if units else []),
+        "STATE",
+        *(["STEP"] if steps else []),
+        "VERSION",
+        "REASON",
+    ]
     lines += ["", "Pods:", *_section(pods, header)]
     recent = sorted(events, key=lambda e: str(e.get("lastTimestamp") or ""))[-last:]
     rows = [
@@ -245,6 +256,7 @@ def _pod(p: Mapping[str, Any]) -> ViewPod:
         version=p.get("version"),
         reason=p.get("reason"),
         unit=p.get("unit"),
+        step=p.get("step"),
     )
 
 

@@ -254,6 +254,17 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
             "Most bytes one rank may stage in host memory; above it, or above the host's "
             "available memory, the update fails `prefetch_memory` before any read."
         ),
+        "prefetch.awaitSwap": (
+            "`true` (needs `Host`): the update stops in `Prefetched`, the replica serving and "
+            "Ready with the staging held, until `POST /v1/updates/{id}/swap`; then it drains "
+            "and applies as without it. The operator sets it to claim the pod for the drain "
+            "only once its prefetch verified. `false`: the drain follows at once."
+        ),
+        "prefetch.swapDeadlineSeconds": (
+            "Bound of the wait in `Prefetched` for the swap: past it the staging is freed and "
+            "the update ends `Failed` (`swap_deadline`), the replica serving its old weights, "
+            "not held."
+        ),
     },
     "UpdateStatus": {
         "id": "The update id.",

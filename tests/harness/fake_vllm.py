@@ -48,7 +48,7 @@ from engine_agent.errors import (
     WrongState,
 )
 from engine_agent.manifest import ManifestError, build_manifest, load_manifest
-from engine_agent.protocol import UpdateMode, UpdateSpec
+from engine_agent.protocol import PrefetchArgs, UpdateMode, UpdateSpec
 from engine_agent.reload import session
 from engine_agent.reload.session import WeightState
 from engine_agent.transfer.rendezvous import (
@@ -103,6 +103,8 @@ class FakeRank:
     #: The rank's ``WEIGHTROLL_TRAINER_NETWORKS``: ``weightroll_transfer_check_init`` runs the
     #: real check (``engine_agent.transfer.rendezvous``) against it.
     trainer_networks: str = "127.0.0.1/32"
+    #: The prefetched update: its spec, manifest digest, content digest and staged bytes.
+    staged: tuple[UpdateSpec, str, str, int] | None = None
 
     @property
     def rank(self) -> dict[str, int]:
@@ -131,6 +133,7 @@ class FakeRank:
         self.loaded_bytes = 0
         self.manifest_digest = ""
         self.source_digest = ""
+        self.staged = None
 
     def _report(
         self, call: str, ok: bool = True, error: dict[str, Any] | None = None
@@ -149,7 +152,7 @@ class FakeRank:
     def _failed(self, call: str, error: AgentError) -> dict[str, Any]:
         """As ``RankEngine._failed``: a failed load or finish ends the session (a rank that
         wrote is poisoned, one that did not stays at its version)."""
-        if call in ("load", "finish") and self.ws.in_session:
+        if call in ("load", "apply", "finish") and self.ws.in_session:
             self.ws = session.fail(self.ws, f"{call} failed: {error.message}")
         return self._report(call, ok=False, error={"code": error.code, "message": error.message})
 
@@ -187,6 +190,12 @@ class FakeRank:
                 return self._finish()
             if method == "weightroll_abort":
                 return self._abort(json.loads(arg))
+            if method == "weightroll_prefetch":
+                return self._prefetch(arg)
+            if method == "weightroll_prefetched":
+                return self._prefetched()
+            if method == "weightroll_apply":
+                return self._apply()
         except AgentError as e:
             return self._failed(call, e)
         raise web.HTTPBadRequest(text=f"unknown method {method}")
@@ -209,6 +218,52 @@ class FakeRank:
     def _load(self, body: dict[str, Any]) -> dict[str, Any]:
         if not self.ws.in_session:
             raise WrongState(f"no update session is open (engine is {self.state})")
+        self.manifest_digest, self.source_digest, self.loaded_bytes = self._read(body)
+        if self.ws.state.value == "open":
+            self.ws = session.mark_written(self.ws)
+        return self._report("load")
+
+    def _prefetch(self, arg: str) -> dict[str, Any]:
+        """As ``RankEngine._prefetch_start``: the session checks (``session.prefetch``), then
+        the read and its manifest check; the rank stays clean at its version, serving."""
+        args = PrefetchArgs.model_validate_json(arg)
+        if self.staged is not None and self.staged[0] == args.spec:
+            return self._staging_report("prefetch")  # a retried call
+        prefetched = session.prefetch(self.ws, args.spec)
+        read = self._read(args.source.model_dump(by_alias=True))
+        self.staged, self.ws = (args.spec, *read), prefetched
+        return self._staging_report("prefetch")
+
+    def _prefetched(self) -> dict[str, Any]:
+        if self.staged is None or self.ws.prefetched != self.staged[0].update_id:
+            raise WrongState("no prefetch is held on this rank (aborted, or the rank restarted)")
+        return self._staging_report("prefetched")
+
+    def _apply(self) -> dict[str, Any]:
+        if not self.ws.in_session:
+            raise WrongState(f"no update session is open (engine is {self.state})")
+        if self.staged is None or self.staged[0].update_id != self.ws.update_id:
+            raise WrongState(f"update {self.ws.update_id} has no prefetched checkpoint ready")
+        _, self.manifest_digest, self.source_digest, self.loaded_bytes = self.staged
+        self.staged, self.ws = None, session.drop_prefetch(self.ws)
+        self.ws = session.mark_written(self.ws)
+        report = self._report("apply")
+        report["bytesLoaded"] = self.loaded_bytes
+        return report
+
+    def _staging_report(self, call: str) -> dict[str, Any]:
+        assert self.staged is not None
+        spec, _, _, staged_bytes = self.staged
+        report = self._report(call)
+        report.update(
+            {"updateId": spec.update_id, "prefetch": "ready", "stagedBytes": staged_bytes}
+        )
+        return report
+
+    def _read(self, body: dict[str, Any]) -> tuple[str, str, int]:
+        """Check a checkpoint as the rank's read does: its manifest digest, the content digest
+        and its bytes; raises the rank's error codes."""
+        manifest_digest = ""
         path = body["path"]
         if not os.path.exists(path):
             raise SourceUnavailable(f"{path} does not exist")
@@ -225,13 +280,12 @@ class FakeRank:
                 actual = build_manifest(path, algorithm=pinned.algorithm)
             if pinned.digest != actual.digest:
                 raise ManifestMismatch("checkpoint bytes differ from the manifest")
-            self.manifest_digest = pinned.digest
+            manifest_digest = pinned.digest
         else:
             try:
                 actual = build_manifest(path)
             except ManifestError as e:
                 raise SourceUnavailable(str(e)) from e
-        self.source_digest = actual.rank_digest()
         files = (
             [path]
             if os.path.isfile(path)
@@ -241,10 +295,7 @@ class FakeRank:
                 if name.endswith(".safetensors")
             ]
         )
-        self.loaded_bytes = sum(os.path.getsize(name) for name in files)
-        if self.ws.state.value == "open":
-            self.ws = session.mark_written(self.ws)
-        return self._report("load")
+        return manifest_digest, actual.rank_digest(), sum(os.path.getsize(n) for n in files)
 
     def _finish(self) -> dict[str, Any]:
         if not self.ws.in_session:
@@ -272,6 +323,7 @@ class FakeRank:
         return report
 
     def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.staged, self.ws = None, session.drop_prefetch(self.ws)  # staging is always freed
         if body.get("poison"):
             self.ws = session.poison(self.ws, body.get("reason") or "poisoned by the coordinator")
         elif self.ws.in_session:

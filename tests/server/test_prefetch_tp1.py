@@ -4,7 +4,9 @@ One server (model A, boot version v0) for the module; tests run in file order. A
 update reads and verifies its checkpoint while the replica serves its old weights (the read is
 held on the rank's prefetch thread by a ``wait:`` failpoint while the test asks for
 completions), then drains only to apply; a checkpoint that does not match its manifest is caught
-before the drain and leaves the replica serving, unpaused and Ready.
+before the drain and leaves the replica serving, unpaused and Ready. With ``awaitSwap`` the
+update parks in Prefetched, the replica serving, until ``POST /v1/updates/{id}/swap``; an abort
+there leaves the old weights serving.
 """
 
 from __future__ import annotations
@@ -143,3 +145,62 @@ async def test_an_agent_restarted_during_a_prefetch_frees_the_staging_and_serves
     assert (await sc.wait_phase("pf-after-kill"))["phase"] == "Committed"
     await _serving(sc, "v6", "pf-after-kill")
     assert await sc.outputs() == sc.notes["cold_a"]
+
+
+async def _post(sc: Scenario, path: str) -> tuple[int, dict[str, object]]:
+    response = await sc.http.post(f"{sc.agent.url}{path}", headers=sc.headers)
+    return response.status, await response.json()
+
+
+PARKED = {"prefetch": {"mode": "Host", "awaitSwap": True}}
+
+
+async def test_a_parked_prefetch_serves_until_its_swap_and_commits_as_cold(
+    sc: Scenario,
+) -> None:
+    """``awaitSwap``: the update stops in Prefetched (the operator has not claimed the pod);
+    the replica answers completions with its old weights, Ready, until the swap."""
+    await sc.post_update("pf-park-b", "v7", sc.models.b, **PARKED)
+    status = await sc.wait_phase("pf-park-b", "Prefetched", "Failed")
+    assert status["phase"] == "Prefetched", status
+
+    assert await sc.outputs() == sc.notes["cold_a"]
+    assert (await sc.readyz())[0] == 200
+    assert not await sc.vllm_paused()
+    assert (await sc.status("pf-park-b"))["phase"] == "Prefetched"
+
+    code, _ = await _post(sc, "/v1/updates/pf-park-b/swap")
+    assert code in (200, 202)
+    status = await sc.wait_phase("pf-park-b")
+    assert status["phase"] == "Committed", status
+    assert {"prefetch", "parked", "drain", "window"} <= set(status["timings"])
+    await _serving(sc, "v7", "pf-park-b")
+    assert await sc.outputs() == sc.notes["warm_b"]
+
+    # and back to A the same way: exactly what the engine booted on A served
+    await sc.post_update("pf-park-a", "v8", sc.models.a, **PARKED)
+    assert (await sc.wait_phase("pf-park-a", "Prefetched", "Failed"))["phase"] == "Prefetched"
+    await _post(sc, "/v1/updates/pf-park-a/swap")
+    assert (await sc.wait_phase("pf-park-a"))["phase"] == "Committed"
+    await _serving(sc, "v8", "pf-park-a")
+    assert await sc.outputs() == sc.notes["cold_a"]
+
+
+async def test_an_abort_while_parked_leaves_the_old_weights_serving(sc: Scenario) -> None:
+    await sc.post_update("pf-park-abort", "v9", sc.models.c, **PARKED)
+    assert (await sc.wait_phase("pf-park-abort", "Prefetched", "Failed"))["phase"] == ("Prefetched")
+
+    code, _ = await _post(sc, "/v1/updates/pf-park-abort/abort")
+    assert code in (200, 202)
+    status = await sc.wait_phase("pf-park-abort")
+
+    assert status["phase"] == "Aborted", status
+    assert "drain" not in status["timings"], status
+    assert all(rank["state"] == "clean" for rank in status["ranks"]), status
+    # not held, not poisoned: A still serves, and its staging was freed (the next prefetch
+    # is not refused by it)
+    await _serving(sc, "v8", "pf-park-a")
+    assert await sc.outputs() == sc.notes["cold_a"]
+    await sc.post_update("pf-after-park", "v10", sc.models.b, **PREFETCH)
+    assert (await sc.wait_phase("pf-after-park"))["phase"] == "Committed"
+    assert await sc.outputs() == sc.notes["warm_b"]

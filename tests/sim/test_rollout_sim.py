@@ -308,7 +308,13 @@ class RolloutMachine(RuleBasedStateMachine):
             self.at_gate_on[name] = sim.serving()
 
     def _wu(
-        self, name: str, version: str, selector: dict[str, str], budget: int, on_failure: str
+        self,
+        name: str,
+        version: str,
+        selector: dict[str, str],
+        budget: int,
+        on_failure: str,
+        prefetch: str = "None",
     ) -> None:
         self.server.weightupdates[name] = {
             "apiVersion": "weightroll.io/v1alpha1",
@@ -323,7 +329,11 @@ class RolloutMachine(RuleBasedStateMachine):
                 "selector": {"matchLabels": selector},
                 "version": version,
                 "source": {"uri": source_of(version)},
-                "strategy": {"maxUnavailable": budget, "onFailure": on_failure},
+                "strategy": {
+                    "maxUnavailable": budget,
+                    "onFailure": on_failure,
+                    "prefetch": {"mode": prefetch},
+                },
             },
         }
         self.order.append(name)
@@ -374,12 +384,16 @@ class RolloutMachine(RuleBasedStateMachine):
         budget=st.sampled_from([1, 2]),
         on_failure=st.sampled_from(["Halt", "Rollback"]),
         tp=st.sampled_from([1, 2]),
+        prefetch=st.sampled_from(["None", "Host"]),
     )
-    def start(self, pods: int, budget: int, on_failure: str, tp: int) -> None:
-        """A fleet serving v1 (admitted) and a WeightUpdate rolling it to v2."""
+    def start(
+        self, pods: int, budget: int, on_failure: str, tp: int, prefetch: str = "None"
+    ) -> None:
+        """A fleet serving v1 (admitted) and a WeightUpdate rolling it to v2 (with ``Host``,
+        units prefetch ahead of their drain and are swapped once drained)."""
         for name in POD_NAMES[:pods]:
             self._new_pod(name, admitted=True, tp=tp)
-        self._wu("wu-a", "v2", {"app": "llm"}, budget, on_failure)
+        self._wu("wu-a", "v2", {"app": "llm"}, budget, on_failure, prefetch)
         self.after()
 
     @rule(

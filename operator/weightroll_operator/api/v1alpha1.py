@@ -259,6 +259,10 @@ class PrefetchSpec(Model):
     max_bytes: int | None = Field(default=None, ge=1)
     """Most bytes one rank may stage in host memory (the host's available memory is always
     checked too); above it the pod's update fails `prefetch_memory` before any read."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """With `Host`: units whose prefetch may run (or wait, verified, for the drain) at once,
+    while they still serve; it does not use `maxUnavailable`. A unit is drained only once every
+    pod's prefetch verified. Unset: the resolved `maxUnavailable` (one batch ahead)."""
 
 
 class OnFailure(StrEnum):
@@ -488,7 +492,8 @@ class PodResult(Model):
     name: str
     """Pod name."""
     state: str
-    """`Verified`, `Updating`, `Pending`, `Failed`, `RolledBack`, `Blocked`, `Superseded` or
+    """`Verified`, `Updating`, `Prefetching` (`prefetch.mode: Host`: reading ahead of its
+    drain, still serving), `Pending`, `Failed`, `RolledBack`, `Blocked`, `Superseded` or
     `Unknown`."""
     version: str | None = None
     """The version of the pod's weight-state annotation."""
@@ -496,6 +501,10 @@ class PodResult(Model):
     """Why the pod failed or waits."""
     unit: str | None = None
     """The unit the pod belongs to (its `groupBy` label value); absent without `groupBy`."""
+    step: str | None = None
+    """Where a pod being worked on stands: `Prefetching`, `Prefetched` (reading ahead of its
+    drain, still serving; `prefetch.mode: Host`), `Draining`, `Swapping` (paused, the new
+    weights written), `Verifying`, then `Ready` (verified, traffic back)."""
 
 
 class WeightUpdateStatus(Model):

@@ -22,6 +22,7 @@ __all__ = [
     "PodAction",
     "Settle",
     "StartUpdate",
+    "SwapUpdate",
 ]
 
 
@@ -59,6 +60,15 @@ class StartUpdate:
 @dataclass(frozen=True, slots=True)
 class AbortUpdate:
     """``POST /v1/updates/{id}/abort``; the pod stays drained."""
+
+    pod: PodView
+    update_id: UpdateId
+
+
+@dataclass(frozen=True, slots=True)
+class SwapUpdate:
+    """``POST /v1/updates/{id}/swap``: the go for an update parked in ``Prefetched``, sent only
+    once the pod is observed drained."""
 
     pod: PodView
     update_id: UpdateId
@@ -107,5 +117,5 @@ class Emit:
     parts: tuple[Emit, ...] = ()
 
 
-PodAction: TypeAlias = Claim | GateOff | StartUpdate | AbortUpdate | GateOn | Settle
+PodAction: TypeAlias = Claim | GateOff | StartUpdate | SwapUpdate | AbortUpdate | GateOn | Settle
 Action: TypeAlias = PodAction | Emit

@@ -60,6 +60,10 @@ class Reason:
     UNIT_ABORTED = "UnitAborted"
     UNIT_RESTORED = "UnitRestored"
     UNIT_WITHDRAWN = "UnitWithdrawn"
+    UNIT_PREFETCHING = "UnitPrefetching"
+    #: A prefetch ahead of the drain ended without a verdict (swap deadline, abort, the spec
+    #: moved on): the pod is released, serving what it served, and wanted again.
+    UNIT_PREFETCH_RELEASED = "UnitPrefetchReleased"
     #: Deletion: what was done to the pods the WeightUpdate touched.
     RELEASED = "Released"
     RELEASE_PENDING = "ReleasePending"

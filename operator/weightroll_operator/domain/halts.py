@@ -92,6 +92,7 @@ def halt_verdict(
     canary_failed: list[str],
     failed_units: int,
     max_unavailable: int,
+    drained_failed_units: int | None = None,
     waiting_for_slot: int,
     working: bool,
     progressed: bool,
@@ -107,6 +108,8 @@ def halt_verdict(
         canary_failed: canary units that failed during the canary phase.
         failed_units: failed units, this pass's verdicts included.
         max_unavailable: the resolved ``maxUnavailable``.
+        drained_failed_units: the failed units that hold a slot (out of traffic); ``None``:
+            every failed unit (a failed prefetch leaves its unit serving: it holds none).
         waiting_for_slot: units still to start that are in traffic (each needs a slot).
         working: units are in flight or still to start, and the rollout is not on hold.
         progressed: this pass made a transition.
@@ -131,10 +134,11 @@ def halt_verdict(
             Reason.FAILURE_BUDGET_EXCEEDED,
             f"Halted: {failed_units} failed units exceed maxFailedReplicas {tolerated}",
         )
-    if failed_units and failed_units >= max_unavailable and waiting_for_slot:
+    holding = failed_units if drained_failed_units is None else drained_failed_units
+    if holding and holding >= max_unavailable and waiting_for_slot:
         return Verdict(
             Reason.FAILURE_BUDGET_EXCEEDED,
-            f"Halted: {failed_units} failed units (tolerated by maxFailedReplicas {tolerated}) "
+            f"Halted: {holding} failed units (tolerated by maxFailedReplicas {tolerated}) "
             f"hold every maxUnavailable slot ({max_unavailable}) while {waiting_for_slot} "
             "units wait: raise spec.strategy.maxUnavailable above maxFailedReplicas, or "
             "`weightroll retry`",

@@ -104,6 +104,10 @@ def attempt_id(
 class UnitState(StrEnum):
     """Per-pod state of the pod's unit, as the operator persists it on the pod."""
 
+    #: Owned but still serving (gate untouched): the agent prefetches the version and waits in
+    #: ``Prefetched`` for the swap; the unit is claimed for the drain (``Draining``, same
+    #: attempt) only once every pod's prefetch verified (``strategy.prefetch.mode: Host``).
+    PREFETCHING = "Prefetching"
     #: Claimed and drained (gate False written); the agent update may be running.
     DRAINING = "Draining"
     #: Committed at ``version`` on every pod of the unit; traffic restored.
@@ -123,6 +127,11 @@ class UnitState(StrEnum):
     @property
     def in_flight(self) -> bool:
         return self in (UnitState.DRAINING, UnitState.ROLLING_BACK)
+
+    @property
+    def running(self) -> bool:
+        """An attempt of this state may be running on the agent: in flight, or prefetching."""
+        return self.in_flight or self is UnitState.PREFETCHING
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,7 +115,7 @@ def release(
         agent = agents.get(pod.name)
         reachable = agent is not None and agent.reachable
         update = agent.update if agent is not None else None
-        if st.state.in_flight:
+        if st.state.running:
             if not reachable or agent is None:
                 why = agent.error if agent is not None else "not asked"
                 pending[pod.name] = f"AgentUnreachable: {why}; the update may still run"

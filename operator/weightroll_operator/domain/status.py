@@ -47,6 +47,7 @@ _STATE_OF = {
     PodClass.UPDATED: "Verified",
     PodClass.PENDING: "Pending",
     PodClass.IN_FLIGHT: "Updating",
+    PodClass.PREFETCHING: "Prefetching",
     PodClass.FAILED: "Failed",
     PodClass.ROLLED_BACK: "RolledBack",
     PodClass.ROLLBACK_FAILED: "Failed",
@@ -188,6 +189,7 @@ _RESULT_ORDER = (
     PodClass.FAILED,
     PodClass.ROLLBACK_FAILED,
     PodClass.IN_FLIGHT,
+    PodClass.PREFETCHING,
     PodClass.BLOCKED,
     PodClass.UNKNOWN,
     PodClass.PENDING,
@@ -244,6 +246,7 @@ def _pod_results(plan: Plan, extra: Mapping[str, str], version: str) -> list[Pod
                 version=_listed_version(cls, recorded, version),
                 reason=(plan.reasons.get(name) or extra.get(name) or plan.notes.get(name) or None),
                 unit=pod.unit if pod.unit != name else None,
+                step=plan.steps.get(name),
             )
         )
     return results

@@ -39,6 +39,14 @@ def check_wire(spec: WeightUpdateSpec, name: str) -> None:
             "spec.strategy.prefetch.mode: 'Host' is not supported for sparse sources (a patch "
             "is written into the live bytes inside the drain); use 'None'"
         )
+    if (
+        spec.strategy.prefetch.max_concurrent is not None
+        and spec.strategy.prefetch.mode is not PrefetchMode.HOST
+    ):
+        raise ValueError(
+            "spec.strategy.prefetch.maxConcurrent: bounds prefetches ahead of the drain, which "
+            "only mode 'Host' runs; set mode 'Host' or remove it"
+        )
     probe = WeightState(
         state=UnitState.DRAINING,
         by=OwnerKey("-"),
@@ -64,9 +72,14 @@ def build_request(
         mode=WireDrainMode(spec.strategy.drain.mode.value),
         timeout_seconds=spec.strategy.drain.timeout_seconds,
     )
+    host = spec.strategy.prefetch.mode is PrefetchMode.HOST
+    # With Host the operator gives the go (``SwapUpdate``) once it drained the pod: the agent
+    # parks in Prefetched, serving, until then, bounded by the update timeout.
     prefetch = WirePrefetchSpec(
         mode=WirePrefetchMode(spec.strategy.prefetch.mode.value),
         max_bytes=spec.strategy.prefetch.max_bytes,
+        await_swap=host,
+        swap_deadline_seconds=min(spec.strategy.update_timeout_seconds, 86400),
     )
     if rollback:
         if st.previous_source is None:

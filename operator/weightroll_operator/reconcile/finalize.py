@@ -163,7 +163,7 @@ class Finalizer:
             v.name: Query(
                 state=True,
                 update_id=v.state.update_id
-                if v.state is not None and v.state.state.in_flight
+                if v.state is not None and v.state.state.running
                 else None,
             )
             for v in views

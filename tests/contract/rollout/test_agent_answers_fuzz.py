@@ -147,6 +147,7 @@ def test_generated_agent_answers_leak_nothing_and_follow_nowhere() -> None:
         "get": (lambda: client.get_update(target, "u-1"), "/v1/updates/u-1"),
         "start": (lambda: client.start_update(target, request), "/v1/updates"),
         "abort": (lambda: client.abort_update(target, "u-1"), "/v1/updates/u-1/abort"),
+        "swap": (lambda: client.swap_update(target, "u-1"), "/v1/updates/u-1/swap"),
     }
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))

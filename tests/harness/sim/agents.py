@@ -37,7 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightroll_operator.agent_client import _parse
-from weightroll_operator.errors import AgentConflict, AgentRejected, AgentUnavailable
+from weightroll_operator.errors import (
+    AgentConflict,
+    AgentNotFound,
+    AgentRejected,
+    AgentUnavailable,
+)
 from weightroll_operator.ports import AgentTarget
 
 from engine_agent.protocol import AgentState, DrainMode, SourceSpec, UpdateRequest, UpdateStatus
@@ -58,7 +63,10 @@ def source_of(version: str) -> str:
 
 
 class SimRank(FakeRank):
-    """A fake rank whose load reads no files: the bytes are named by the path."""
+    """A fake rank whose load (and prefetch) reads no files: the bytes are named by the path."""
+
+    def _read(self, body: dict[str, Any]) -> tuple[str, str, int]:
+        return "", f"digest:{body['path']}", 1
 
     def _load(self, body: dict[str, Any]) -> dict[str, Any]:
         from engine_agent.errors import WrongState
@@ -314,6 +322,16 @@ class SimAgents:
         except UpdateConflict as e:
             raise AgentConflict(f"{target.pod}: {e}", status=409, active_id=e.active_id) from None
         await asyncio.sleep(0)  # the update task takes its first steps, as it would meanwhile
+
+    async def swap_update(self, target: AgentTarget, update_id: str) -> None:
+        agent = self._agent(target, "swap_update")
+        try:
+            agent.swap(update_id)
+        except UpdateNotFound:
+            raise AgentNotFound(f"{target.pod}: no update {update_id!r}", status=404) from None
+        except UpdateConflict as e:
+            raise AgentConflict(f"{target.pod}: {e}", status=409) from None
+        await asyncio.sleep(0)  # the parked update takes its first steps
 
     async def abort_update(self, target: AgentTarget, update_id: str) -> None:
         agent = self._agent(target, "abort_update")

@@ -136,7 +136,12 @@ def test_prefetch_defaults_to_today_s_path() -> None:
 def test_prefetch_field_in_camel_case() -> None:
     parsed = UpdateRequest.model_validate(request(prefetch={"mode": "Host", "maxBytes": 1 << 30}))
     assert parsed.prefetch.mode is PrefetchMode.HOST and parsed.prefetch.max_bytes == 1 << 30
-    assert parsed.to_wire()["prefetch"] == {"mode": "Host", "maxBytes": 1 << 30}
+    assert parsed.to_wire()["prefetch"] == {
+        "mode": "Host",
+        "maxBytes": 1 << 30,
+        "awaitSwap": False,
+        "swapDeadlineSeconds": 600,
+    }
 
 
 @pytest.mark.parametrize(
@@ -145,6 +150,8 @@ def test_prefetch_field_in_camel_case() -> None:
         ({"prefetch": {"mode": "Disk"}}, "mode"),
         ({"prefetch": {"mode": "Host", "maxBytes": 0}}, "maxBytes"),
         ({"prefetch": {"mode": "Host", "max": 1}}, "max"),
+        ({"prefetch": {"awaitSwap": True}}, "awaitSwap needs prefetch.mode 'Host'"),
+        ({"prefetch": {"mode": "Host", "swapDeadlineSeconds": 0}}, "swapDeadlineSeconds"),
         (
             {"prefetch": {"mode": "Host"}, "mode": "sparse", "baseVersion": "v1"},
             "not supported for sparse",

@@ -81,7 +81,7 @@ def pod(
     unit: str | None = None,
     labels: dict[str, str] | None = None,
 ) -> PodView:
-    if owner is None and st is not None and st.state.in_flight:
+    if owner is None and st is not None and st.state.running:
         owner = st.by
     return PodView(
         name=name,

@@ -49,17 +49,35 @@ def _request(spec_dict: dict[str, Any], *, rollback: bool = False) -> dict[str, 
 
 
 def test_no_prefetch_by_default() -> None:
-    assert _request(GOOD)["prefetch"] == {"mode": "None", "maxBytes": None}
+    assert _request(GOOD)["prefetch"] == {
+        "mode": "None",
+        "maxBytes": None,
+        "awaitSwap": False,
+        "swapDeadlineSeconds": 600,
+    }
 
 
 @pytest.mark.parametrize("rollback", [False, True])
 def test_prefetch_is_carried_to_the_agent(rollback: bool) -> None:
     spec_dict = _spec(prefetch={"mode": "Host", "maxBytes": 1 << 30})
     assert validate({"spec": spec_dict}, None) is None
+    spec_dict["strategy"]["updateTimeoutSeconds"] = 900
+    assert validate({"spec": spec_dict}, None) is None
+    # with Host the operator gives the go once it drained the pod (SwapUpdate): the agent
+    # parks in Prefetched until then, no longer than the unit's update timeout
     assert _request(spec_dict, rollback=rollback)["prefetch"] == {
         "mode": PrefetchMode.HOST.value,
         "maxBytes": 1 << 30,
+        "awaitSwap": True,
+        "swapDeadlineSeconds": 900,
     }
+
+
+def test_max_concurrent_prefetches_need_host() -> None:
+    spec_dict = _spec(prefetch={"maxConcurrent": 3})
+    problem = validate({"spec": spec_dict}, None)
+    assert problem is not None and problem.startswith("spec.strategy.prefetch.maxConcurrent: ")
+    assert validate({"spec": _spec(prefetch={"mode": "Host", "maxConcurrent": 3})}, None) is None
 
 
 def test_prefetch_of_a_sparse_source_is_refused_naming_the_field() -> None:
@@ -69,7 +87,10 @@ def test_prefetch_of_a_sparse_source_is_refused_naming_the_field() -> None:
     assert problem is not None and problem.startswith("spec.strategy.prefetch.mode: "), problem
 
 
-@pytest.mark.parametrize("bad", [{"mode": "Disk"}, {"mode": "Host", "maxBytes": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"mode": "Disk"}, {"mode": "Host", "maxBytes": 0}, {"mode": "Host", "maxConcurrent": 0}],
+)
 def test_a_malformed_prefetch_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="prefetch"):
         parse_spec(_spec(prefetch=bad))

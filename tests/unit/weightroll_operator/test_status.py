@@ -50,9 +50,9 @@ def test_golden_status_mid_rollout() -> None:
         },
         "stableVersion": "v1",
         "pods": [
-            {"name": "p1", "state": "Updating", "version": "v2"},
-            {"name": "p2", "state": "Updating"},
-            {"name": "p0", "state": "Verified", "version": "v2"},
+            {"name": "p1", "state": "Updating", "version": "v2", "step": "Swapping"},
+            {"name": "p2", "state": "Updating", "step": "Draining"},
+            {"name": "p0", "state": "Verified", "version": "v2", "step": "Ready"},
         ],
         "startTime": "2026-01-01T12:00:00Z",
         "lastProgressTime": "2026-01-01T12:00:00Z",
@@ -168,7 +168,7 @@ def test_listed_pods_are_the_first_of_a_full_sort() -> None:
     assert set(_RESULT_ORDER) == set(PodClass)
     rnd = random.Random(7)
     for size in (0, 1, 10, MAX_POD_RESULTS, 400):
-        for weights in ([1] * 9, [5, 1, 1, 0, 0, 1, 0, 0, 30], [0, 0, 0, 0, 0, 1, 0, 0, 1]):
+        for weights in ([1] * 10, [5, 1, 1, 1, 0, 0, 1, 0, 0, 30], [0, 0, 0, 0, 0, 0, 1, 0, 0, 1]):
             names = [f"p{rnd.randrange(10**6):06d}-{i}" for i in range(size)]
             classes = {n: rnd.choices(_RESULT_ORDER, weights=weights)[0] for n in names}
             full = sorted(classes.items(), key=lambda kv: (_RESULT_ORDER.index(kv[1]), kv[0]))

@@ -138,9 +138,24 @@ def test_json_view_golden_and_schema() -> None:
                 "version": "v3",
                 "reason": "UpdateFailed: manifest_mismatch: up_proj",
                 "unit": None,
+                "step": None,
             },
-            {"name": "llama-2", "state": "Pending", "version": None, "reason": None, "unit": None},
-            {"name": "llama-0", "state": "Verified", "version": "v3", "reason": None, "unit": None},
+            {
+                "name": "llama-2",
+                "state": "Pending",
+                "version": None,
+                "reason": None,
+                "unit": None,
+                "step": None,
+            },
+            {
+                "name": "llama-0",
+                "state": "Verified",
+                "version": "v3",
+                "reason": None,
+                "unit": None,
+                "step": None,
+            },
         ],
         "events": [
             {

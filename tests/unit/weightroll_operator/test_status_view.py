@@ -370,6 +370,11 @@ def test_unreachable_api_server_is_one_line(
     )
 
 
+def _pods_section(body: dict[str, Any]) -> str:
+    """The ``Pods:`` table of ``weightroll status`` for ``body``."""
+    return render(body, []).split("Pods:\n")[1].split("\n\n")[0]
+
+
 def test_render_grouped_pods_shows_the_unit() -> None:
     body = copy.deepcopy(RUNNING)
     body["status"]["pods"] = [
@@ -377,10 +382,32 @@ def test_render_grouped_pods_shows_the_unit() -> None:
         {"name": "ds-0-1", "state": "Updating", "version": "v2", "unit": "0"},
         {"name": "ds-1", "state": "Pending", "unit": "1"},
     ]
-    pods = render(body, []).split("Pods:\n")[1].split("\n\n")[0]
+    pods = _pods_section(body)
     assert pods == (
         "  POD     UNIT  STATE     VERSION  REASON\n"
         "  ds-0    0     Updating  v2\n"
         "  ds-0-1  0     Updating  v2\n"
         "  ds-1    1     Pending   -"
     )
+
+
+def test_render_shows_each_pod_s_step_while_pods_are_worked_on() -> None:
+    body = copy.deepcopy(RUNNING)
+    body["status"]["pods"] = [
+        {"name": "p0", "state": "Updating", "version": "v2", "step": "Swapping"},
+        {"name": "p1", "state": "Prefetching", "version": "v2", "step": "Prefetched"},
+        {"name": "p2", "state": "Verified", "version": "v2", "step": "Ready"},
+        {"name": "p3", "state": "Pending"},
+    ]
+    pods = _pods_section(body)
+    assert pods == (
+        "  POD  STATE        STEP        VERSION  REASON\n"
+        "  p0   Updating     Swapping    v2\n"
+        "  p1   Prefetching  Prefetched  v2\n"
+        "  p2   Verified     Ready       v2\n"
+        "  p3   Pending      -           -"
+    )
+    # every pod Ready: the column would only repeat STATE
+    for entry in body["status"]["pods"]:
+        entry["step"] = "Ready" if entry["state"] == "Verified" else None
+    assert "STEP" not in render(body, [])

@@ -15,14 +15,22 @@ Per unit (one pod, or the pods sharing the ``groupBy`` label value), the steps a
 
 A pass is a short list of named steps, each a function of its inputs, one file each (table
 tests in ``tests/unit/weightroll_operator/plan/test_<step>.py``): :func:`classify_fleet` ->
-:func:`advance_units` -> :func:`deadlines` -> :func:`budget` -> :func:`roll_back` or
-:func:`start_units` -> :func:`restore` -> :func:`withdraw` -> :func:`settle`.
+:func:`advance_units` -> :func:`advance_prefetches` -> :func:`deadlines` -> :func:`budget` ->
+:func:`roll_back` or :func:`start_units` and :func:`start_prefetches` -> :func:`restore` ->
+:func:`withdraw` -> :func:`settle`.
+
+With ``strategy.prefetch.mode: Host`` a unit is first *staged*: recorded ``Prefetching`` and
+asked to prefetch (``awaitSwap``) while it serves, outside ``maxUnavailable`` and bounded by
+``prefetch.maxConcurrent``; it is claimed for the drain above only once every agent says
+``Prefetched``, and the update proceeds on ``SwapUpdate`` once the drain is observed
+(``prefetch.py``).
 
     context.py    the inputs (Fleet, Persisted), the result (Plan), PodClass, Query, and the
                   PassContext every step adds its actions to
     classify.py   step 1: where each pod stands; what to ask each agent (queries)
     advance.py    step 2: each in-flight unit one step (drained, updating, verified, failed)
     deadlines.py  step 3: pause and canary holds, halts (failure budget, progress deadline)
+    prefetch.py   step 2b, prefetching units; step 5c, new prefetches (ahead of the budget)
     start.py      step 4, the unavailability budget; step 5b, new claims
     rollback.py   step 5a: a halt with ``onFailure: Rollback`` rolls touched units back
     claim.py      the claim itself, shared by steps 5a and 5b
@@ -73,10 +81,11 @@ from weightroll_operator.domain.plan.context import (
     parse_time,
     target_source,
 )
+from weightroll_operator.domain.plan.prefetch import advance_prefetches, start_prefetches
 from weightroll_operator.domain.plan.restore import withdraw
 from weightroll_operator.domain.plan.rollback import roll_back, rollback_target
 from weightroll_operator.domain.plan.settle import unsettled
-from weightroll_operator.domain.plan.start import budget, held, start_units
+from weightroll_operator.domain.plan.start import budget, held, start_units, startable
 from weightroll_operator.domain.wire import build_request, check_wire
 
 # Four steps share their module's name (classify, deadlines, restore, settle): the package binds
@@ -142,7 +151,9 @@ def plan(
     ctx.provisional = provisional
     seen = classify_fleet(spec, fleet, persisted)
     flying = advance_units(ctx, seen)
-    halt = deadlines.deadlines(ctx, seen, persisted, flying)
+    staged = advance_prefetches(ctx, seen, halted=persisted.aborted_at is not None)
+    # prefetching units are at work (progress deadline) and not a verdict (canary)
+    halt = deadlines.deadlines(ctx, seen, persisted, flying | staged.keys)
     # claims whose drain never landed are in flight but still in traffic: no slot held yet
     out = flying - {u.key for u in ctx.undrained}
     slots = Slots.of(
@@ -158,7 +169,11 @@ def plan(
     if rollback:
         remaining = roll_back(ctx, seen, flying, slots)
     elif halt.aborted_at is None and halt.paused_reason is None and not seen.blocked_by:
-        start_units(ctx, seen, flying, halt, slots)
+        start_units(ctx, seen, halt, slots, staged)
+        # only units in traffic read ahead: one out of traffic was claimed above
+        start_prefetches(
+            ctx, seen, halt, staged, lambda u: slots.cost(u) == 2 and startable(ctx, seen, u)
+        )
     restore.restore(ctx, seen, rollback_target(ctx) if rollback else None)
     withdraw(ctx)
     return settle.settle(ctx, seen, persisted, flying, halt, rollback, remaining)

@@ -19,6 +19,7 @@ from weightroll_operator.domain.actions import (
     GateOn,
     Settle,
     StartUpdate,
+    SwapUpdate,
 )
 from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason, timestamp
@@ -122,19 +123,20 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         claimed_at = floor
     if not drained:
         if now >= claimed_at + timeout:
-            return _fail_unit(
-                ctx, unit, flying, "DrainTimeout: the pods were not observed NotReady"
-            )
+            return fail_unit(ctx, unit, flying, "DrainTimeout: the pods were not observed NotReady")
         return True
 
     def timed_out(pod: PodView, grace: float = 0.0) -> bool:
         # The update timer starts when the agent accepted the update (its record's startedAt);
         # before that (not accepted yet), at the claim.
-        agent = agents.get(pod.name)
-        update = agent.update if agent is not None else None
+        _, update = ctx.answer(pod)
         accepted = parse_time(update.started_at) if update is not None else None
         if accepted is not None and floor is not None and floor > accepted:
             accepted = floor
+        # A unit claimed after its prefetch (accepted before the claim): its timer starts at
+        # the drain, as any unit's; the prefetch had its own bound.
+        if accepted is not None and accepted < claimed_at:
+            accepted = claimed_at
         return now >= (accepted or claimed_at) + timeout + timedelta(seconds=grace)
 
     running: list[PodView] = []
@@ -145,8 +147,7 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
     for pod in flying:
         st = pod.state
         assert st is not None
-        agent = agents.get(pod.name)
-        update = agent.update if agent is not None else None
+        agent, update = ctx.answer(pod)
         if agent is None or not agent.reachable:
             running.append(pod)
         elif committed[pod.name]:
@@ -160,6 +161,10 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         elif update is None:
             if agent.active_update_id != st.update_id and ctx.take_steps(1):
                 ctx.actions.append(StartUpdate(pod, build_request(spec, st, rollback=rollback)))
+            running.append(pod)
+        elif update.phase is UpdatePhase.PREFETCHED:
+            # observed drained (above): the go for the update parked with its prefetch verified
+            ctx.actions.append(SwapUpdate(pod, st.update_id))
             running.append(pod)
         elif update.phase is UpdatePhase.COMMITTED and update.version != st.version:
             failed[pod.name] = f"CommittedWrongVersion: agent committed {update.version}"
@@ -240,7 +245,7 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
         reason = "; ".join(
             why if len(flying) == 1 else f"{name}: {why}" for name, why in sorted(failed.items())
         )
-        _fail_unit(ctx, unit, flying, reason)
+        fail_unit(ctx, unit, flying, reason)
         # after the Settle: a failed abort call must not hold the recorded verdict back
         ctx.actions.extend(AbortUpdate(p, p.state.update_id) for p in aborts_after if p.state)
         return False
@@ -354,7 +359,9 @@ def _retarget_unit(ctx: PassContext, flying: list[PodView]) -> None:
         _retarget(ctx, pod, pod.state)
 
 
-def _fail_unit(ctx: PassContext, unit: Unit, flying: list[PodView], reason: str) -> bool:
+def fail_unit(ctx: PassContext, unit: Unit, flying: list[PodView], reason: str) -> bool:
+    """``unit`` failed (``reason``): every pod of ``flying`` settles ``Failed`` and stays owned
+    and as it is (drained; a unit whose prefetch failed, in traffic)."""
     rollback = any(p.state is not None and p.state.state is UnitState.ROLLING_BACK for p in flying)
     for pod in flying:
         st = pod.state

@@ -1,6 +1,8 @@
-"""Claims, shared by :func:`~.start.start_units` and :func:`~.rollback.roll_back`: whom a
-pass may claim (:func:`can_claim`, :func:`idle`, :func:`on_fresh_answers`) and the claim itself
-(:func:`claim`: a new attempt recorded on the pod, then its drain).
+"""Claims, shared by :func:`~.start.start_units`, :func:`~.rollback.roll_back` and
+:func:`~.prefetch.start_prefetches`: whom a pass may claim (:func:`can_claim`, :func:`idle`,
+:func:`on_fresh_answers`) and the claim itself (:func:`claim`: a new attempt recorded on the
+pod, then its drain; or, prefetching, no drain yet). :func:`claim_prefetched` drains a unit whose
+prefetch verified, for the attempt it already runs.
 
 A claim is a new attempt, so it rests on what the agent says in this pass: that it answers and
 runs no update. A rollback claim is no exception: an operator stopped between a unit's
@@ -75,7 +77,12 @@ def _prev(pod: PodView) -> WeightState:
     return pod.state if pod.state is not None else _NO_STATE
 
 
-def claim(ctx: PassContext, unit: Unit, *, rollback_of: str | None = None) -> None:
+def claim(
+    ctx: PassContext, unit: Unit, *, rollback_of: str | None = None, prefetch: bool = False
+) -> None:
+    """Record a new attempt on every pod of ``unit`` and drain it; with ``prefetch`` the
+    attempt is recorded as ``Prefetching`` and the unit keeps serving (gate and traffic label
+    untouched) until :func:`claim_prefetched`."""
     owner, now = ctx.fleet.owner, ctx.now
     tl = ctx.spec.strategy.traffic_label
     for pod in unit.pods:
@@ -113,7 +120,7 @@ def claim(ctx: PassContext, unit: Unit, *, rollback_of: str | None = None) -> No
             else:
                 previous, source = _prev(pod).previous_version, _prev(pod).previous_source
             st = WeightState(
-                state=UnitState.DRAINING,
+                state=UnitState.PREFETCHING if prefetch else UnitState.DRAINING,
                 by=owner,
                 version=ctx.spec.version,
                 source=target_source(ctx.spec),
@@ -126,10 +133,16 @@ def claim(ctx: PassContext, unit: Unit, *, rollback_of: str | None = None) -> No
                 else (prior.traffic_label_value if again and prior is not None else None),
                 attempt=attempt,
             )
+        if prefetch:
+            ctx.actions.append(Claim(pod, owner, st))
+            continue
         remove = tl if tl and tl in pod.labels else None
         ctx.actions.append(Claim(pod, owner, st, remove_label=remove))
         ctx.actions.append(GateOff(pod, message=f"Draining for weights {st.version}"))
-    if rollback_of is not None:
+    if prefetch:
+        message = f"Prefetching {unit_label(unit)} for weights {ctx.spec.version}; still serving"
+        ctx.emit(Reason.UNIT_PREFETCHING, message, pods=unit.pods)
+    elif rollback_of is not None:
         ctx.emit(
             Reason.UNIT_ROLLING_BACK,
             f"Draining {unit_label(unit)} to roll back from {rollback_of}",
@@ -139,3 +152,17 @@ def claim(ctx: PassContext, unit: Unit, *, rollback_of: str | None = None) -> No
         message = f"Draining {unit_label(unit)} for weights {ctx.spec.version}"
         ctx.emit(Reason.UNIT_DRAINING, message, pods=unit.pods)
     ctx.progressed = True
+
+
+def claim_prefetched(ctx: PassContext, unit: Unit) -> None:
+    """Drain ``unit``, whose agents hold its attempt's checkpoint verified (``Prefetched``):
+    the same attempt, now ``Draining``; its update timer starts here, at the drain."""
+    owner, tl = ctx.fleet.owner, ctx.spec.strategy.traffic_label
+    for pod in unit.pods:
+        assert pod.state is not None
+        st = pod.state.evolve(state=UnitState.DRAINING, started_at=timestamp(ctx.now))
+        remove = tl if tl and tl in pod.labels else None
+        ctx.actions.append(Claim(pod, owner, st, remove_label=remove))
+        ctx.actions.append(GateOff(pod, message=f"Draining for weights {st.version}"))
+    message = f"Draining {unit_label(unit)} for weights {ctx.spec.version} (prefetched)"
+    ctx.emit(Reason.UNIT_DRAINING, message, pods=unit.pods)

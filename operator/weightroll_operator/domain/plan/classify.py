@@ -58,7 +58,7 @@ def queries(
         st = pod.state
         if pod.owner is not None and pod.owner != owner:
             continue
-        if st is not None and st.by == owner and pod.owner == owner and st.state.in_flight:
+        if st is not None and st.by == owner and pod.owner == owner and st.state.running:
             result[pod.name] = Query(state=False, update_id=st.update_id)
         elif verified_at(st, version, source):
             # A verdict stands only while the agent still says so (``domain.standing``): a
@@ -161,6 +161,8 @@ def classify(
     if st is not None and st.by == owner:
         if pod.owner == owner and st.state.in_flight:
             return PodClass.IN_FLIGHT
+        if pod.owner == owner and st.state is UnitState.PREFETCHING:
+            return PodClass.PREFETCHING
         if _retried(st, retried_at) and st.state in (UnitState.FAILED, UnitState.ROLLED_BACK):
             # retried: a settled failure (or rollback) is pending again, tried by a new attempt
             reachable = agent is not None and agent.reachable
@@ -244,3 +246,11 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
         frozen=frozenset(frozen),
         reasons=reasons,
     )
+
+
+def drained_failure(seen: Seen, unit: Unit) -> bool:
+    """``unit`` failed and the rollout keeps it out of traffic: every failure but one whose
+    prefetch failed before its drain (``prefetch``): Ready, each gate open, it still serves."""
+    if seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES):
+        return False
+    return not (unit.ready and all(p.has_gate and p.gate is True for p in unit.pods))

@@ -23,11 +23,13 @@ from weightroll_operator.domain.model import (
     PodView,
     SourceRef,
     UpdateId,
+    UpdateView,
     attempt_id,
 )
 
 __all__ = [
     "FAILED_CLASSES",
+    "PREFETCH_FAILED",
     "Fleet",
     "PassContext",
     "Persisted",
@@ -142,6 +144,9 @@ class PodClass(StrEnum):
     UPDATED = "Updated"
     PENDING = "Pending"
     IN_FLIGHT = "InFlight"
+    #: Owned and still serving while its agent prefetches (``UnitState.PREFETCHING``): not in
+    #: flight, not unavailable, not claimed for the drain yet.
+    PREFETCHING = "Prefetching"
     FAILED = "Failed"
     ROLLED_BACK = "RolledBack"
     ROLLBACK_FAILED = "RollbackFailed"
@@ -151,6 +156,9 @@ class PodClass(StrEnum):
     #: Version unknown (agent unreachable): cannot be started.
     UNKNOWN = "Unknown"
 
+
+#: Reason prefix of a unit whose prefetch failed before its drain: it serves what it served.
+PREFETCH_FAILED = "PrefetchFailed: "
 
 #: The classes of a failed pod (a failed update, or a failed rollback).
 FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
@@ -210,6 +218,8 @@ class Plan:
     refresh: frozenset[str] = frozenset()
     #: Forward steps were left for the next pass (``plan``'s ``step_limit``): run it at once.
     deferred: bool = False
+    #: Where each pod being worked on stands (:func:`~.settle.pod_step`), by pod name.
+    steps: Mapping[str, str] = field(default_factory=dict)
 
 
 class PassContext:
@@ -255,6 +265,12 @@ class PassContext:
             return False
         self.steps_left -= pods
         return True
+
+    def answer(self, pod: PodView) -> tuple[AgentView | None, UpdateView | None]:
+        """What ``pod``'s agent said this pass (``None``: not asked), and about the update
+        the pass asked it for (``None``: not asked, or unknown to the agent)."""
+        agent = self.fleet.agents.get(pod.name)
+        return agent, (agent.update if agent is not None else None)
 
     def emit(
         self, reason: str, message: str, warning: bool = False, pods: Iterable[PodView] = ()

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
 from weightroll_operator.domain.halts import halt_verdict, progress_clock
-from weightroll_operator.domain.plan.classify import Seen, rollback_recorded
+from weightroll_operator.domain.plan.classify import Seen, drained_failure, rollback_recorded
 from weightroll_operator.domain.plan.context import (
+    PREFETCH_FAILED,
     PassContext,
     Persisted,
     PodClass,
@@ -128,6 +129,16 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         rolled_back=rolled_back,
         canary_failed=canary_failed,
         failed_units=sum(1 for u in units if failed(u)),
+        drained_failed_units=sum(
+            1
+            for u in units
+            if drained_failure(seen, u)
+            or (
+                finished.get(u.key) == "failed"
+                # this pass's failed prefetch: the unit still serves
+                and not all(ctx.reasons.get(p.name, "").startswith(PREFETCH_FAILED) for p in u.pods)
+            )
+        ),
         max_unavailable=seen.max_unavailable,
         # claims whose drain never landed wait for a slot too (``advance``)
         waiting_for_slot=sum(1 for u in pending if u.ready) + len(ctx.undrained),

@@ -10,7 +10,12 @@ from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.model import SourceRef, UnitState
 from weightroll_operator.domain.plan.claim import claim, idle, on_fresh_answers
 from weightroll_operator.domain.plan.classify import Seen
-from weightroll_operator.domain.plan.context import PassContext, PodClass, unit_label
+from weightroll_operator.domain.plan.context import (
+    PREFETCH_FAILED,
+    PassContext,
+    PodClass,
+    unit_label,
+)
 
 
 def roll_back(ctx: PassContext, seen: Seen, flying: frozenset[str], slots: Slots) -> int:
@@ -36,6 +41,8 @@ def roll_back(ctx: PassContext, seen: Seen, flying: frozenset[str], slots: Slots
             and p.state.version == version
             and p.state.rollback_of is None
             and p.state.state in (UnitState.VERIFIED, UnitState.FAILED)
+            # a prefetch that failed before its drain left the previous weights serving
+            and not p.state.reason.startswith(PREFETCH_FAILED)
         ]
         if not needs:
             continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 
+from engine_agent.protocol import UpdatePhase
 from weightroll_operator.domain.actions import Claim, GateOn, Settle
 from weightroll_operator.domain.conditions import timestamp
 from weightroll_operator.domain.events import aggregate_events
@@ -112,6 +113,35 @@ def _note(
     return note
 
 
+#: Agent phases of an update in the drain, before its verification.
+_SWAPPING = frozenset({UpdatePhase.DRAINING, UpdatePhase.LOADING})
+
+
+def pod_step(
+    cls: PodClass, pod: PodView, agent: AgentView | None, restored: frozenset[str] | set[str]
+) -> str | None:
+    """Where a pod being worked on stands: ``Prefetching`` -> ``Prefetched`` (reading ahead of
+    its drain, serving) -> ``Draining`` (gate off, waiting for the drain or the swap) ->
+    ``Swapping`` (paused: the new weights written) -> ``Verifying`` (all-rank agreement, the
+    commit, the resume) -> ``Ready`` (verified, traffic back). ``None`` for other pods."""
+    update = agent.update if agent is not None else None
+    if cls is PodClass.PREFETCHING:
+        prefetched = update is not None and update.phase is UpdatePhase.PREFETCHED
+        return "Prefetched" if prefetched else "Prefetching"
+    if cls is PodClass.IN_FLIGHT:
+        if update is None:
+            return "Draining"
+        if update.phase in _SWAPPING:
+            return "Swapping"
+        if update.phase in (UpdatePhase.VERIFYING, UpdatePhase.COMMITTED):
+            return "Verifying"
+        return "Draining"
+    worked = pod.state is not None and pod.state.state in (UnitState.VERIFIED, UnitState.DRAINING)
+    if cls is PodClass.UPDATED and worked and (pod.gate is True or pod.name in restored):
+        return "Ready"  # taken there by an attempt (not a pod that already served it)
+    return None
+
+
 def settle(
     ctx: PassContext,
     seen: Seen,
@@ -127,7 +157,8 @@ def settle(
     restored = {a.pod.name for a in ctx.actions if isinstance(a, GateOn)}
     for action in ctx.actions:
         if isinstance(action, Claim):
-            classes[action.pod.name] = PodClass.IN_FLIGHT
+            staged = action.state.state is UnitState.PREFETCHING
+            classes[action.pod.name] = PodClass.PREFETCHING if staged else PodClass.IN_FLIGHT
         elif isinstance(action, Settle):
             done = {
                 # a verdict for other files or an earlier version (the spec changed after the
@@ -142,9 +173,13 @@ def settle(
             }
             if action.state.state in done:
                 classes[action.pod.name] = done[action.state.state]
-            elif classes[action.pod.name] is PodClass.IN_FLIGHT:
-                classes[action.pod.name] = PodClass.PENDING  # a claim released (``advance``)
-    claimed_units = {a.pod.unit for a in ctx.actions if isinstance(a, Claim)}
+            elif classes[action.pod.name] in (PodClass.IN_FLIGHT, PodClass.PREFETCHING):
+                # a claim released (``advance``), or a staging released: wanted again
+                classes[action.pod.name] = PodClass.PENDING
+    claims = [a for a in ctx.actions if isinstance(a, Claim)]
+    claimed_units = {a.pod.unit for a in claims}
+    # a unit staged for its prefetch this pass is not in flight (it serves), and not pending
+    drained_units = {a.pod.unit for a in claims if a.state.state is not UnitState.PREFETCHING}
     all_done = (
         bool(seen.units)
         and halt.aborted_at is None
@@ -183,13 +218,18 @@ def settle(
         blocked_by=seen.blocked_by,
         finished=ctx.finished,
         durations=ctx.durations,
-        in_flight_units=len(flying | claimed_units),
+        in_flight_units=len(flying | drained_units),
         pending_units=sum(1 for u in halt.pending if u.key not in claimed_units),
         completed=new_persisted.completion_time is not None,
         rolling_back=rollback,
         rollback_remaining=rollback_remaining,
         refresh=frozenset(ctx.refresh),
         deferred=ctx.deferred,
+        steps={
+            name: step
+            for name, cls in classes.items()
+            if (step := pod_step(cls, pods[name], fleet.agents.get(name), restored)) is not None
+        },
     )
 
 

@@ -11,15 +11,20 @@ from datetime import datetime
 
 from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.fleet import Unit
-from weightroll_operator.domain.plan.claim import can_claim, claim, on_fresh_answers
-from weightroll_operator.domain.plan.classify import Seen
+from weightroll_operator.domain.plan.claim import (
+    can_claim,
+    claim,
+    claim_prefetched,
+    on_fresh_answers,
+)
+from weightroll_operator.domain.plan.classify import Seen, drained_failure
 from weightroll_operator.domain.plan.context import (
-    FAILED_CLASSES,
     PassContext,
     PodClass,
     parse_time,
 )
 from weightroll_operator.domain.plan.deadlines import Halt
+from weightroll_operator.domain.plan.prefetch import Staged, prefetch_ahead
 
 
 def budget(
@@ -39,10 +44,7 @@ def budget(
     down = {
         u.key
         for u in seen.units
-        if not u.ready
-        or u.key in seen.frozen
-        or u.key in flying
-        or not seen.by_unit[u.key].isdisjoint(FAILED_CLASSES)
+        if not u.ready or u.key in seen.frozen or u.key in flying or drained_failure(seen, u)
     }
     leaving = {
         key
@@ -57,13 +59,28 @@ def held(seen: Seen, flying: frozenset[str], unit: Unit) -> bool:
     return (
         unit.key in flying
         or unit.key in seen.frozen
-        or not seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES)
+        or drained_failure(seen, unit)
         or any(p.has_gate and p.gate is not True for p in unit.pods)
     )
 
 
+def startable(ctx: PassContext, seen: Seen, unit: Unit) -> bool:
+    """A pending ``unit`` may be claimed: seen fresh, and every pod that wants the version
+    may be (:func:`can_claim`)."""
+    fleet = ctx.fleet
+    return (
+        unit.key not in seen.frozen
+        and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in unit.pods)
+        and all(
+            can_claim(p, fleet.agents.get(p.name), fleet.owner, ctx.spec.version)
+            for p in unit.pods
+            if seen.classes[p.name] is PodClass.PENDING
+        )
+    )
+
+
 def start_units(
-    ctx: PassContext, seen: Seen, flying: frozenset[str], halt: Halt, slots: Slots
+    ctx: PassContext, seen: Seen, halt: Halt, slots: Slots, staged: Staged | None = None
 ) -> None:
     """Step 5b: start new units, those held out of traffic by our gate first (free), then
     while slots remain (what each claim costs: ``domain.availability``).
@@ -71,25 +88,35 @@ def start_units(
     The canary goes first; units never touched wait until every canary unit has a verdict
     that stands (``Halt.canary_done``), while touched units that want the version again (a
     retried canary among them) may start within the budget. Only units whose pending pods may
-    be claimed (:func:`can_claim`) start.
+    be claimed (:func:`can_claim`) start. Prefetching ahead (``prefetch.prefetch_ahead``, after
+    the canary) a unit in traffic is claimed only once its prefetch verified (``staged``), for
+    the attempt it runs (step 5c starts the prefetches); one already out of traffic (cost < 2:
+    reading ahead gains it nothing) is claimed at once, and prefetches inside its drain.
     """
-    fleet, owner, version = ctx.fleet, ctx.fleet.owner, ctx.spec.version
+    if staged is not None and prefetch_ahead(ctx.spec) and halt.canary_done:
+        ready = {u.key for u in staged.ready}
+        out = (u for u in halt.pending if slots.cost(u) < 2)
+        for unit in sorted((*out, *staged.ready), key=lambda u: (slots.cost(u), u.key)):
+            if not slots.affords(unit):
+                if slots.cost(unit) == 2 or slots.rollout <= 0:
+                    break  # no later unit is cheaper
+                continue
+            if unit.key not in ready and not startable(ctx, seen, unit):
+                continue
+            if not ctx.take_steps(len(unit.pods)):
+                break
+            slots.take(unit)
+            if unit.key in ready:
+                claim_prefetched(ctx, unit)
+                ctx.progressed = True
+            elif on_fresh_answers(ctx, unit):
+                claim(ctx, unit)
+        return
     canary = ctx.spec.strategy.canary
     touched = {u.key for u in halt.touched}
     limit = None  # how many units never touched may start
     if canary is not None and not halt.canary_done:
         limit = max(0, canary - len(touched))
-
-    def startable(u: Unit) -> bool:
-        return (
-            u.key not in seen.frozen
-            and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in u.pods)
-            and all(
-                can_claim(p, fleet.agents.get(p.name), owner, version)
-                for p in u.pods
-                if seen.classes[p.name] is PodClass.PENDING
-            )
-        )
 
     # Free units first, then NotReady ones, then Ready ones, each group by key; the test is
     # evaluated lazily, so a pass that may start a few units does not examine every pending
@@ -108,7 +135,7 @@ def start_units(
             if slots.cost(unit) == 2 or slots.rollout <= 0:
                 break  # no later unit is cheaper
             continue
-        if not startable(unit):
+        if not startable(ctx, seen, unit):
             continue
         if not ctx.take_steps(len(unit.pods)):
             break
