@@ -10,12 +10,15 @@ venv:
 
 ## The demo (docs/demo.md): a local kube-apiserver (built once and cached; go and etcd installed
 ## first when run as root), the chart, the operator and three real vLLM CPU pods; a WeightUpdate
-## rolls v1 -> v2 live. SCENARIO=fail: one pod's checkpoint copy is corrupt; ON_FAILURE=Rollback.
+## rolls v1 -> v2 live. SCENARIO=fail: one pod's checkpoint copy is corrupt; ON_FAILURE=Rollback;
+## PREFETCH=Host: each pod stages and verifies v2 while it serves, out of traffic for the swap only.
 SCENARIO ?= ok
 ON_FAILURE ?= Halt
+PREFETCH ?= None
 demo:
 	@bash scripts/demo-prereqs.sh
-	PYTHONPATH=devtools $(PY) -m weightroll_dev demo --scenario $(SCENARIO) --on-failure $(ON_FAILURE)
+	PYTHONPATH=devtools $(PY) -m weightroll_dev demo --scenario $(SCENARIO) --on-failure $(ON_FAILURE) \
+	  --prefetch $(PREFETCH)
 
 ## The single-engine demo (no cluster): a verified update on one vLLM engine and the failure modes.
 demo-engine: venv

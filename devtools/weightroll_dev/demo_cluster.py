@@ -59,7 +59,7 @@ DEMO_FIRST_IP = 100
 ROLLOUT_TIMEOUT = 300
 TERMINAL = ("Succeeded", "Failed", "RolledBack")
 #: Stages of the live view in which a pod is mid-operation.
-BUSY_STAGES = ("draining", "loading", "verifying", "committed", "restoring", "rolling")
+BUSY_STAGES = ("prefetch", "draining", "loading", "verifying", "committed", "restoring", "rolling")
 
 #: Metrics shown at the end (name prefixes; zero-valued phase gauges are left out).
 KEY_METRICS = (
@@ -85,11 +85,15 @@ class _Stop(BaseException):
 class ClusterDemo:
     """Everything the demo starts, and the steps; :meth:`close` stops all of it."""
 
-    def __init__(self, work: Path, console: Console, scenario: str, on_failure: str) -> None:
+    def __init__(
+        self, work: Path, console: Console, scenario: str, on_failure: str, prefetch: str = "None"
+    ) -> None:
         self.work = work
         self.out = console
         self.scenario = scenario
         self.on_failure = on_failure
+        #: strategy.prefetch.mode: ``Host`` stages and verifies v2 while each pod still serves.
+        self.prefetch = prefetch
         #: The dev cluster (``weightroll_dev dev up``) the demo runs on, once it is up.
         self.info: ClusterInfo | None = None
         self.bad = PODS[1] if scenario == "fail" else None
@@ -215,9 +219,13 @@ class ClusterDemo:
     def apply_update(self) -> None:
         self.out.step(
             f"Applying WeightUpdate {UPDATE}: {OLD} -> {NEW}",
-            f"maxUnavailable 1, onFailure {self.on_failure}",
+            f"maxUnavailable 1, onFailure {self.on_failure}, prefetch {self.prefetch}",
         )
-        self.cluster.apply(self.cluster.weightupdate(UPDATE, NEW, on_failure=self.on_failure))
+        self.cluster.apply(
+            self.cluster.weightupdate(
+                UPDATE, NEW, on_failure=self.on_failure, prefetch={"mode": self.prefetch}
+            )
+        )
 
     def _stage(self, name: str, pod: dict[str, Any]) -> tuple[str, str]:
         """(stage, version) of one pod, from its weight-state annotation, conditions, agent."""
@@ -227,6 +235,9 @@ class ClusterDemo:
         raw = (meta.get("annotations") or {}).get(ANNOTATION_WEIGHT_STATE)
         ws: dict[str, Any] = json.loads(raw) if raw else {}
         state = ws.get("state")
+        if state == "Prefetching":  # still in traffic: the agent reads v2 into host staging
+            staged = self.agent_phase(name, str(ws.get("updateId"))) == "Prefetched"
+            return ("prefetched, serving" if staged else "prefetching, serving"), version
         if state == "Draining":
             phase = self.agent_phase(name, str(ws.get("updateId")))
             stage = {"Loading": "loading", "Verifying": "verifying", "Committed": "committed"}
@@ -246,7 +257,10 @@ class ClusterDemo:
         """The live view until the WeightUpdate is terminal, polling every 0.5 s; meanwhile an
         :class:`~weightroll_dev.demo_view.Asker` asks the serving pods (slow answers never
         hide a stage)."""
-        self.out.step("Rollout (per pod: draining -> loading -> verifying -> ready)")
+        stages = "draining -> loading -> verifying -> ready"
+        if self.prefetch == "Host":
+            stages = f"prefetching, serving -> prefetched, serving -> {stages}"
+        self.out.step(f"Rollout (per pod: {stages})")
         deadline = time.monotonic() + ROLLOUT_TIMEOUT
         status: dict[str, Any] = {}
         settle: float | None = None  # once terminal: until no pod is mid-operation (<= 15 s)
@@ -426,6 +440,14 @@ def _parser() -> argparse.ArgumentParser:
         help="strategy.onFailure of the WeightUpdate (default Halt)",
     )
     p.add_argument(
+        "--prefetch",
+        choices=("None", "Host"),
+        default="None",
+        help="strategy.prefetch.mode of the WeightUpdate: Host reads and verifies v2 into host "
+        "memory while each pod still serves, so a pod is out of traffic only for the swap "
+        "(default None)",
+    )
+    p.add_argument(
         "--workdir",
         type=Path,
         help="where models, pod roots and logs go (default: a temp dir, removed at the end)",
@@ -457,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="weightroll-demo-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
     console = Console(tty=sys.stdout.isatty())
-    demo = ClusterDemo(work.resolve(), console, args.scenario, args.on_failure)
+    demo = ClusterDemo(work.resolve(), console, args.scenario, args.on_failure, args.prefetch)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     # Ctrl-C always stops the demo cleanly, even when started with SIGINT ignored (`cmd &`).
     signal.signal(signal.SIGINT, signal.default_int_handler)
