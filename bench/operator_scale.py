@@ -216,31 +216,41 @@ class MemKube:
 
 
 class MemAgents:
-    """In-memory agents: an update commits ``seconds`` after it is started."""
+    """In-memory agents: an update commits ``seconds`` after it is started; with
+    ``prefetch.mode: Host`` and ``awaitSwap`` it first reads for ``prefetch_seconds`` while the
+    replica serves, parks in ``Prefetched``, and commits ``seconds`` after the swap."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, prefetch_seconds: float = 0.0) -> None:
         self.seconds = seconds
+        self.prefetch_seconds = prefetch_seconds
         self.version: dict[str, str] = {}
         #: pod -> id of the update that committed what it serves (the live state reports it)
         self.committed: dict[str, str] = {}
-        self.updates: dict[str, tuple[UpdateRequest, float]] = {}
+        #: pod/update id -> (request, when its read ends, when it commits: None until swapped)
+        self.updates: dict[str, tuple[UpdateRequest, float, float | None]] = {}
         self.calls: Counter[str] = Counter()
 
     def _status(self, pod: str, uid: str) -> UpdateStatus | None:
         entry = self.updates.get(f"{pod}/{uid}")
         if entry is None:
             return None
-        req, done_at = entry
-        done = time.monotonic() >= done_at
-        if done:
+        req, read_until, done_at = entry
+        now = time.monotonic()
+        if done_at is None:
+            phase = UpdatePhase.PREFETCHED if now >= read_until else UpdatePhase.PREFETCHING
+        elif now >= done_at:
+            phase = UpdatePhase.COMMITTED
             self.version[pod] = req.version
             self.committed[pod] = req.id
+        else:
+            phase = UpdatePhase.LOADING
+        committed = phase is UpdatePhase.COMMITTED
         return UpdateStatus(
             id=req.id,
             version=req.version,
             mode=req.mode,
-            phase=UpdatePhase.COMMITTED if done else UpdatePhase.LOADING,
-            verdict=Verdict(committed=True) if done else None,
+            phase=phase,
+            verdict=Verdict(committed=True) if committed else None,
         )
 
     async def state(self, target: AgentTarget) -> AgentState:
@@ -262,10 +272,19 @@ class MemAgents:
     async def start_update(self, target: AgentTarget, request: UpdateRequest) -> None:
         self.calls["start_update"] += 1
         key = f"{target.pod}/{request.id}"
-        self.updates.setdefault(key, (request, time.monotonic() + self.seconds))
+        now = time.monotonic()
+        if request.prefetch.await_swap:
+            entry = (request, now + self.prefetch_seconds, None)
+        else:  # the read happens inside the drain
+            entry = (request, now, now + self.prefetch_seconds + self.seconds)
+        self.updates.setdefault(key, entry)
 
     async def swap_update(self, target: AgentTarget, update_id: str) -> None:
-        self.calls["swap_update"] += 1  # no prefetch in this bench: never parked
+        self.calls["swap_update"] += 1
+        key = f"{target.pod}/{update_id}"
+        request, read_until, done_at = self.updates[key]
+        if done_at is None:
+            self.updates[key] = (request, read_until, time.monotonic() + self.seconds)
 
     async def abort_update(self, target: AgentTarget, update_id: str) -> None:
         self.calls["abort_update"] += 1
@@ -353,12 +372,16 @@ async def run(
     config: OperatorConfig | None = None,
     watch_lag: float = 0.0,
     relist: float = 0.0,
+    prefetch_seconds: float = 0.0,
+    prefetch: bool = False,
 ) -> dict[str, Any]:
     """Roll ``pods_n`` simulated pods to v2 with the operator's loop at ``config``'s settings
     (default: the shipped defaults) and report the figures (see the module docstring).
 
     ``watch_lag``: seconds between a pod write and the operator's index seeing it; ``relist``:
-    seconds between 410 re-lists of the pod index (0: none). See :class:`LaggingWatch`."""
+    seconds between 410 re-lists of the pod index (0: none). See :class:`LaggingWatch`.
+    ``prefetch_seconds``: each unit's read of the checkpoint, inside its drain unless
+    ``prefetch`` (``strategy.prefetch.mode: Host``) moves it ahead, while the pod serves."""
     config = config or OperatorConfig()
     pods = make_fleet(pods_n)
     wu: dict[str, Any] = {
@@ -367,10 +390,14 @@ async def run(
             "selector": {"matchLabels": {"app": "llm"}},
             "version": "v2",
             "source": {"uri": "/weights/v2"},
-            "strategy": {"maxUnavailable": max_unavailable, "progressDeadlineSeconds": 3600},
+            "strategy": {
+                "maxUnavailable": max_unavailable,
+                "progressDeadlineSeconds": 3600,
+                "prefetch": {"mode": "Host" if prefetch else "None"},
+            },
         },
     }
-    kube, agents = MemKube(pods, wu), MemAgents(seconds)
+    kube, agents = MemKube(pods, wu), MemAgents(seconds, prefetch_seconds)
     pacer = GcPacer(interval=config.gc_full_interval)
     rec = Reconciler(
         kube=kube,
@@ -414,7 +441,12 @@ async def run(
         raise RuntimeError(f"apply errors: {errors[:3]}")
     total = time.monotonic() - start
     batch = resolve_max_unavailable(max_unavailable, pods_n)
-    ideal = math.ceil(pods_n / batch) * seconds
+    batches = math.ceil(pods_n / batch)
+    # Without prefetch every batch reads inside its drain; with it only the first read is on
+    # the critical path (the next batch reads while this one is drained).
+    ideal = (
+        prefetch_seconds + batches * seconds if prefetch else batches * (prefetch_seconds + seconds)
+    )
     writes = sum(v for k, v in kube.writes.items() if k != "conflict")
     p95 = _p95(pass_ms)
     pod_writes = kube.writes["pod-status"] + kube.writes["pod-metadata"] + kube.writes["event"]
@@ -426,6 +458,7 @@ async def run(
         "maxUnavailable": max_unavailable,
         "batch": batch,
         "updateSeconds": seconds,
+        "prefetch": {"mode": "Host" if prefetch else "None", "readSeconds": prefetch_seconds},
         "settings": {
             "intervalSeconds": config.interval,
             "pollIntervalSeconds": config.poll_interval,
@@ -483,6 +516,17 @@ def main(argv: list[str] | None = None) -> int:
         "--watch-lag", type=float, default=0.0, help="seconds before the index sees a write"
     )
     p.add_argument("--relist", type=float, default=0.0, help="seconds between 410 re-lists")
+    p.add_argument(
+        "--prefetch-seconds",
+        type=float,
+        default=0.0,
+        help="simulated read of the checkpoint per unit (inside the drain without --prefetch)",
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="strategy.prefetch.mode Host: the read runs ahead of the drain, while serving",
+    )
     args = p.parse_args(argv)
     config = OperatorConfig(
         **{
@@ -499,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
             config,
             watch_lag=args.watch_lag,
             relist=args.relist,
+            prefetch_seconds=args.prefetch_seconds,
+            prefetch=args.prefetch,
         )
     )
     json.dump(report, sys.stdout, indent=2)

@@ -66,3 +66,21 @@ def test_the_api_double_never_mutates_an_object_it_handed_out() -> None:
     assert new is not old and new["metadata"]["resourceVersion"] == "3"
     assert new["metadata"]["annotations"] == {"a": "b"} and new["metadata"]["labels"]["l"] == "v"
     assert {"type": "Ready", "status": "False"} in new["status"]["conditions"]
+
+
+def test_a_prefetched_rollout_swaps_every_pod_once_and_reads_ahead_of_the_drain() -> None:
+    """Issue 30 item 4: with ``strategy.prefetch.mode: Host`` each agent reads while its pod
+    serves, parks in ``Prefetched`` and commits only after the operator's swap."""
+    report = asyncio.run(_bench().run(30, 1.0, "34%", prefetch_seconds=1.0, prefetch=True))
+    assert report["prefetch"] == {"mode": "Host", "readSeconds": 1.0}
+    assert report["agentCalls"]["start_update"] == 30
+    assert report["agentCalls"]["swap_update"] == 30  # every pod swapped, exactly once
+    assert report["apiWrites"]["pod-status"] == 60  # still one gate write each way per pod
+    assert report["idealSeconds"] == 1.0 + 3 * 1.0  # one read on the critical path
+
+
+def test_without_prefetch_the_read_is_inside_the_drain() -> None:
+    report = asyncio.run(_bench().run(30, 1.0, "34%", prefetch_seconds=1.0))
+    assert report["prefetch"]["mode"] == "None"
+    assert report["agentCalls"].get("swap_update", 0) == 0
+    assert report["idealSeconds"] == 3 * (1.0 + 1.0)
