@@ -1147,3 +1147,26 @@ def test_a_retarget_waits_for_an_agent_that_does_not_answer() -> None:
         sim.partition("p1", True)
         sim.reconcile("wu-a", None, False)
         sim.safety()
+
+
+def test_a_finished_rollout_is_not_succeeded_while_an_added_pod_cannot_be_asked() -> None:
+    """Found by the simulation (shrunk by delta debugging, then by hand): after ``Succeeded``,
+    a pod joins (scale-up) whose agent the operator cannot reach. Its version is unknown, so it
+    still wants the version (``plan.deadlines`` counts its unit pending and restarts the
+    progress clock for it), yet the phase counted only ``Pending`` pods as work left and stayed
+    ``Succeeded`` ("All selected pods serve v2") with the pod on its boot weights; a calm
+    cluster looked at rest there, so the pod was never converged. Fails on 027d3db."""
+    with replay("e", "Succeeded at v2, but p3 serves ['v1']") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        drive(sim)
+        sim.scale_up()
+        sim.partition("p3", True)
+        for _ in range(2):
+            sim.clock_step(5.0)
+            sim.reconcile("wu-a", None)
+            sim.safety()
+        sim.partition("p3", False)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        if sim.pods["p3"].serving()[0] != {"v2"} or not sim.server.ready("p3"):
+            raise Broken(f"p3 not converged:\n{sim.describe()}")

@@ -29,7 +29,7 @@ from weightroll_operator.domain.conditions import (
     set_condition,
 )
 from weightroll_operator.domain.model import OwnerKey, UnitState, WeightState
-from weightroll_operator.domain.plan import Plan, PodClass
+from weightroll_operator.domain.plan import WANTING_CLASSES, Plan, PodClass
 
 __all__ = [
     "MAX_POD_RESULTS",
@@ -102,8 +102,10 @@ def compute_phase(plan: Plan, spec: WeightUpdateSpec) -> Phase:
         return Phase.FAILED
     if plan.units_total == 0:
         return Phase.PENDING
-    pending = any(c is PodClass.PENDING for c in plan.classes.values())
-    if plan.completed and not flying and not pending:
+    # A finished rollout is Succeeded again once no pod wants the version: a pod that joined
+    # or restarted since and whose agent cannot be asked is not known to serve it
+    wanting = any(c in WANTING_CLASSES for c in plan.classes.values())
+    if plan.completed and not flying and not wanting:
         return Phase.SUCCEEDED
     if plan.paused_reason is not None and not flying:
         return Phase.PAUSED

@@ -133,6 +133,27 @@ def test_phases() -> None:
     assert build_status(p, paused, None, 1, NOW).phase is Phase.PAUSED
 
 
+def test_a_finished_rollout_with_a_pod_it_cannot_ask_is_not_succeeded() -> None:
+    """After completion a pod joins whose agent does not answer: its version is unknown, so it
+    still wants the version (as a pending pod does) and the phase is ``Progressing``, not
+    ``Succeeded`` ("All selected pods serve v2"). It is reported unreachable (stale)."""
+    s = spec()
+    done = Persisted(
+        target_version="v2",
+        start_time="2026-01-01T10:00:00Z",
+        completion_time="2026-01-01T11:00:00Z",
+    )
+    verified = pod("p0", st=state(UnitState.VERIFIED))
+    joined = pod("p1", gate=None, ready=False)
+    status = build_status(run(s, [verified, joined], {}, done), s, None, 1, NOW)
+    assert status.phase is Phase.PROGRESSING
+    assert status.replicas.stale == 1
+    assert [(r.name, r.state) for r in status.pods if r.name == "p1"] == [("p1", "Unknown")]
+    # once its agent answers at the version, the rollout is Succeeded again
+    answered = run(s, [verified, pod("p1")], {"p1": agent(version="v2")}, done)
+    assert build_status(answered, s, None, 1, NOW).phase is Phase.SUCCEEDED
+
+
 def test_render_status_view() -> None:
     body = {
         "metadata": {"name": "wu", "namespace": "ml"},

@@ -72,6 +72,7 @@ from weightroll_operator.domain.plan.advance import (
 )
 from weightroll_operator.domain.plan.classify import classify_fleet, queries
 from weightroll_operator.domain.plan.context import (
+    WANTING_CLASSES,
     Fleet,
     PassContext,
     Persisted,
@@ -92,6 +93,7 @@ from weightroll_operator.domain.wire import build_request, check_wire
 # the modules (as Python's import system does) and calls ``deadlines.deadlines``, so
 # ``weightroll_operator.domain.plan.settle`` means one thing wherever it is named.
 __all__ = [
+    "WANTING_CLASSES",
     "Fleet",
     "Persisted",
     "Plan",

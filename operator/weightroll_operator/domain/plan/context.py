@@ -29,6 +29,7 @@ from weightroll_operator.domain.model import (
 
 __all__ = [
     "FAILED_CLASSES",
+    "WANTING_CLASSES",
     "PREFETCH_FAILED",
     "Fleet",
     "PassContext",
@@ -162,6 +163,11 @@ PREFETCH_FAILED = "PrefetchFailed: "
 
 #: The classes of a failed pod (a failed update, or a failed rollback).
 FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
+
+#: The classes of a pod that still wants the version: it does not serve it (``PENDING``), or
+#: it is not known to (``UNKNOWN``: its agent cannot be asked). Work left to the rollout, so
+#: its unit is pending (``deadlines``) and the phase is not ``Succeeded`` (``status``).
+WANTING_CLASSES = frozenset({PodClass.PENDING, PodClass.UNKNOWN})
 
 
 @dataclass(frozen=True, slots=True)

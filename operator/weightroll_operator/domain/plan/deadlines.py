@@ -10,6 +10,7 @@ from weightroll_operator.domain.halts import halt_verdict, progress_clock
 from weightroll_operator.domain.plan.classify import Seen, drained_failure, rollback_recorded
 from weightroll_operator.domain.plan.context import (
     PREFETCH_FAILED,
+    WANTING_CLASSES,
     PassContext,
     Persisted,
     PodClass,
@@ -17,10 +18,9 @@ from weightroll_operator.domain.plan.context import (
     target_source,
 )
 
-#: A unit is pending (still to start) when its pods are only in these classes ...
+#: A unit is pending (still to start) when its pods are only in these classes and at least
+#: one of them still wants the version (``WANTING_CLASSES``).
 _STARTABLE = frozenset({PodClass.PENDING, PodClass.UPDATED, PodClass.UNKNOWN})
-#: ... and at least one of them still wants the version.
-_WANTING = frozenset({PodClass.PENDING, PodClass.UNKNOWN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         if u.key not in finished
         and u.key not in flying
         and by_unit[u.key] <= _STARTABLE
-        and not by_unit[u.key].isdisjoint(_WANTING)
+        and not by_unit[u.key].isdisjoint(WANTING_CLASSES)
     )
     touched_keys = {
         p.unit
@@ -90,7 +90,9 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
     # units beyond it have started, the phase is over for good: a canary unit that fails later
     # is one failure among others, counted against maxFailedReplicas.
     canary_phase = canary is not None and len(touched) <= canary
-    settled = all(u.key not in flying and by_unit[u.key].isdisjoint(_WANTING) for u in touched)
+    settled = all(
+        u.key not in flying and by_unit[u.key].isdisjoint(WANTING_CLASSES) for u in touched
+    )
     # With pauseAfterCanary only `weightroll promote` (the flag set false) ends the phase, so
     # units never touched start only within the canary's count, however many were touched.
     pause = canary is not None and spec.strategy.pause_after_canary
