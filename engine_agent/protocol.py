@@ -276,7 +276,7 @@ class RankReport(WireModel):
     #: checkpoint (or pushed) tensors handed to this rank's loaders, nothing else. Every rank of
     #: a replica is handed every tensor of the source (TP, PP and EP ranks drop what they do
     #: not own only after it was hashed), so it must be equal on every rank of the replica; the
-    #: sidecar fails the commit ``digest_mismatch`` otherwise (``sidecar/ranks.py``, rule 5).
+    #: sidecar fails the commit ``digest_mismatch`` otherwise (``sidecar/agreement.py``, rule 5).
     source_digest: str = ""
     bytes_loaded: int = 0
     #: Digest of the manifest this rank verified the loaded bytes against ("" when none).
