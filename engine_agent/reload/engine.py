@@ -271,6 +271,15 @@ class RankEngine:
             self._index = build_index(self.model)
         return self._index
 
+    def _refuse_model_level_hook(self) -> None:
+        """Refuse a model whose post-load step runs over the whole model: it cannot be replayed
+        module by module, so neither a session nor a prefetch may start on it."""
+        if callable(getattr(self.model, "process_weights_after_loading", None)):
+            raise WrongState(
+                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
+                "replayed per module; in-place updates are refused for this model"
+            )
+
     def _begin(self, spec: UpdateSpec) -> dict[str, Any]:
         if self.state.in_session:
             # A retried begin of the open session (same id, same spec) is acknowledged; any
@@ -294,15 +303,6 @@ class RankEngine:
             active.ledger.required_count,
         )
         return self._report("begin", ok=True)
-
-    def _refuse_model_level_hook(self) -> None:
-        """Refuse a model whose post-load step runs over the whole model: it cannot be replayed
-        module by module, so neither a session nor a prefetch may start on it."""
-        if callable(getattr(self.model, "process_weights_after_loading", None)):
-            raise WrongState(
-                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
-                "replayed per module; in-place updates are refused for this model"
-            )
 
     def _new_session(self, spec: UpdateSpec) -> _Session:
         """What a session of ``spec`` keeps: required shards, inventory, router and identity
