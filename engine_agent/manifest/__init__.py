@@ -15,9 +15,9 @@ requires a signature over those same bytes (``engine_agent.sidecar.signing``).
 
 Parts, lowest first (``.importlinter`` contract ``manifest-layers``):
     * :mod:`.hashing` — BLAKE3 / SHA-256 content hashes and the rank digest.
-    * :mod:`.format` — the ``weightroll.manifest/v1|v2`` models, their errors, the canonical
-      digest, and reading (with the pin) and writing the file; the format and its invariants
-      are documented there.
+    * :mod:`.format` — the ``weightroll.manifest/v1|v2`` models, their errors and the canonical
+      digest; the format and its invariants are documented there.
+    * :mod:`.file` — reading the file once (with the pin) and writing it atomically.
     * :mod:`.build` — safetensors headers, the files vLLM would read, and the streaming build.
     * :mod:`.cli` — ``weightroll manifest DIR [--out FILE] [--version V] [--hash H]``.
 
@@ -35,6 +35,13 @@ from engine_agent.manifest.build import (
     read_safetensors_header,
 )
 from engine_agent.manifest.cli import DEFAULT_MANIFEST_NAME, main
+from engine_agent.manifest.file import (
+    load_manifest,
+    manifest_bytes,
+    manifest_file_digest,
+    require_regular_file,
+    write_manifest,
+)
 from engine_agent.manifest.format import (
     DTYPE_SIZES,
     FORMAT,
@@ -46,12 +53,7 @@ from engine_agent.manifest.format import (
     ManifestMismatch,
     TensorEntry,
     canonical_tensors_json,
-    load_manifest,
-    manifest_bytes,
-    manifest_file_digest,
-    require_regular_file,
     tensors_digest,
-    write_manifest,
 )
 from engine_agent.manifest.hashing import (
     HashAlgorithm,

@@ -30,12 +30,8 @@ from typing import Any, BinaryIO, Final
 
 from pydantic import ValidationError
 
-from engine_agent.manifest.format import (
-    Manifest,
-    ManifestError,
-    TensorEntry,
-    require_regular_file,
-)
+from engine_agent.manifest.file import require_regular_file
+from engine_agent.manifest.format import Manifest, ManifestError, TensorEntry
 from engine_agent.manifest.hashing import HashAlgorithm, new_hasher
 from engine_agent.protocol import VERSION_PATTERN
 

@@ -15,12 +15,8 @@ from pathlib import Path
 from typing import Final
 
 from engine_agent.manifest.build import build_manifest
-from engine_agent.manifest.format import (
-    ManifestError,
-    manifest_bytes,
-    manifest_file_digest,
-    write_manifest,
-)
+from engine_agent.manifest.file import manifest_bytes, manifest_file_digest, write_manifest
+from engine_agent.manifest.format import ManifestError
 
 __all__ = ["DEFAULT_MANIFEST_NAME", "main"]
 

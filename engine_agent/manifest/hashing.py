@@ -61,7 +61,7 @@ def rank_digest(hashes: Mapping[str, str]) -> str:
     """SHA-256 hex over ``name:hash;`` of every entry, sorted by name ("" when empty).
 
     A rank's ``digest`` is this over the content hashes of the checkpoint tensors its loaders
-    consumed (``engine_agent/protocol.py``, ``RankReport.digest``); with a manifest every rank
+    consumed (``engine_agent/protocol/``, ``RankReport.digest``); with a manifest every rank
     that read the whole checkpoint reports :meth:`Manifest.rank_digest`.
     """
     if not hashes:

@@ -20,7 +20,7 @@ Three tools, one per question:
   faster there and needs no copy.
 
 :func:`rank_digest` (also from :mod:`engine_agent.manifest`) folds per-tensor hashes into one
-(sorted ``name:hash;`` list, SHA-256): a rank's ``digest`` (``engine_agent/protocol.py``).
+(sorted ``name:hash;`` list, SHA-256): a rank's ``digest`` (``engine_agent/protocol/``).
 
 This module imports no vLLM; torch is imported lazily by the tensor helpers.
 

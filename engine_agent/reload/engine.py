@@ -271,17 +271,22 @@ class RankEngine:
             self._index = build_index(self.model)
         return self._index
 
+    def _refuse_model_level_hook(self) -> None:
+        """Refuse a model whose post-load step runs over the whole model: it cannot be replayed
+        module by module, so neither a session nor a prefetch may start on it."""
+        if callable(getattr(self.model, "process_weights_after_loading", None)):
+            raise WrongState(
+                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
+                "replayed per module; in-place updates are refused for this model"
+            )
+
     def _begin(self, spec: UpdateSpec) -> dict[str, Any]:
         if self.state.in_session:
             # A retried begin of the open session (same id, same spec) is acknowledged; any
             # other begin, a same id with another spec included, is a conflict (issue 26, 8).
             session.begin(self.state, spec)
             return self._report("begin", ok=True)
-        if callable(getattr(self.model, "process_weights_after_loading", None)):
-            raise WrongState(
-                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
-                "replayed per module; in-place updates are refused for this model"
-            )
+        self._refuse_model_level_hook()
         if spec.mode is not UpdateMode.FULL:
             # A delta builds on the live bytes: they must still be the commit it names.
             self._check_still_true(force_content=True)
@@ -457,11 +462,7 @@ class RankEngine:
         if self._prefetch is not None and self._prefetch.spec == spec:
             return self._prefetch_report("prefetch", self._prefetch, ok=True)  # a retried call
         prefetched = session.prefetch(self.state, spec)
-        if callable(getattr(self.model, "process_weights_after_loading", None)):
-            raise WrongState(
-                f"{type(self.model).__name__} has a model-level post-load hook that cannot be "
-                "replayed per module; in-place updates are refused for this model"
-            )
+        self._refuse_model_level_hook()
         started = time.perf_counter()
         checkpoint = self._open_checkpoint(args.source, spec)
         stage_bytes = sum(info.nbytes for info in checkpoint.infos.values())
@@ -554,20 +555,15 @@ class RankEngine:
         ok: bool,
         error: AgentError | None = None,
     ) -> dict[str, Any]:
-        return RankReport(
-            rank=self.rank,
-            call=call,
+        return self._wire_report(
+            call,
             ok=ok,
-            state=self.state.state,
-            version=self.state.version,
+            error=error,
             update_id=None if staging is None else staging.spec.update_id,
-            error=None
-            if error is None
-            else ErrorBody(code=error.code, message=error.message, field=error.field),
             prefetch="" if staging is None or not ok else staging.status,
             staged_bytes=0 if staging is None else staging.stage_bytes,
             timings={} if staging is None else dict(staging.timings),
-        ).to_wire()
+        )
 
     def _retarget(self, version: str) -> dict[str, Any]:
         active = self._require_session()
@@ -698,18 +694,31 @@ class RankEngine:
     ) -> dict[str, Any]:
         fields = self._progress_fields() if fields is None else fields
         identity_problems = [error.message] if isinstance(error, IdentityChanged) else []
+        return self._wire_report(
+            call,
+            ok=ok,
+            error=error,
+            update_id=self.state.update_id,
+            identity_ok=not identity_problems,
+            identity_problems=identity_problems,
+            **fields,
+        )
+
+    def _wire_report(
+        self, call: str, *, ok: bool, error: AgentError | None, update_id: str | None, **fields: Any
+    ) -> dict[str, Any]:
+        """The rank's answer to ``call``: who it is, its state and version, the error if any,
+        and the call's own ``fields`` (a session's progress, or a prefetch's staging)."""
         return RankReport(
             rank=self.rank,
             call=call,
             ok=ok,
             state=self.state.state,
             version=self.state.version,
-            update_id=self.state.update_id,
+            update_id=update_id,
             error=None
             if error is None
             else ErrorBody(code=error.code, message=error.message, field=error.field),
-            identity_ok=not identity_problems,
-            identity_problems=identity_problems,
             **fields,
         ).to_wire()
 

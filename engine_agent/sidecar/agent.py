@@ -31,30 +31,31 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
 from engine_agent.protocol import (
-    STILL_TRUE_VIOLATED,
     AgentState,
     DrainMode,
     EngineState,
-    ExtensionRpc,
-    RankStatus,
-    UpdateMode,
     UpdatePhase,
     UpdateRequest,
 )
 from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.confinement import SourceRefused
 from engine_agent.sidecar.engine import EngineError, VllmClient
-from engine_agent.sidecar.file_update import FileUpdate, finish_record, swap_refusal
+from engine_agent.sidecar.file_update import FileUpdate
 from engine_agent.sidecar.metrics import AgentMetrics
+from engine_agent.sidecar.observation import RankObserver, commit_on_ranks
+from engine_agent.sidecar.observation import faults as observation_faults
 from engine_agent.sidecar.pipeline import Pipeline
-from engine_agent.sidecar.ranks import Problem, StateRound, collect_states
-from engine_agent.sidecar.state import AgentMemory, Store, UpdateRecord
+from engine_agent.sidecar.recovery import recover
+from engine_agent.sidecar.rounds import Problem
+from engine_agent.sidecar.state import Store, UpdateRecord
+from engine_agent.sidecar.swap import swap_refusal
+from engine_agent.sidecar.verdict import finish_record
 
 __all__ = ["Agent", "Readiness", "SourceRefused", "UpdateConflict", "UpdateNotFound"]
 
@@ -62,11 +63,6 @@ logger = logging.getLogger(__name__)
 
 #: Phases of an update in which the replica still serves (a prefetch before its drain).
 _SERVING_PHASES: Final = (UpdatePhase.PREFETCHING, UpdatePhase.PREFETCHED)
-
-ABORT: Final = ExtensionRpc.ABORT
-STATE: Final = ExtensionRpc.STATE
-#: vLLM's weight version before anything set it.
-VLLM_DEFAULT_VERSION: Final = "default"
 
 
 class UpdateConflict(Exception):
@@ -85,28 +81,6 @@ class UpdateNotFound(KeyError):
 class Readiness:
     ready: bool
     reasons: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class _Observation:
-    at: float
-    reachable: bool
-    paused: bool | None = None
-    world_size: int | None = None
-    states: StateRound | None = None
-    problems: list[Problem] = field(default_factory=list)
-
-
-def _commit_on_ranks(memory: AgentMemory, ranks: Sequence[RankStatus]) -> bool:
-    """Every rank still serves what the agent's last commit produced (``None`` on both sides:
-    the boot weights). A rank naming another commit than the agent's, or none, is not."""
-    committed = memory.committed_update_id
-    return all(r.committed_update_id == committed for r in ranks)
-
-
-def _committed_by(ranks: Sequence[RankStatus]) -> str:
-    ids = sorted({r.committed_update_id or "none (boot weights)" for r in ranks})
-    return ", ".join(ids)
 
 
 def _utc_now() -> datetime:
@@ -137,10 +111,8 @@ class Agent:
         self._recovered = asyncio.Event()
         #: An update was interrupted while its ranks prefetched: free their staging at recovery.
         self._stale_prefetch = False
-        self._observation: _Observation | None = None
-        self._observe_lock = asyncio.Lock()
-        self._last_ranks: list[RankStatus] = []
-        self._last_state: EngineState | None = None
+        #: The replica as its ranks last reported it (readiness, state and the guard read it).
+        self.observer = RankObserver(config, self.client, self.metrics, monotonic)
         self._message = ""
         self._stopping = False
         #: The replica's one commit sequence, shared with the trainer-push feeder (push.py).
@@ -162,7 +134,8 @@ class Agent:
         interrupted = self.store.active
         if interrupted is not None and not interrupted.phase.terminal:
             # A prefetch before its hold wrote nothing and paused nothing: its staging is freed
-            # once vLLM answers (_recover) and the replica serves on; anything later is held.
+            # once vLLM answers (recovery.recover) and the replica serves on; anything later is
+            # held.
             serving = interrupted.phase in _SERVING_PHASES and memory.hold is None
             problem = Problem(
                 "agent_restarted",
@@ -196,7 +169,7 @@ class Agent:
 
     def forget_observation(self) -> None:
         """Drop the cached observation (another path just changed what the ranks serve)."""
-        self._observation = None
+        self.observer.forget()
 
     @property
     def store(self) -> Store:
@@ -272,31 +245,7 @@ class Agent:
             return f"{busy}; retry later"
         if not self.recovered:
             return "the agent has not yet recovered the engine state; retry"
-        return self._base_refusal(request)
-
-    def _base_refusal(self, request: UpdateRequest) -> str | None:
-        """Why a partial or sparse ``request`` may not build on this replica (None: it may)."""
-        if request.mode is UpdateMode.FULL:
-            return None
-        memory = self.store.memory
-        what = f"a {request.mode.value} update builds on the version this agent accepted"
-        if memory.hold is not None:
-            return f"{what}, but the replica is held ({memory.hold}); send a full update"
-        if memory.expected_version is None:
-            return f"{what}, and it has accepted none; send a full update"
-        if memory.source is None:
-            # A trainer push (or a commit adopted after a restart without state) may carry any
-            # label: a delta computed against the checkpoint of that label would be applied to
-            # other bytes.
-            return (
-                f"{what} ({memory.expected_version}), but the files it serves are unknown "
-                "(pushed by a trainer, or adopted after an agent restart); send a full update"
-            )
-        if request.base_version != memory.expected_version:
-            return (
-                f"{what} ({memory.expected_version}), but its baseVersion is {request.base_version}"
-            )
-        return None
+        return self.store.memory.delta_refusal(request)
 
     def get(self, update_id: str) -> UpdateRecord:
         record = self.store.records.get(update_id)
@@ -349,14 +298,14 @@ class Agent:
     async def state(self) -> AgentState:
         """Render ``GET /v1/state`` (observes the ranks unless an update runs)."""
         ready, reasons = await self._readiness()
-        observation = self._observation
+        observation = self.observer.last
         memory = self.store.memory
         paused = bool(observation and observation.paused)
         if self.store.active is not None:
             paused = self.store.active.phase not in (UpdatePhase.PENDING, *_SERVING_PHASES)
         # What the ranks serve now (one version on every rank), never the agent's record alone:
         # a vLLM restarted under a committed agent serves its boot weights again.
-        live = {r.version for r in self._last_ranks}
+        live = {r.version for r in self.observer.ranks}
         reachable = observation is None or observation.reachable or self._updating()
         version = next(iter(live)) if len(live) == 1 and reachable else ""
         # The label alone is not the commit: a vLLM restarted onto boot weights labelled like
@@ -364,20 +313,21 @@ class Agent:
         at_commit = (
             version != ""
             and version == memory.expected_version
-            and _commit_on_ranks(memory, self._last_ranks)
+            and commit_on_ranks(memory, self.observer.ranks)
         )
-        serves_commit = not self._updating() and at_commit and self._last_state is EngineState.CLEAN
+        clean = self.observer.state is EngineState.CLEAN
+        serves_commit = not self._updating() and at_commit and clean
         message = "; ".join(reasons) if not ready else self._message
         return AgentState(
             version=version,
             # Unknown (vLLM never reached) is reported as poisoned: not safe to serve.
-            engine_state=self._last_state or EngineState.POISONED,
+            engine_state=self.observer.state or EngineState.POISONED,
             ready=ready,
             paused=paused,
             active_update_id=self.store.active_id,
             # none when vLLM cannot be asked (booting, down): the last ones would be stale,
             # and an empty list is how a caller tells a booting engine from disagreeing ranks
-            ranks=list(self._last_ranks) if reachable else [],
+            ranks=list(self.observer.ranks) if reachable else [],
             # where the weights the ranks serve came from (unknown after a restart under us
             # unless they are the boot weights)
             source=memory.source
@@ -392,92 +342,18 @@ class Agent:
 
     # ------------------------------------------------------------------ observation & guard
 
-    async def _observe(self, *, fresh: bool = False) -> _Observation:
-        async with self._observe_lock:
-            last = self._observation
-            if (
-                not fresh
-                and last is not None
-                and self._monotonic() - last.at < self.config.observe_ttl
-            ):
-                return last
-            observation = await self._observe_now()
-            self._observation = observation
-            return observation
-
-    async def _observe_now(self) -> _Observation:
-        at = self._monotonic()
-        try:
-            # Concurrently: under load vLLM's API server answers each call slowly.
-            paused, world, results = await asyncio.gather(
-                self.client.is_paused(),
-                self.client.world_size(),
-                self.client.collective_rpc(STATE, "{}", self.config.control_timeout),
-            )
-        except EngineError as e:
-            self._last_state = None
-            self.metrics.set_engine_state(None)
-            return _Observation(at, False, problems=[Problem(e.code, str(e))])
-        states = collect_states(results, world)
-        self._last_ranks = list(states.statuses)
-        self._last_state = states.state
-        self.metrics.set_engine_state(states.state)
-        self.metrics.still_true_violated.set(
-            any((r.poison_reason or "").startswith(STILL_TRUE_VIOLATED) for r in states.statuses)
-        )
-        return _Observation(at, True, paused, world, states, list(states.problems))
-
-    def _faults(self, observation: _Observation) -> list[Problem]:
-        """Problems that make the replica untrustworthy until a full update commits."""
-        if not observation.reachable or observation.states is None:
-            return []
-        problems = list(observation.problems)
-        states = observation.states
-        state = states.state
-        if state is not None and state is not EngineState.CLEAN:
-            reasons = sorted(
-                {f"{s.state.value}: {s.poison_reason}" for s in states.statuses if s.poison_reason}
-            )
-            detail = f" ({'; '.join(reasons)})" if reasons else ""
-            # The rank's guard found its live weights changed after its commit (issue 26 E).
-            changed = any(
-                (s.poison_reason or "").startswith(STILL_TRUE_VIOLATED) for s in states.statuses
-            )
-            code = STILL_TRUE_VIOLATED if changed else "engine_not_clean"
-            problems.append(Problem(code, f"ranks report {state.value}{detail}"))
-        expected = self.store.memory.expected_version
-        if expected is not None and states.versions and states.versions != {expected}:
-            problems.append(
-                Problem(
-                    "engine_restarted",
-                    f"ranks serve version {', '.join(sorted(states.versions))} but the agent "
-                    f"committed {expected}; vLLM was restarted or changed underneath the agent",
-                )
-            )
-        elif states.statuses and not _commit_on_ranks(self.store.memory, states.statuses):
-            problems.append(
-                Problem(
-                    "engine_restarted",
-                    f"ranks serve version {expected} but not what the agent's last commit "
-                    f"{self.store.memory.committed_update_id} loaded (theirs: "
-                    f"{_committed_by(states.statuses)}); vLLM was restarted onto boot weights "
-                    "with the same label, or changed by a commit the agent did not record",
-                )
-            )
-        return problems
-
     async def _readiness(self) -> tuple[bool, list[str]]:
         if self._updating():
             return False, [self._in_progress()]
         held = [] if self.store.memory.hold is None else [f"held: {self.store.memory.hold}"]
         if not self.recovered:
             return False, [*held, "the agent has not yet recovered the engine state"]
-        observation = await self._observe()
+        observation = await self.observer.observe()
         if self._updating():  # an update started while we observed
             return False, [self._in_progress()]
         if not observation.reachable:
             return False, [*held, *(str(problem) for problem in observation.problems)]
-        faults = self._faults(observation)
+        faults = observation_faults(observation, self.store.memory)
         if faults and self.store.memory.hold is None:
             self._set_hold(faults[0])
             self.store.save()
@@ -492,7 +368,14 @@ class Agent:
         return self.pipeline.busy_reason() or "an update is in progress"
 
     async def _guard_loop(self) -> None:
-        await self._recover()
+        await recover(
+            self.observer,
+            self.store,
+            free_staging=self._stale_prefetch,
+            set_hold=self._set_hold,
+            say=self._say,
+        )
+        self._recovered.set()
         while True:
             try:
                 await self._guard_once()
@@ -523,7 +406,7 @@ class Agent:
             return
         ready, _ = await self._readiness()
         self.metrics.ready.set(1 if ready else 0)
-        observation = self._observation
+        observation = self.observer.last
         if (
             # An update may have started while we awaited: it owns pause/resume now.
             not self._updating()
@@ -535,109 +418,15 @@ class Agent:
             logger.warning("Re-paused generation held by: %s", self.store.memory.hold)
             with contextlib.suppress(EngineError):
                 await self.client.pause(DrainMode.ABORT, self.config.abort_pause_timeout)
-                self._observation = None
-
-    async def _recover(self) -> None:
-        """Re-derive the engine state from the ranks once vLLM answers (runs at start-up)."""
-        while True:
-            observation = await self._observe(fresh=True)
-            if observation.reachable:
-                break
-            self._message = f"waiting for vLLM at {self.client.base_url}"
-            await asyncio.sleep(min(1.0, self.config.watch_interval))
-        states = observation.states
-        assert states is not None
-        if self._stale_prefetch:
-            # Without poison: nothing was written. A rank that restarted holds none (a no-op).
-            with contextlib.suppress(EngineError):
-                await self.client.collective_rpc(ABORT, "{}", self.config.control_timeout)
-                self._stale_prefetch = False
-        open_ids = sorted(
-            {
-                s.update_id or "?"
-                for s in states.statuses
-                if s.state in (EngineState.OPEN, EngineState.DIRTY)
-            }
-        )
-        if open_ids:
-            logger.warning("Aborting session(s) %s left open on the ranks", ", ".join(open_ids))
-            with contextlib.suppress(EngineError):
-                await self.client.collective_rpc(ABORT, "{}", self.config.control_timeout)
-            self._message = f"aborted session(s) {', '.join(open_ids)} found open at start-up"
-            if self.store.memory.hold is None:
-                self._set_hold(
-                    Problem(
-                        "agent_restarted",
-                        f"found session(s) {', '.join(open_ids)} open at start-up (agent "
-                        "restarted mid-update); aborted them",
-                    )
-                )
-            observation = await self._observe(fresh=True)
-            states = observation.states or states
-        memory = self.store.memory
-        if (
-            memory.expected_version is None
-            and states.ok
-            and states.state is EngineState.CLEAN
-            and len(states.versions) == 1
-        ):
-            await self._adopt(next(iter(states.versions)))
-        self._adopt_commit(states)
-        faults = self._faults(observation)
-        if faults and memory.hold is None:
-            self._set_hold(faults[0])
-        self.store.save()
-        self._recovered.set()
-        logger.info("Recovered engine state: %s", self._last_state or "unknown")
-
-    async def _adopt(self, version: str) -> None:
-        """Adopt the ranks' ``version`` only if an agent accepted it (restart without state)."""
-        try:
-            marker = await self.client.weight_version()
-        except EngineError as e:
-            self._set_hold(Problem("version_not_accepted", f"cannot read vLLM's version: {e}"))
-            return
-        if marker in (version, VLLM_DEFAULT_VERSION):
-            self.store.memory.expected_version = version
-            logger.info("Adopted version %s reported by every rank", version)
-            return
-        self._set_hold(
-            Problem(
-                "version_not_accepted",
-                f"the ranks serve {version}, which no agent accepted (vLLM's weight version is "
-                f"{marker!r}); a full update is required",
-            )
-        )
-
-    def _adopt_commit(self, states: StateRound) -> None:
-        """Restarted without its state, the agent learns from the ranks which commit they
-        serve (they keep it in-process), so a later restart of vLLM onto boot weights with the
-        same label is still told apart. Where that commit's files came from is lost with the
-        state: the source becomes unknown, and a WeightUpdate reloads such a pod."""
-        memory = self.store.memory
-        ids = {status.committed_update_id for status in states.statuses}
-        if (
-            memory.committed_update_id is not None
-            or memory.hold is not None
-            or not states.ok
-            or states.state is not EngineState.CLEAN
-            or states.versions != {memory.expected_version}
-            or len(ids) != 1
-            or None in ids
-        ):
-            return  # nothing to learn; disagreeing ranks are held by _faults
-        memory.committed_update_id = ids.pop()
-        memory.source = None
-        logger.info(
-            "Adopted commit %s (version %s) reported by every rank; its source is unknown",
-            memory.committed_update_id,
-            memory.expected_version,
-        )
+                self.observer.forget()
 
     # ------------------------------------------------------------------ the update
 
     def _stamp(self) -> str:
         return self._now().isoformat().replace("+00:00", "Z")
+
+    def _say(self, message: str) -> None:
+        self._message = message
 
     def _set_hold(self, problem: Problem) -> None:
         self.store.memory.hold = str(problem)

@@ -303,7 +303,7 @@ def create_app(
         tokens: the bearer token source for ``/v1``.
         manage_agent: start and stop the agent with the application (tests may do it themselves).
         limits: body timeout and size (the head timeout and connection bound are the server's,
-            ``main.serve``); default :class:`HttpLimits`.
+            ``listener.serve``); default :class:`HttpLimits`.
     """
     limits = limits or HttpLimits()
     app = web.Application(

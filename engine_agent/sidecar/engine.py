@@ -13,7 +13,8 @@ Invariants:
       request by ``timeout + RPC_GRACE_SECONDS``, so a rank that hangs, or an engine core that is
       stuck behind it, surfaces as :class:`EngineTimeout` and never blocks the agent.
     * A returned ``collective_rpc`` is not proof: this module returns the raw per-rank results;
-      ``engine_agent.sidecar.ranks`` decides whether they amount to agreement.
+      :mod:`~engine_agent.sidecar.rounds` and :mod:`~engine_agent.sidecar.agreement` decide
+      whether they amount to agreement.
 """
 
 from __future__ import annotations

@@ -12,13 +12,13 @@ rank from the model volume, through the replica's one commit sequence (:mod:`.pi
     Draining   POST /pause?mode=wait (bounded by drain.timeoutSeconds, then mode=abort)
     Loading    weightroll_begin(spec) and weightroll_load(source) on every rank
                (prefetched: weightroll_apply, which loads from the staging without a read)
-    Verifying  weightroll_finish() on every rank → all-rank agreement (ranks.check_commit)
+    Verifying  weightroll_finish() on every rank → all-rank agreement (agreement.check_commit)
                → the pipeline's confirmation, and the manifest still the one published
     Committed  the pipeline's commit: version named, hold cleared, generation resumed
 
 What only this feeder does:
     * **Ranks are counted, not trusted.** Every ``collective_rpc`` result list goes through
-      ``ranks.collect_reports`` with the world size read before the update.
+      ``rounds.collect_reports`` with the world size read before the update.
     * **Every call is bounded** (``AgentConfig`` timeouts); a late rank is a failed rank.
     * After a failure the open session is aborted on every rank (``weightroll_abort``:
       structural cleanup, never a rollback; a dirty engine becomes poisoned and needs a full
@@ -35,16 +35,14 @@ What only this feeder does:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Final
 
-from engine_agent.manifest import Manifest, ManifestError, load_manifest
+from engine_agent.manifest import Manifest
 from engine_agent.protocol import (
-    EngineState,
     ExtensionRpc,
     LoadSource,
     PrefetchArgs,
@@ -52,29 +50,18 @@ from engine_agent.protocol import (
     RankReport,
     UpdateMode,
     UpdatePhase,
-    Verdict,
 )
+from engine_agent.sidecar.agreement import check_commit, check_session
 from engine_agent.sidecar.config import AgentConfig
-from engine_agent.sidecar.confinement import SourceRefused
 from engine_agent.sidecar.engine import EngineError, VllmClient
-from engine_agent.sidecar.metrics import AgentMetrics
 from engine_agent.sidecar.pipeline import Pipeline
-from engine_agent.sidecar.ranks import (
-    Problem,
-    RankRound,
-    check_commit,
-    check_session,
-    collect_reports,
-)
-from engine_agent.sidecar.signing import (
-    ManifestSignatureInvalid,
-    ManifestVerifier,
-    signature_source,
-    unsigned_update,
-)
-from engine_agent.sidecar.state import Store, UpdateRecord
+from engine_agent.sidecar.rounds import Problem, RankRound, collect_reports
+from engine_agent.sidecar.state import UpdateRecord
+from engine_agent.sidecar.swap import prefetch_waiting
+from engine_agent.sidecar.update_manifest import ManifestRefused, manifest_unchanged, preflight
+from engine_agent.sidecar.verdict import abort_args, finish_record
 
-__all__ = ["LOAD", "FileUpdate", "finish_record", "prefetch_waiting", "swap_refusal"]
+__all__ = ["LOAD", "FileUpdate"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,83 +84,6 @@ class _Failed(Exception):
     def __init__(self, problems: Sequence[Problem]) -> None:
         super().__init__("; ".join(map(str, problems)))
         self.problems = list(problems)
-
-
-def abort_args(record: UpdateRecord, cause: Problem, finish_sent: bool = False) -> str:
-    """``weightroll_abort`` argument: fence every rank when any rank may have written.
-
-    A rank whose own call failed before writing returns to clean, but the replica is mixed if
-    another rank wrote (or its state is unknown): then every rank must be poisoned, or a later
-    partial update would be accepted by the "clean" ranks (docs/contracts.md, replica fence).
-    Once ``finish`` was sent, ranks may have committed a version the agent now rejects: always
-    poison then.
-    """
-    written = (
-        finish_sent
-        or not record.ranks
-        or any(report.state in (EngineState.DIRTY, EngineState.POISONED) for report in record.ranks)
-    )
-    if not written:
-        return "{}"
-    reason = f"update {record.id} did not commit on every rank: {cause.message}"
-    return json.dumps({"poison": True, "reason": reason[:500]})
-
-
-def finish_record(
-    store: Store,
-    metrics: AgentMetrics,
-    record: UpdateRecord,
-    phase: UpdatePhase,
-    problems: Sequence[Problem],
-    stamp: str,
-) -> None:
-    """Record ``record``'s verdict (``phase``, ``problems``) and end it as the active update."""
-    record.phase = phase
-    record.verdict = Verdict(
-        committed=phase is UpdatePhase.COMMITTED, reasons=[str(p) for p in problems]
-    )
-    record.finished_at = stamp
-    if problems:
-        record.message = str(problems[0])
-    outcome = {UpdatePhase.COMMITTED: "committed", UpdatePhase.ABORTED: "aborted"}.get(
-        phase, "failed"
-    )
-    metrics.updates.labels(outcome=outcome).inc()
-    if store.active_id == record.id:
-        store.active_id = None
-    store.save()
-
-
-def prefetch_waiting(reports: Sequence[RankReport]) -> list[str]:
-    """The ranks whose prefetch is not ``ready`` yet (their keys, sorted)."""
-    return sorted(report.rank.key for report in reports if report.prefetch != "ready")
-
-
-#: Phases in which a swap was given (or is being acted on): a repeated swap is acknowledged.
-_SWAPPING: Final = frozenset(
-    {
-        UpdatePhase.PREFETCHED,
-        UpdatePhase.DRAINING,
-        UpdatePhase.LOADING,
-        UpdatePhase.VERIFYING,
-        UpdatePhase.COMMITTED,
-    }
-)
-
-
-def swap_refusal(record: UpdateRecord) -> str | None:
-    """Why ``POST /v1/updates/{id}/swap`` is refused for ``record`` (None: it is the go, or a
-    repeat of it). Only an update that awaits its swap can be swapped, and only once it is
-    ``Prefetched``; past that the swap is idempotent."""
-    prefetch = record.request.prefetch
-    if not prefetch.await_swap:
-        return (
-            f"update {record.id!r} does not wait for a swap (prefetch.awaitSwap is false); "
-            f"it is in phase {record.phase.value}"
-        )
-    if record.phase not in _SWAPPING:
-        return f"update {record.id!r} is in phase {record.phase.value}, not Prefetched"
-    return None
 
 
 def _merge_ranks(record: UpdateRecord, reports: Sequence[RankReport]) -> None:
@@ -356,12 +266,10 @@ class FileUpdate:
         if not finish.ok:
             raise _Failed(finish.problems)
 
-        async def manifest_unchanged() -> list[Problem]:
-            if manifest_path is None:
-                return []
-            return await self._manifest_unchanged(manifest_path, manifest_digest)
+        async def still_published() -> list[Problem]:
+            return await manifest_unchanged(self.config, request, manifest_digest)
 
-        problems = await pipeline.confirm(world, request.id, request.version, (manifest_unchanged,))
+        problems = await pipeline.confirm(world, request.id, request.version, (still_published,))
         lap("verify")
         if problems:
             raise _Failed(problems)
@@ -371,6 +279,12 @@ class FileUpdate:
         record.message = f"committed version {request.version} on {world} rank(s); {how}"
         self._finish(UpdatePhase.COMMITTED, [])
         logger.info("Committed update %s (version %s)", record.id, request.version)
+
+    async def _preflight(self) -> tuple[Manifest | None, str | None]:
+        try:
+            return await preflight(self.config, self.record.request)
+        except ManifestRefused as e:
+            raise _Failed(e.problems) from e
 
     def _hold(self) -> None:
         self.pipeline.hold(
@@ -455,84 +369,6 @@ class FileUpdate:
                 ]
             )
         self.record.message = f"swap requested; prefetched on {world} rank(s)"
-
-    async def _preflight(self) -> tuple[Manifest | None, str | None]:
-        """Load and check the manifest before the drain: a swapped or wrong manifest writes
-        nothing. Returns it (``None`` without one) and the pin the ranks check their own read
-        against: the update's, or (signed) that of the bytes whose signature verified."""
-        request = self.record.request
-        manifest_path = request.source.manifest_path
-        try:
-            if manifest_path is not None:
-                manifest, pin = await self._load_manifest(manifest_path)
-            elif self.config.manifest_public_key is not None:
-                raise unsigned_update(self.config.manifest_public_key)
-            else:
-                return None, request.source.manifest_digest
-        except ManifestError as e:
-            raise _Failed([Problem(e.code, str(e))]) from e
-        problems = self._check_manifest(manifest)
-        if problems:
-            raise _Failed(problems)
-        return manifest, pin
-
-    def _check_manifest(self, manifest: Manifest) -> list[Problem]:
-        request = self.record.request
-        problems: list[Problem] = []
-        if manifest.version is not None and manifest.version != request.version:
-            problems.append(
-                Problem(
-                    "manifest_version_mismatch",
-                    f"manifest is for version {manifest.version} but the update is to "
-                    f"{request.version}",
-                )
-            )
-        if request.mode is UpdateMode.SPARSE and manifest.base_version != request.base_version:
-            problems.append(
-                Problem(
-                    "manifest_base_mismatch",
-                    f"manifest applies to base version {manifest.base_version} but the update "
-                    f"says {request.base_version}",
-                )
-            )
-        return problems
-
-    async def _load_manifest(self, manifest_path: str) -> tuple[Manifest, str | None]:
-        """Load the update's manifest (and, with a public key, verify its signature).
-
-        With source.manifestDigest the bytes parsed are the bytes hashed against the pin (and
-        whose signature is checked)."""
-        request = self.record.request
-        local, pin = self.config.local_path(manifest_path), request.source.manifest_digest
-        key = self.config.manifest_public_key
-        if key is None:
-            return await asyncio.to_thread(load_manifest, local, pinned=pin), pin
-        try:  # the .sig must stay in the model directory too
-            self.config.check_source(signature_source(request.source))
-        except SourceRefused as e:
-            raise ManifestSignatureInvalid(str(e)) from e
-        verifier = ManifestVerifier(key)
-        return await asyncio.to_thread(
-            verifier.load_manifest, local, version=request.version, pinned=pin
-        )
-
-    async def _manifest_unchanged(self, manifest_path: str, digest: str | None) -> list[Problem]:
-        """The manifest the ranks verified against is still the one published (not re-published
-        while the update ran); otherwise the replica holds bytes of a superseded checkpoint."""
-        try:
-            now = await asyncio.to_thread(load_manifest, self.config.local_path(manifest_path))
-        except ManifestError as e:
-            return [Problem("manifest_changed", f"the manifest cannot be read any more: {e}")]
-        if now.digest != digest:
-            uri = self.record.request.source.uri
-            return [
-                Problem(
-                    "manifest_changed",
-                    f"the manifest of {uri} was re-published during the update "
-                    f"(digest {str(digest)[:12]} -> {now.digest[:12]})",
-                )
-            ]
-        return []
 
     # -- the verdict -----------------------------------------------------------------------
 

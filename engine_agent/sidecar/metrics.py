@@ -5,7 +5,8 @@ agents can live in one test process; ``GET /metrics`` renders exactly that regis
 
 Label values are bounded: ``phase`` is one of :data:`PHASES`, ``state`` one of the engine
 states (plus ``unknown`` while vLLM cannot be reached), ``outcome`` one of :data:`OUTCOMES`, and
-``reason`` a problem code from ``engine_agent.sidecar.ranks`` or the agent (never free text).
+``reason`` a problem code from :mod:`~engine_agent.sidecar.rounds`,
+:mod:`~engine_agent.sidecar.agreement` or the agent (never free text).
 """
 
 from __future__ import annotations

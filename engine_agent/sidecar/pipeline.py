@@ -31,10 +31,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 from engine_agent.protocol import DrainMode, ExtensionRpc, SourceSpec
+from engine_agent.sidecar.agreement import committed_problems
 from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.engine import EngineError, EngineTimeout, VllmClient
 from engine_agent.sidecar.metrics import AgentMetrics
-from engine_agent.sidecar.ranks import Problem, collect_states, committed_problems
+from engine_agent.sidecar.rounds import Problem, collect_states
 from engine_agent.sidecar.state import Store
 
 __all__ = ["UNACCEPTED_PREFIX", "Pipeline", "ReplicaBusy"]

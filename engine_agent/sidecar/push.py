@@ -24,7 +24,7 @@ vLLM lacks:
 * ``finish``: names the version on every rank (``weightroll_transfer_commit_as``; the trainer's
   ``weight_version`` or the push id), forwards, then reads **every rank's own report**
   (``weightroll_transfer_report``, which never raises) and requires all-rank agreement
-  (:func:`~engine_agent.sidecar.ranks.check_commit`), checks the ranks' state, resets the prefix
+  (:func:`~engine_agent.sidecar.agreement.check_commit`), checks the ranks' state, resets the prefix
   cache, records the version (also in vLLM, ``/update_weight_version``), releases the hold and
   resumes (the pipeline's confirm and commit, as for a file update) — and only then answers
   200.
@@ -39,10 +39,11 @@ vLLM lacks:
   set; it also carries ``world_size`` (the trainer's transfer group needs it).
 
 * a push nobody can finish (the trainer died, or vLLM restarted underneath it) is ended by the
-  agent's guard (:meth:`TransferCoordinator.watch`), fenced and held like any failure.
+  agent's guard (:meth:`TransferCoordinator.watch`, the reasons in :mod:`.push_failure`), fenced
+  and held like any failure.
 
 Limitations: one push at a time per replica; pushes are not persisted (an agent restarted
-mid-push finds the ranks' session open, aborts it and holds the replica, see agent.py).
+mid-push finds the ranks' session open, aborts it and holds the replica, see recovery.py).
 """
 
 from __future__ import annotations
@@ -63,28 +64,30 @@ from typing import Any, Final
 from engine_agent.protocol import (
     VERSION_PATTERN,
     DrainMode,
-    EngineState,
     ExtensionRpc,
     UpdateMode,
     UpdatePhase,
     UpdateSpec,
 )
 from engine_agent.sidecar.agent import Agent
-from engine_agent.sidecar.engine import EngineError, EngineRejected, EngineTimeout
+from engine_agent.sidecar.agreement import check_commit, check_session
+from engine_agent.sidecar.engine import EngineError
 from engine_agent.sidecar.pipeline import Pipeline, ReplicaBusy
-from engine_agent.sidecar.ranks import (
-    Problem,
-    check_commit,
-    check_session,
-    collect_reports,
-    collect_states,
+from engine_agent.sidecar.push_failure import (
+    FENCE,
+    PushFailed,
+    fence_ranks,
+    status_of,
+    status_of_problems,
+    why_dead,
 )
-from engine_agent.transfer.rendezvous import (
-    RendezvousRefused,
-    check_init_info,
-    check_update_info,
-    require_networks,
+from engine_agent.sidecar.push_rendezvous import (
+    check_peer,
+    check_update,
+    ranks_accept,
+    require_trainer_networks,
 )
+from engine_agent.sidecar.rounds import Problem, collect_reports
 
 __all__ = ["FENCE", "Push", "PushFailed", "TransferCoordinator"]
 
@@ -93,8 +96,6 @@ logger = logging.getLogger(__name__)
 ARM: Final = ExtensionRpc.TRANSFER_ARM
 COMMIT_AS: Final = ExtensionRpc.TRANSFER_COMMIT_AS
 REPORT: Final = ExtensionRpc.TRANSFER_REPORT
-FENCE: Final = ExtensionRpc.TRANSFER_FENCE
-CHECK_INIT: Final = ExtensionRpc.TRANSFER_CHECK_INIT
 
 #: Bound of ``/init_weight_transfer_engine`` (the workers wait there for the trainer's group).
 INIT_TIMEOUT_S: Final = 600.0
@@ -102,24 +103,6 @@ INIT_TIMEOUT_S: Final = 600.0
 DRAIN_TIMEOUT_S: Final = 30.0
 
 _VERSION = re.compile(VERSION_PATTERN)
-_IN_SESSION: Final = frozenset({EngineState.OPEN, EngineState.DIRTY})
-
-
-class PushFailed(Exception):
-    """A push step failed; ``status`` is the HTTP status the trainer gets."""
-
-    def __init__(self, status: int, problems: list[Problem], field: str | None = None) -> None:
-        super().__init__("; ".join(map(str, problems)))
-        self.status = status
-        self.problems = problems
-        #: The request field at fault (``ErrorBody.field``), when one is.
-        self.field = field
-
-
-def _refusal(error: RendezvousRefused) -> PushFailed:
-    """A trainer-networks refusal as the trainer sees it: 403, or 422 for a malformed field."""
-    status = 422 if error.code == "invalid_request" else 403
-    return PushFailed(status, [Problem(error.code, str(error))], error.field)
 
 
 @dataclass(slots=True)
@@ -207,41 +190,11 @@ class TransferCoordinator:
     # -- steps -------------------------------------------------------------------------
 
     async def init(self, body: dict[str, Any]) -> Any:
-        init_info = body.get("init_info")
-        if not isinstance(init_info, dict):
-            raise PushFailed(422, [Problem("invalid_request", "init_info: must be a JSON object")])
-        try:  # before anything else: a refused peer never reaches vLLM
-            check_init_info(init_info, self.agent.config.trainer_networks)
-        except RendezvousRefused as e:
-            logger.warning("Refused a trainer's rendezvous: %s", e)
-            raise _refusal(e) from e
+        # Before anything else: a refused peer never reaches vLLM.
+        init_info = check_peer(body, self.agent.config)
         self._refuse_if_busy()
-        await self._ranks_accept(init_info)
+        await ranks_accept(self.agent.client, self.agent.config, init_info)
         return await self._forward("/init_weight_transfer_engine", body, INIT_TIMEOUT_S)
-
-    async def _ranks_accept(self, init_info: dict[str, Any]) -> None:
-        """Every rank must accept ``init_info`` (its backend and trainer networks) before
-        vLLM's init runs: a stock backend, or a rank configured narrower, is never handed it."""
-        config = self.agent.config
-        try:
-            world = await self.agent.client.world_size()
-            results = await self.agent.client.collective_rpc(
-                CHECK_INIT, json.dumps(init_info), config.control_timeout
-            )
-        except EngineError as e:
-            raise PushFailed(
-                _status_of(e), [Problem(e.code, f"{CHECK_INIT}: the ranks did not answer: {e}")]
-            ) from e
-        round_ = collect_reports(CHECK_INIT, results, world)
-        problems = [
-            Problem(report.error.code, f"rank {report.rank.key}: {report.error.message}")
-            for report in round_.reports
-            if not report.ok and report.error is not None
-        ] or list(round_.problems)
-        if problems:
-            policy = {"trainer_push_disabled", "rendezvous_not_allowed"}
-            status = 403 if all(p.code in policy for p in problems) else 409
-            raise PushFailed(status, problems)
 
     async def shutdown(self) -> Any:
         self._refuse_if_busy()
@@ -251,13 +204,10 @@ class TransferCoordinator:
         try:
             return await self.agent.client.post_json(path, body, timeout)
         except EngineError as e:
-            raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
+            raise PushFailed(status_of(e), [Problem(e.code, str(e))]) from e
 
     async def start(self) -> dict[str, Any]:
-        try:
-            require_networks(self.agent.config.trainer_networks)
-        except RendezvousRefused as e:
-            raise _refusal(e) from e
+        require_trainer_networks(self.agent.config)
         self._refuse_if_busy()
         if not self.agent.recovered:
             raise PushFailed(
@@ -277,7 +227,7 @@ class TransferCoordinator:
         except BaseException as e:
             pipeline.release()
             if isinstance(e, EngineError):
-                raise PushFailed(_status_of(e), [Problem(e.code, str(e))]) from e
+                raise PushFailed(status_of(e), [Problem(e.code, str(e))]) from e
             raise
         push_id = f"push-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
         push = Push(push_id, world, self._monotonic(), self._monotonic())
@@ -288,7 +238,7 @@ class TransferCoordinator:
             try:
                 await pipeline.drain(DrainMode.WAIT, DRAIN_TIMEOUT_S)
             except EngineError as e:
-                raise PushFailed(_status_of(e), [Problem(e.code, f"pause: {e}")]) from e
+                raise PushFailed(status_of(e), [Problem(e.code, f"pause: {e}")]) from e
             # Not accepted until every check passed: an agent restarted without its state must
             # not adopt the push's bytes (vLLM's untouched "default" marker would let it).
             await pipeline.mark_unaccepted(push_id)
@@ -309,7 +259,7 @@ class TransferCoordinator:
         try:
             return await self.agent.client.post_json(path, body, timeout)
         except EngineError as e:
-            raise PushFailed(_status_of(e), [Problem(e.code, f"{path}: {e}")]) from e
+            raise PushFailed(status_of(e), [Problem(e.code, f"{path}: {e}")]) from e
 
     async def update(self, body: dict[str, Any]) -> dict[str, Any]:
         push = self._require_push("update_weights")
@@ -318,10 +268,7 @@ class TransferCoordinator:
                 raise PushFailed(
                     422, [Problem("invalid_request", "update_info: field required")], "update_info"
                 )
-            try:
-                check_update_info(body["update_info"])
-            except RendezvousRefused as e:
-                raise _refusal(e) from e
+            check_update(body["update_info"])
             await self._step("/update_weights", body, self.agent.config.load_timeout)
         return {"message": "Weights updated"}
 
@@ -365,7 +312,7 @@ class TransferCoordinator:
             )
             problems = [*reports.problems, *problems]
             if problems:
-                raise PushFailed(_status_of_problems(problems), problems)
+                raise PushFailed(status_of_problems(problems), problems)
             await self._confirm(push, version)
         return {
             "message": "Weight update finished",
@@ -381,7 +328,7 @@ class TransferCoordinator:
             raise PushFailed(409, problems)
         # The push's id, not the last file update's: an operator attempt that committed this
         # version earlier must not vouch for the trainer's bytes. No source: a delta may not
-        # build on a push (Agent._base_refusal).
+        # build on a push (AgentMemory.delta_refusal).
         await self.pipeline.commit(version, push.id, None)
         self._release(push)
         self.last_failure = None
@@ -405,7 +352,7 @@ class TransferCoordinator:
             await self._fail(push, e)
             raise
         except EngineError as e:
-            failed = PushFailed(_status_of(e), [Problem(e.code, str(e))])
+            failed = PushFailed(status_of(e), [Problem(e.code, str(e))])
             await self._fail(push, failed)
             raise failed from e
         except Exception as e:  # a defect or an unexpected answer: still fail closed
@@ -440,39 +387,12 @@ class TransferCoordinator:
         async with self.lock:  # judged under the lock: a step arriving now waits for the verdict
             if self.push is not push:
                 return
-            problem = await self._why_dead(push)
+            idle = self._monotonic() - push.last_call
+            problem = await why_dead(
+                self.agent.client, self.agent.config, push.id, push.world, idle
+            )
             if problem is not None:
                 await self._fail(push, PushFailed(409, [problem]))
-
-    async def _why_dead(self, push: Push) -> Problem | None:
-        config = self.agent.config
-        idle = self._monotonic() - push.last_call
-        if idle > config.push_idle_timeout:
-            return Problem(
-                "push_abandoned",
-                f"no trainer call for {idle:.0f}s (push idle timeout "
-                f"{config.push_idle_timeout:g}s); the trainer gave up or died mid-push",
-            )
-        try:
-            results = await self.agent.client.collective_rpc(
-                ExtensionRpc.STATE, "{}", config.control_timeout
-            )
-        except EngineError:
-            return None  # vLLM may be restarting: look again on the next pass
-        # Only positive evidence ends the push: a rank that answers without the push's open
-        # session (a disagreement between open and dirty ranks is normal mid-push).
-        lost = [
-            f"{status.rank.key}: {status.state.value} {status.update_id or 'no session'}"
-            for status in collect_states(results, push.world).statuses
-            if status.update_id != push.id or status.state not in _IN_SESSION
-        ]
-        if lost:
-            return Problem(
-                "engine_restarted",
-                f"the ranks no longer hold push {push.id} ({'; '.join(sorted(lost))}); vLLM was "
-                "restarted or the session was closed underneath the push",
-            )
-        return None
 
     async def _explain(self, push: Push, failed: PushFailed) -> None:
         """Add every rank's own reason to a failed step (vLLM's 500 names only the first)."""
@@ -488,24 +408,7 @@ class TransferCoordinator:
 
         async def fence(_: Problem) -> list[Problem]:
             try:
-                results = await client.collective_rpc(
-                    FENCE, json.dumps({"reason": reason[:500]}), config.control_timeout
-                )
-                # A 200 is not every rank fenced: each must answer, poisoned.
-                fenced = collect_reports(FENCE, results, push.world)
-                unfenced = sorted(
-                    report.rank.key
-                    for report in fenced.reports
-                    if report.state is not EngineState.POISONED
-                )
-                problems = [Problem("fence_failed", str(p)) for p in fenced.problems]
-                if unfenced:
-                    problems.append(
-                        Problem("fence_failed", f"{FENCE}: ranks {unfenced} are not poisoned")
-                    )
-                return problems
-            except Exception as e:  # fail closed whatever broke; the error names it
-                return [Problem("fence_failed", f"{FENCE}: {e}")]
+                return await fence_ranks(client, config.control_timeout, push.world, reason)
             finally:
                 # Released even when the fence did not reach every rank: a push that cannot
                 # be ended cleanly still never blocks the next one (the hold keeps it out).
@@ -521,22 +424,3 @@ class TransferCoordinator:
         with contextlib.suppress(EngineError):
             world = await self.agent.client.world_size()
         return {"weight_version": self.agent.store.memory.expected_version, "world_size": world}
-
-
-def _status_of(error: EngineError) -> int:
-    if isinstance(error, EngineRejected):
-        return 502
-    if isinstance(error, EngineTimeout):
-        return 504
-    if "unreachable" in str(error):
-        return 503
-    return 422  # vLLM answered 5xx: a rank raised (its reason is in the body)
-
-
-def _status_of_problems(problems: list[Problem]) -> int:
-    if any(
-        p.code in ("engine_unavailable", "engine_timeout") and "unreachable" in p.message
-        for p in problems
-    ):
-        return 503
-    return 422

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from engine_agent.protocol import (
     RankReport,
     SourceSpec,
+    UpdateMode,
     UpdatePhase,
     UpdateRequest,
     UpdateStatus,
@@ -123,6 +124,30 @@ class AgentMemory:
         self.source = source
         self.committed_update_id = update_id
         self.hold = self.hold_code = None
+
+    def delta_refusal(self, request: UpdateRequest) -> str | None:
+        """Why a partial or sparse ``request`` may not build on what this memory holds (None: it
+        may): a delta applies to the exact files of the version the agent accepted."""
+        if request.mode is UpdateMode.FULL:
+            return None
+        what = f"a {request.mode.value} update builds on the version this agent accepted"
+        if self.hold is not None:
+            return f"{what}, but the replica is held ({self.hold}); send a full update"
+        if self.expected_version is None:
+            return f"{what}, and it has accepted none; send a full update"
+        if self.source is None:
+            # A trainer push (or a commit adopted after a restart without state) may carry any
+            # label: a delta computed against the checkpoint of that label would be applied to
+            # other bytes.
+            return (
+                f"{what} ({self.expected_version}), but the files it serves are unknown "
+                "(pushed by a trainer, or adopted after an agent restart); send a full update"
+            )
+        if request.base_version != self.expected_version:
+            return (
+                f"{what} ({self.expected_version}), but its baseVersion is {request.base_version}"
+            )
+        return None
 
 
 class Store:

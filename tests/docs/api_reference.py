@@ -9,7 +9,7 @@ Type, default and the schema-level validation (bounds, patterns, enums, required
 models' JSON schema, so they cannot drift. The *meaning* of each WeightUpdate field is its
 attribute docstring in the models (``use_attribute_docstrings``): the same text is the CRD's
 description and so what ``kubectl explain`` shows. The agent wire models
-(``engine_agent/protocol.py``) still keep their meanings here, in :data:`WIRE_MEANINGS`.
+(``engine_agent/protocol/``) still keep their meanings here, in :data:`WIRE_MEANINGS`.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ WIRE_MEANINGS: dict[str, dict[str, str]] = {
             "`Pending`, (`prefetch.mode: Host`: `Prefetching`, `Prefetched`), `Draining`, "
             "`Loading`, `Verifying`, then one of `Committed`, `Failed`, `Aborted`."
         ),
-        "ranks": "Latest `RankReport` per rank (`engine_agent/protocol.py`).",
+        "ranks": "Latest `RankReport` per rank (`engine_agent/protocol/`).",
         "verdict": (
             "Set once terminal: `committed` is true only when every rank agreed and generation "
             "was resumed; `reasons` says why not, as `<code>: <message>`."

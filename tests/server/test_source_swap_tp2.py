@@ -5,7 +5,7 @@ directory is replaced during the load, TP rank 0 reads checkpoint B and TP rank 
 Each rank on its own is complete and ``clean`` at the target version, so on main the agent
 committed a replica serving a mix of two checkpoints: its digest check compared data-parallel
 copies only. Every rank is handed every tensor of the source, so every rank of a replica must
-report the same source digest (engine_agent/sidecar/ranks.py, rule 5).
+report the same source digest (engine_agent/sidecar/agreement.py, rule 5).
 
 The swap is ordered by failpoints, not timing: rank 0 signals once its loaders consumed the whole
 checkpoint (``load.read``), rank 1 waits at the start of its load until the test has swapped the

@@ -81,29 +81,16 @@ def build_request(
         await_swap=host,
         swap_deadline_seconds=min(spec.strategy.update_timeout_seconds, 86400),
     )
-    if rollback:
-        if st.previous_source is None:
-            raise ValueError("no rollback source recorded")
-        return UpdateRequest(
-            id=st.update_id,
-            version=st.version,
-            source=WireSourceSpec(
-                uri=st.previous_source.uri,
-                manifest=st.previous_source.manifest,
-                manifest_digest=st.previous_source.manifest_digest,
-            ),
-            mode=UpdateMode.FULL,
-            drain=drain,
-            prefetch=prefetch,
-        )
-    sparse = spec.source.mode is SourceMode.SPARSE
+    # A rollback goes back, in full, to the source recorded when the pod last committed.
+    if rollback and st.previous_source is None:
+        raise ValueError("no rollback source recorded")
+    origin = st.previous_source if rollback and st.previous_source else spec.source
+    sparse = not rollback and spec.source.mode is SourceMode.SPARSE
     return UpdateRequest(
         id=st.update_id,
         version=st.version,
         source=WireSourceSpec(
-            uri=spec.source.uri,
-            manifest=spec.source.manifest,
-            manifest_digest=spec.source.manifest_digest,
+            uri=origin.uri, manifest=origin.manifest, manifest_digest=origin.manifest_digest
         ),
         mode=UpdateMode.SPARSE if sparse else UpdateMode.FULL,
         base_version=spec.source.base_version if sparse else None,

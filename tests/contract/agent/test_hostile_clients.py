@@ -22,7 +22,7 @@ import pytest_asyncio
 from aiohttp import ClientError, ClientSession, TCPConnector
 
 from engine_agent.protocol import ErrorBody
-from engine_agent.sidecar.main import listen_host
+from engine_agent.sidecar.listener import listen_host
 from tests.contract.agent.conftest import TOKEN, make_checkpoint, update_body
 from tests.harness.agent_process import AgentProcesses, agent_env, free_port
 from tests.harness.fake_vllm import FakeVllm

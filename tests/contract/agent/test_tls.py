@@ -1,7 +1,7 @@
 """Issue 14 C: the operator's AgentClient talks to the real sidecar app over verified TLS.
 
 The sidecar app (``create_app`` with the real :class:`Agent` over a fake vLLM) is served with the
-agent's own TLS code (``sidecar.main.tls_context``); certificates are made here with openssl:
+agent's own TLS code (``sidecar.listener.tls_context``); certificates are made here with openssl:
 a CA, a leaf for ``weightroll-agent.<ns>.svc``, and impostors (another CA; the right CA but
 another namespace's name). The client succeeds only against the right certificate and never falls
 back to plain HTTP. Multi-line token files (rotation) are accepted line by line.
@@ -23,7 +23,7 @@ from weightroll_operator.ports import AgentTarget
 
 from engine_agent.protocol import AgentState
 from engine_agent.sidecar import Agent, TokenFile, create_app
-from engine_agent.sidecar.main import listen_host, tls_context
+from engine_agent.sidecar.listener import listen_host, tls_context
 from tests.contract.agent.conftest import agent_config
 from tests.harness.fake_agent import free_port
 from tests.harness.fake_vllm import FakeVllm

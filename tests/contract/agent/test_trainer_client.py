@@ -18,7 +18,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from engine_agent.sidecar import Agent, TokenFile, create_app
-from engine_agent.sidecar.main import tls_context
+from engine_agent.sidecar.listener import tls_context
 from engine_agent.trainer import AgentSyncClient, PushRejected, ReplicaUnreachable
 from tests.contract.agent.conftest import agent_config
 from tests.contract.agent.test_tls import NS, certs  # noqa: F401 (the certificates fixture)

@@ -21,7 +21,7 @@ from engine_agent.sidecar.config import AgentConfig
 from engine_agent.sidecar.engine import EngineTimeout, EngineUnavailable, VllmClient
 from engine_agent.sidecar.metrics import AgentMetrics
 from engine_agent.sidecar.pipeline import UNACCEPTED_PREFIX, Pipeline, ReplicaBusy
-from engine_agent.sidecar.ranks import Problem
+from engine_agent.sidecar.rounds import Problem
 from engine_agent.sidecar.state import Store, UpdateRecord
 
 ATTEMPT = "u-7"

@@ -23,7 +23,7 @@ from engine_agent.reload import session
 from engine_agent.reload.prefetch import available_memory, memory_problem
 from engine_agent.reload.registry import _ranks_on_host
 from engine_agent.reload.session import WeightState
-from engine_agent.sidecar.file_update import prefetch_waiting
+from engine_agent.sidecar.swap import prefetch_waiting
 from tests.unit.engine_agent.test_reload_session import spec
 
 CLEAN = session.initial("v1")

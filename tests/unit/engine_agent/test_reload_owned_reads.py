@@ -137,9 +137,9 @@ def test_a_file_truncated_after_the_headers_were_checked_is_refused(checkpoint: 
 def test_tensors_read_ahead_are_each_their_own_buffer_and_stop_with_the_loader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine_agent.reload import sources
+    from engine_agent.reload import owned_reads
 
-    monkeypatch.setattr(sources, "READ_AHEAD_BYTES", 3 * 1024, raising=False)  # 3 ahead
+    monkeypatch.setattr(owned_reads, "READ_AHEAD_BYTES", 3 * 1024)  # 3 ahead
     path = tmp_path / "layers.safetensors"
     expected = {f"l{i:02}.weight": torch.full((256,), float(i)) for i in range(12)}
     save_file(expected, str(path))

@@ -1,16 +1,10 @@
-"""All-rank agreement: the pure rules that turn raw ``collective_rpc`` results into a decision.
+"""All-rank agreement: may this replica be declared committed?
 
-A ``collective_rpc`` that returned is not proof that every rank did what was asked (vLLM
-#60928: an exception on a non-output rank can be logged and dropped). So the agent never looks at
-"the" result; it runs every per-rank list through these functions, which return the parsed
-reports plus a list of :class:`Problem` values. No problem means agreement; any problem fails the
-update closed (engine-reload.md R7).
+The per-rank answers, parsed and counted (:mod:`engine_agent.sidecar.rounds`, rules 1-3), must
+then agree with one another and with the update; any problem fails the update closed
+(engine-reload.md R7).
 
-Rules, in the order they are checked:
-    1. Every result validates as the expected model (:class:`RankReport` / :class:`RankStatus`).
-    2. Exactly ``world_size`` results, each from a distinct rank (``dp:pp:tp:ep``); a missing
-       result or a repeated rank key is a failure even if every present rank said ``ok``.
-    3. Every rank reports ``ok`` (its error is quoted).
+Rules, in the order they are checked (after rules 1-3 of :mod:`engine_agent.sidecar.rounds`):
     4. Every rank talks about the same update id (and, at commit, the target version).
     5. At commit: every rank is ``clean``, has no missing or duplicate shard against its own
        required set, identity unchanged, a non-empty digest, and a coverage-set hash of a
@@ -54,189 +48,16 @@ The module is pure: no I/O, no clock; table-driven tests cover every rule.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from collections.abc import Sequence
+from typing import Any, Final
 
-from pydantic import ValidationError
+from engine_agent.protocol import EngineState, RankReport
+from engine_agent.sidecar.rounds import Problem, RankRound, StateRound, names
 
-from engine_agent.protocol import EngineState, RankReport, RankStatus
-
-__all__ = [
-    "Problem",
-    "RankRound",
-    "StateRound",
-    "check_commit",
-    "check_session",
-    "collect_reports",
-    "collect_states",
-    "worst_state",
-]
-
-#: How many ranks a problem message names before it says "and N more".
-MAX_NAMED: Final = 8
+__all__ = ["EMPTY_COVERAGE_HASH", "check_commit", "check_session", "committed_problems"]
 
 #: ``coverage_hash`` of the empty shard set (SHA-256 of no bytes; see reload/coverage.py).
 EMPTY_COVERAGE_HASH: Final = hashlib.sha256(b"").hexdigest()
-
-_SEVERITY: Final[dict[EngineState, int]] = {
-    EngineState.CLEAN: 0,
-    EngineState.OPEN: 1,
-    EngineState.DIRTY: 2,
-    EngineState.POISONED: 3,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One reason not to commit (or not to be ready)."""
-
-    #: Short machine-readable reason; also the ``reason`` label of the failure metric.
-    code: str
-    #: Human message naming the ranks and values involved.
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.message}"
-
-
-@dataclass(frozen=True, slots=True)
-class RankRound:
-    """The per-rank answers to one extension call and what is wrong with them."""
-
-    call: str
-    reports: tuple[RankReport, ...]
-    problems: tuple[Problem, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass(frozen=True, slots=True)
-class StateRound:
-    """The per-rank answers to ``weightroll_state`` and what is wrong with them."""
-
-    statuses: tuple[RankStatus, ...]
-    problems: tuple[Problem, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def state(self) -> EngineState | None:
-        """The worst state any rank reports (``None`` when no rank answered)."""
-        return worst_state(status.state for status in self.statuses)
-
-    @property
-    def versions(self) -> set[str]:
-        return {status.version for status in self.statuses}
-
-
-def worst_state(states: Iterable[EngineState]) -> EngineState | None:
-    """Return the most severe state (poisoned > dirty > open > clean), ``None`` if empty."""
-    found = list(states)
-    return max(found, key=_SEVERITY.__getitem__) if found else None
-
-
-def _names(keys: Sequence[str]) -> str:
-    shown = ", ".join(keys[:MAX_NAMED])
-    return shown if len(keys) <= MAX_NAMED else f"{shown} and {len(keys) - MAX_NAMED} more"
-
-
-_M = TypeVar("_M", RankReport, RankStatus)
-
-
-def _parse(
-    model: type[_M], call: str, results: Sequence[Any], world_size: int
-) -> tuple[list[_M], list[Problem]]:
-    parsed: list[_M] = []
-    problems: list[Problem] = []
-    for index, raw in enumerate(results):
-        try:
-            parsed.append(model.model_validate(raw))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "<root>"
-            problems.append(
-                Problem(
-                    "rank_malformed",
-                    f"{call}: result #{index} is not a valid {model.__name__} "
-                    f"({where}: {first['msg']}): {str(raw)[:200]}",
-                )
-            )
-    seen: dict[str, int] = {}
-    for item in parsed:
-        seen[item.rank.key] = seen.get(item.rank.key, 0) + 1
-    duplicated = sorted(key for key, count in seen.items() if count > 1)
-    if duplicated:
-        problems.append(
-            Problem("rank_duplicate", f"{call}: more than one result from {_names(duplicated)}")
-        )
-    if len(results) < world_size:
-        problems.append(
-            Problem(
-                "rank_missing",
-                f"{call}: {len(results)} of {world_size} ranks answered "
-                f"(answered: {_names(sorted(seen)) or 'none'})",
-            )
-        )
-    elif len(results) > world_size:
-        problems.append(
-            Problem(
-                "rank_unexpected",
-                f"{call}: {len(results)} results for a world size of {world_size}",
-            )
-        )
-    return parsed, problems
-
-
-def collect_reports(call: str, results: Sequence[Any], world_size: int) -> RankRound:
-    """Parse the results of a begin/load/finish/abort call and apply rules 1-3.
-
-    Args:
-        call: the extension method, for messages (e.g. ``"weightroll_load"``).
-        results: the raw ``results`` list of ``collective_rpc``.
-        world_size: TP·PP·DP as reported by ``/get_world_size`` before the update.
-    """
-    reports, problems = _parse(RankReport, call, results, world_size)
-    failed = [report for report in reports if not report.ok]
-    for report in failed[:MAX_NAMED]:
-        error = report.error
-        detail = f"{error.code}: {error.message}" if error else "no error given"
-        if error and error.field:
-            detail += f" (field {error.field})"
-        code = error.code if error and error.code in _PASSTHROUGH_CODES else "rank_error"
-        problems.append(Problem(code, f"{call} failed on rank {report.rank.key}: {detail}"))
-    if len(failed) > MAX_NAMED:
-        problems.append(
-            Problem("rank_error", f"{call} failed on {len(failed) - MAX_NAMED} more ranks")
-        )
-    return RankRound(call, tuple(reports), tuple(problems))
-
-
-#: Rank error codes kept as the problem code (bounded set: they become metric labels).
-_PASSTHROUGH_CODES: Final = frozenset(
-    {
-        # engine_agent.errors codes, raised inside the ranks
-        "invalid_request",
-        "wrong_state",
-        "update_conflict",
-        "source_unavailable",
-        "manifest_mismatch",
-        "unknown_tensor",
-        "shape_mismatch",
-        "duplicate_shard",
-        "coverage_incomplete",
-        "identity_changed",
-        "sparse_refused",
-        "derived_state_unsupported",
-        "prefetch_memory",
-        # engine_agent.manifest
-        "manifest_invalid",
-    }
-)
 
 
 def check_session(round_: RankRound, update_id: str) -> RankRound:
@@ -254,7 +75,7 @@ def check_session(round_: RankRound, update_id: str) -> RankRound:
         return round_
     problem = Problem(
         "update_id_mismatch",
-        f"{round_.call}: ranks report another update than {update_id!r}: {_names(wrong)}",
+        f"{round_.call}: ranks report another update than {update_id!r}: {names(wrong)}",
     )
     return RankRound(round_.call, round_.reports, (*round_.problems, problem))
 
@@ -289,7 +110,7 @@ def check_commit(
         if report.state is not EngineState.CLEAN
     )
     if not_clean:
-        problems.append(Problem("not_committed", f"ranks did not commit: {_names(not_clean)}"))
+        problems.append(Problem("not_committed", f"ranks did not commit: {names(not_clean)}"))
     wrong_version = sorted(
         f"{report.rank.key}={report.version!r}" for report in reports if report.version != version
     )
@@ -297,7 +118,7 @@ def check_commit(
         problems.append(
             Problem(
                 "version_mismatch",
-                f"ranks report another version than {version!r}: {_names(wrong_version)}",
+                f"ranks report another version than {version!r}: {names(wrong_version)}",
             )
         )
     for report in reports:
@@ -306,7 +127,7 @@ def check_commit(
             problems.append(
                 Problem(
                     "coverage_incomplete",
-                    f"rank {report.rank.key} is missing {count} shard(s): {_names(report.missing)}",
+                    f"rank {report.rank.key} is missing {count} shard(s): {names(report.missing)}",
                 )
             )
         if report.duplicates:
@@ -314,7 +135,7 @@ def check_commit(
                 Problem(
                     "duplicate_shard",
                     f"rank {report.rank.key} received duplicate shard(s): "
-                    f"{_names(report.duplicates)}",
+                    f"{names(report.duplicates)}",
                 )
             )
         if not report.identity_ok or report.identity_problems:
@@ -322,7 +143,7 @@ def check_commit(
                 Problem(
                     "identity_changed",
                     f"rank {report.rank.key} storage/kernel identity changed: "
-                    f"{_names(report.identity_problems) or 'no detail given'}",
+                    f"{names(report.identity_problems) or 'no detail given'}",
                 )
             )
     if manifest_digest is not None:
@@ -332,13 +153,13 @@ def check_commit(
                 Problem(
                     "manifest_unverified",
                     f"ranks did not verify against manifest {manifest_digest[:12]}: "
-                    f"{_names(unverified)}",
+                    f"{names(unverified)}",
                 )
             )
     no_digest = ranks_where(lambda report: not report.digest or not report.source_digest)
     if no_digest:
         problems.append(
-            Problem("digest_missing", f"ranks sent no digest or source digest: {_names(no_digest)}")
+            Problem("digest_missing", f"ranks sent no digest or source digest: {names(no_digest)}")
         )
     if expected_digest is not None:
         off = ranks_where(lambda report: report.digest and report.digest != expected_digest)
@@ -347,7 +168,7 @@ def check_commit(
                 Problem(
                     "digest_manifest_mismatch",
                     f"ranks consumed other bytes than the manifest lists (digest is not "
-                    f"{expected_digest[:12]}): {_names(off)}",
+                    f"{expected_digest[:12]}): {names(off)}",
                 )
             )
     problems += _check_coverage(reports)
@@ -364,7 +185,7 @@ def check_commit(
         problems.append(
             Problem(
                 "digest_mismatch",
-                f"data-parallel replicas of the same shard hold different bytes: {_names(split)}",
+                f"data-parallel replicas of the same shard hold different bytes: {names(split)}",
             )
         )
     return RankRound(round_.call, reports, tuple(problems))
@@ -383,7 +204,7 @@ def _check_one_source(reports: Sequence[RankReport]) -> list[Problem]:
         return []
     # Largest side first: the odd ranks out are usually the smaller sides.
     described = "; ".join(
-        f"{digest[:12]} on {_names(sorted(keys))}"
+        f"{digest[:12]} on {names(sorted(keys))}"
         for digest, keys in sorted(sides.items(), key=lambda side: (-len(side[1]), side[0]))
     )
     return [
@@ -401,7 +222,7 @@ def _check_coverage(reports: Sequence[RankReport]) -> list[Problem]:
     no_hash = sorted(report.rank.key for report in reports if not report.coverage_hash)
     if no_hash:
         problems.append(
-            Problem("coverage_hash_missing", f"ranks sent no coverage hash: {_names(no_hash)}")
+            Problem("coverage_hash_missing", f"ranks sent no coverage hash: {names(no_hash)}")
         )
     empty = sorted(
         report.rank.key
@@ -411,7 +232,7 @@ def _check_coverage(reports: Sequence[RankReport]) -> list[Problem]:
     )
     if empty:
         problems.append(
-            Problem("coverage_empty", f"ranks received no shard in this update: {_names(empty)}")
+            Problem("coverage_empty", f"ranks received no shard in this update: {names(empty)}")
         )
     groups: dict[tuple[int, int], list[RankReport]] = {}
     for report in reports:
@@ -427,7 +248,7 @@ def _check_coverage(reports: Sequence[RankReport]) -> list[Problem]:
             Problem(
                 "coverage_hash_mismatch",
                 "ranks of the same pipeline stage and expert rank disagree on the plan: "
-                + _names(split),
+                + names(split),
             )
         )
     return problems
@@ -457,28 +278,8 @@ def committed_problems(after: StateRound, update_id: str, version: str) -> list[
             Problem(
                 "not_committed",
                 f"after finish not every rank reports {update_id!r} as the commit it serves "
-                f"({_names(others)}): vLLM was restarted since, or runs a worker extension "
+                f"({names(others)}): vLLM was restarted since, or runs a worker extension "
                 "of another weightroll release",
             )
         )
     return problems
-
-
-def collect_states(results: Sequence[Any], world_size: int) -> StateRound:
-    """Parse the results of ``weightroll_state`` (rules 1-2) and check they agree.
-
-    Agreement here means one state and one version on every rank; an open, dirty or poisoned
-    rank is reported by :attr:`StateRound.state`, not as a problem, so callers decide.
-    """
-    statuses, problems = _parse(RankStatus, "weightroll_state", results, world_size)
-    versions = sorted({status.version for status in statuses})
-    if len(versions) > 1:
-        detail = sorted(f"{status.rank.key}={status.version!r}" for status in statuses)
-        problems.append(
-            Problem("version_mismatch", f"ranks serve different versions: {_names(detail)}")
-        )
-    states = sorted({status.state.value for status in statuses})
-    if len(states) > 1:
-        detail = sorted(f"{status.rank.key}={status.state.value}" for status in statuses)
-        problems.append(Problem("state_mismatch", f"ranks disagree on state: {_names(detail)}"))
-    return StateRound(tuple(statuses), tuple(problems))

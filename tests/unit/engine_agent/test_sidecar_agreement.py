@@ -1,4 +1,5 @@
-"""Table-driven tests of the all-rank agreement rules (``engine_agent.sidecar.ranks``)."""
+"""Table-driven tests of the all-rank rules: counting the answers (``engine_agent.sidecar.rounds``)
+and judging them (``engine_agent.sidecar.agreement``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,8 @@ from typing import Any
 import pytest
 
 from engine_agent.protocol import EngineState
-from engine_agent.sidecar.ranks import (
-    EMPTY_COVERAGE_HASH,
-    check_commit,
-    check_session,
-    collect_reports,
-    collect_states,
-    worst_state,
-)
+from engine_agent.sidecar.agreement import EMPTY_COVERAGE_HASH, check_commit, check_session
+from engine_agent.sidecar.rounds import collect_reports, collect_states, worst_state
 
 
 def report(tp: int = 0, dp: int = 0, pp: int = 0, ep: int = 0, **fields: Any) -> dict[str, Any]:
@@ -354,7 +349,8 @@ def test_worst_state_orders_by_severity() -> None:
 
 
 def test_with_a_manifest_every_rank_digest_must_be_the_manifests() -> None:
-    from engine_agent.sidecar.ranks import check_commit, collect_reports
+    from engine_agent.sidecar.agreement import check_commit
+    from engine_agent.sidecar.rounds import collect_reports
 
     reports = [report(0, dp=0, digest="m"), report(0, dp=1, digest="m")]
     round_ = collect_reports("weightroll_finish", reports, 2)
@@ -370,7 +366,8 @@ def test_the_data_parallel_rank_comes_from_vllm_032s_parallel_config() -> None:
     from vllm.config import ParallelConfig
 
     from engine_agent.reload.registry import rank_id
-    from engine_agent.sidecar.ranks import check_commit, collect_reports
+    from engine_agent.sidecar.agreement import check_commit
+    from engine_agent.sidecar.rounds import collect_reports
 
     ranks = [
         rank_id(parallel_config=ParallelConfig(data_parallel_size=2, data_parallel_rank=dp))
