@@ -256,6 +256,11 @@ def _describe(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     # The first sentence of the last line: vLLM appends lists of every parameter name.
     first = lines[-1].split(". ")[0] if lines else ""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not first and frames:
+        # A bare assert says nothing: the statement that failed, and where, does.
+        where = frames[-1]
+        first = f"{where.line} ({Path(where.filename).name}:{where.lineno})"
     return f"{type(error).__name__}: {first}"
 
 

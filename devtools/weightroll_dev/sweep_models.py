@@ -100,7 +100,53 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 32,
         "v_head_dim": 32,
     },
-    "hy_v3": {"first_k_dense_replace": 1},
+    # HY-V3's experts are sized by expert_hidden_dim and renormalised by route_norm in vLLM,
+    # the release config's names (transformers calls the width moe_intermediate_size).
+    "hy_v3": {
+        "first_k_dense_replace": 1,
+        "expert_hidden_dim": SHRINK["moe_intermediate_size"],
+        "route_norm": True,
+    },
+    # vLLM's A.X-K1 builds a post_mlp_layernorm on every decoder layer and requires it in the
+    # checkpoint (the release checkpoint stores one per layer); transformers gives it to the MoE
+    # layers only. An all-MoE tiny model has it on every layer.
+    "axk1": {"first_k_dense_replace": 0},
+    # vLLM's LongCat-Flash reads the MLA LoRA scaling switches and the zero experts' type from
+    # the release config (meituan-longcat/LongCat-Flash-Chat: mla_scale_q_lora and
+    # mla_scale_kv_lora true, zero_expert_type "identity"); transformers' config has neither.
+    "longcat_flash": {
+        "mla_scale_q_lora": True,
+        "mla_scale_kv_lora": True,
+        "zero_expert_type": "identity",
+    },
+    # vLLM's MiMo-V2-Flash reads the layer plan and the sliding-window attention's shape under
+    # the release config's names (XiaomiMiMo/MiMo-V2-Flash: hybrid_layer_pattern 1 = SWA,
+    # moe_layer_freq 1 = MoE, swa_* heads, sliding_window_size, layernorm_epsilon,
+    # add_swa_attention_sink_bias); transformers writes layer_types and mlp_layer_types. Here
+    # one full-attention dense layer, then one SWA MoE layer, whose KV heads transformers
+    # doubles, as the release's swa_num_key_value_heads does; v_head_dim at the tiny head_dim.
+    "mimo_v2_flash": {
+        "layer_types": ["full_attention", "sliding_attention"],
+        "mlp_layer_types": ["dense", "sparse"],
+        "hybrid_layer_pattern": [0, 1],
+        "moe_layer_freq": [0, 1],
+        "v_head_dim": SHRINK["head_dim"],
+        "swa_num_attention_heads": SHRINK["num_attention_heads"],
+        "swa_num_key_value_heads": 2 * SHRINK["num_key_value_heads"],
+        "swa_head_dim": SHRINK["head_dim"],
+        "swa_v_head_dim": SHRINK["head_dim"],
+        "sliding_window_size": 128,
+        "layernorm_epsilon": 1e-5,
+        "add_swa_attention_sink_bias": True,
+    },
+    # Llama 4 routes each token to one expert (num_experts_per_tok 1 in the release configs,
+    # meta-llama/Llama-4-Scout-17B-16E and -Maverick): vLLM's MoE applies the router weight on
+    # the input only for top-1. Its dense MLP layers are twice the expert width there
+    # (intermediate_size_mlp 16384, intermediate_size 8192): twice the tiny one.
+    "llama4_text": {
+        "num_experts_per_tok": 1,
+        "intermediate_size_mlp": 2 * SHRINK["intermediate_size"],
+    },
     # vLLM's LFM2 sizes its MLP from block_dim, the release config's (LiquidAI/LFM2-1.2B) name
     # for the hidden size.
     "lfm2": {"block_dim": SHRINK["hidden_size"]},

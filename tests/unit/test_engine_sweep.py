@@ -145,6 +145,22 @@ def test_a_validation_error_reads_as_its_cause_not_its_help_link() -> None:
     )
 
 
+def _route(scoring_func: str) -> None:
+    # What a bare ``assert`` raises outside pytest (which rewrites asserts to carry a message).
+    if scoring_func != "softmax":
+        raise AssertionError
+
+
+def test_a_bare_assertion_reads_as_the_statement_that_failed() -> None:
+    with pytest.raises(AssertionError) as caught:
+        _route("sigmoid")
+    line = _route.__code__.co_firstlineno + 3
+    assert (
+        _describe(caught.value)
+        == f"AssertionError: raise AssertionError (test_engine_sweep.py:{line})"
+    )
+
+
 def test_a_model_class_vllm_cannot_import_names_the_import_error(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     log.write_text(
