@@ -75,7 +75,12 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # Zamba2's default layer pattern is the release model's 54 layers: one Mamba2 layer and one
     # hybrid (the shared transformer block, then Mamba2), in the release config's names
     # (Zyphra/Zamba2-1.2B: layers_block_type "mamba" | "hybrid").
-    "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+    # Its attention runs at twice the hidden width: the head size is 2 x hidden / heads (what
+    # transformers computes but does not write over the tiny head_dim, and vLLM checks).
+    "zamba2": {
+        "layers_block_type": ["mamba", "hybrid"],
+        "attention_head_dim": 2 * SHRINK["hidden_size"] // SHRINK["num_attention_heads"],
+    },
     # vLLM's AFMoE reads the router's scoring from fields transformers' config lacks; the values
     # are the release config's (arcee-ai/Trinity-Mini: score_func, route_norm, n_group, topk_group).
     "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
@@ -106,11 +111,15 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "expert_hidden_dim": SHRINK["moe_intermediate_size"],
         "route_norm": True,
+        # transformers' model always has the q/k norms; vLLM builds them only with qk_norm
+        "qk_norm": True,
     },
     # vLLM's A.X-K1 builds a post_mlp_layernorm on every decoder layer and requires it in the
     # checkpoint (the release checkpoint stores one per layer); transformers gives it to the MoE
-    # layers only. An all-MoE tiny model has it on every layer.
-    "axk1": {"first_k_dense_replace": 0},
+    # layers only. An all-MoE tiny model has it on every layer. Its grouped routing (8 groups,
+    # 4 chosen, DeepSeek-V3's) needs more experts than the tiny 4: one group, as the DeepSeek
+    # tiny model has.
+    "axk1": {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1},
     # vLLM's LongCat-Flash reads the MLA LoRA scaling switches and the zero experts' type from
     # the release config (meituan-longcat/LongCat-Flash-Chat: mla_scale_q_lora and
     # mla_scale_kv_lora true, zero_expert_type "identity"); transformers' config has neither.
@@ -118,6 +127,10 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "mla_scale_q_lora": True,
         "mla_scale_kv_lora": True,
         "zero_expert_type": "identity",
+        # transformers' experts allocate gate/up weights for the weightless zero experts too
+        # (n_routed_experts + zero_expert_num of them), which no release checkpoint has and
+        # vLLM cannot load: the tiny model has no zero experts.
+        "zero_expert_num": 0,
     },
     # vLLM's MiMo-V2-Flash reads the layer plan and the sliding-window attention's shape under
     # the release config's names (XiaomiMiMo/MiMo-V2-Flash: hybrid_layer_pattern 1 = SWA,

@@ -69,6 +69,16 @@ def test_a_checkpoint_of_matrices_only_has_no_sparse_target() -> None:
         ("glm4_moe_lite", "first_k_dense_replace", 1),
         ("hy_v3", "first_k_dense_replace", 1),
         ("lfm2", "block_dim", SHRINK["hidden_size"]),
+        ("hy_v3", "expert_hidden_dim", SHRINK["moe_intermediate_size"]),
+        ("hy_v3", "qk_norm", True),
+        ("longcat_flash", "mla_scale_q_lora", True),
+        ("longcat_flash", "zero_expert_type", "identity"),
+        ("mimo_v2_flash", "hybrid_layer_pattern", [0, 1]),
+        ("mimo_v2_flash", "layernorm_epsilon", 1e-5),
+        # vLLM's MoE applies the router weight on the input (Llama 4) only for top-1.
+        ("llama4_text", "num_experts_per_tok", 1),
+        # A.X-K1's grouped routing at 4 experts: one group.
+        ("axk1", "n_group", 1),
     ],
 )
 def test_the_tiny_config_has_the_release_fields_vllm_reads(
@@ -114,7 +124,25 @@ def test_gemma3n_shares_kv_of_an_earlier_layer_of_each_type() -> None:
     assert config.vocab_size_per_layer_input == SHRINK["vocab_size"]
 
 
-@pytest.mark.parametrize("model_type", ["dbrx", "gemma3n_text", "gemma4_text", "lfm2_moe"])
+def test_mimo_v2_flash_layer_plan_matches_transformers_layers() -> None:
+    config = tiny_config("mimo_v2_flash")
+    swa = [int(t == "sliding_attention") for t in config.layer_types]
+    moe = [int(t == "sparse") for t in config.mlp_layer_types]
+    assert config.hybrid_layer_pattern == swa and config.moe_layer_freq == moe
+    # transformers doubles the KV heads of its SWA layers
+    assert config.swa_num_key_value_heads == 2 * config.num_key_value_heads
+
+
+def test_zamba2_attention_head_is_twice_the_hidden_width_over_heads() -> None:
+    config = tiny_config("zamba2")
+    assert config.attention_head_dim * config.num_attention_heads == config.attention_hidden_size
+    assert len(config.layers_block_type) == config.num_hidden_layers
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["dbrx", "gemma3n_text", "gemma4_text", "lfm2_moe", "zamba2", "longcat_flash", "axk1"],
+)
 def test_transformers_builds_the_tiny_model(model_type: str) -> None:
     import transformers
 
