@@ -37,12 +37,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from weightroll_dev import CHECKOUT, checkout_pythonpath
+from weightroll_dev.sweep_models import (
+    ENGINE_OPTIONS,
+    KNOWN_KINDS,
+    NO_CONFIG,
+    model_types,
+    tiny_checkpoint,
+)
 
 __all__ = [
     "COVERED_ELSEWHERE",
@@ -55,64 +63,14 @@ __all__ = [
 
 EQUAL = "equal to cold"
 NOT_SWEPT = "not yet swept"
-NO_CONFIG = "transformers has no causal-LM config for it (no tiny model offline)"
 #: Architectures whose update mechanisms have their own tests (the sweep skips them unless named).
 COVERED_ELSEWHERE = {
     "DeepseekV3ForCausalLM": "tests/engine/test_families.py",
     "GPT2LMHeadModel": "tests/engine/test_families.py",
     "MiniMaxM2ForCausalLM": "tests/engine/test_families.py",
 }
-#: Architectures whose tiny model :mod:`weightroll_dev.tinymodels` already knows how to build
-#: (with the config fields vLLM needs that transformers does not write).
-KNOWN_KINDS = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "GPT2LMHeadModel": "gpt2",
-    "MiniMaxM2ForCausalLM": "minimax_m2",
-}
-#: The tiny shape of vllm-on-cpu.md §3 (head_dim 32 is one the CPU attention supports), under
-#: the config's own field names; a field the config class does not have is not set.
-SHRINK: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 512,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 3,
-    # tie_word_embeddings keeps the class default: real checkpoints of the family follow it,
-    # and vLLM's Gemma 2/3 refuse an untied checkpoint ("no parameter named 'lm_head'").
-    # Other names of the same widths (Falcon, BLOOM, OPT, GPT-NeoX, GPT-J, Cohere ...).
-    "n_inner": 256,
-    "ffn_dim": 256,
-    "ffn_hidden_size": 256,
-    "num_kv_heads": 2,
-    # GPT-J's rotary_dim (64) must fit the tiny head_dim (32).
-    "rotary_dim": 16,
-    # Mixture of experts: 4 experts, 2 per token, small experts.
-    "num_local_experts": 4,
-    "num_experts": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "decoder_sparse_step": 1,
-}
-#: Config fields whose class defaults do not fit the tiny shape, by ``model_type``. (Families whose
-#: vLLM model reads fields only their released config.json has — HY-V3, LongCat-Flash, MiMo-V2 —
-#: need several more, each found only by the next start's error: they stay not runnable.)
-FAMILY_FIELDS: dict[str, dict[str, Any]] = {
-    # Mamba2 checks hidden_size x expand == num_heads x head_dim: 128 x 2 == 8 x 32.
-    "mamba2": {"num_heads": 8, "n_groups": 1},
-}
-#: Names of the MLP width (:func:`tiny_config` keeps their ratio to the hidden size).
-MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+#: What vLLM says when its registry cannot import a model class (the cause is in the log).
+INSPECTION_FAILED = "failed to be inspected"
 #: Per-engine-process time limit: four engine starts (three cold, one live) on a shared 2-core
 #: machine take 1-3 minutes; a hang is cut off here.
 DEFAULT_TIMEOUT_S = 900
@@ -159,82 +117,6 @@ def decoder_architectures() -> list[str]:
     return sorted(_TEXT_GENERATION_MODELS)
 
 
-def model_types(architecture: str) -> list[str]:
-    """The transformers ``model_type`` values whose causal-LM class is ``architecture``."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    found = []
-    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        if architecture in ([names] if isinstance(names, str) else names):
-            found.append(model_type)
-    return found
-
-
-def tiny_config(model_type: str) -> Any:
-    """The config class of ``model_type`` at the tiny shape, under its own field names."""
-    from transformers import CONFIG_MAPPING
-
-    config_class = CONFIG_MAPPING[model_type]
-    default = config_class()
-    aliases: dict[str, str] = dict(getattr(config_class, "attribute_map", {}) or {})
-    wide = getattr(default, "hidden_size", None)
-    fields: dict[str, Any] = {}
-    for name, value in SHRINK.items():
-        derived = getattr(config_class, name, None)  # Falcon's head_dim: computed, read-only
-        if isinstance(derived, property) and not derived.fset:
-            continue
-        # head_dim always: vLLM's Glm4Moe reads it, which transformers' config does not declare
-        # (real checkpoints write it); 32 is hidden / heads, what the others compute anyway.
-        if hasattr(default, name) or name == "head_dim":
-            fields[aliases.get(name, name)] = value
-    # An MLP width that is an exact multiple of the hidden size keeps the multiple: vLLM's
-    # Falcon builds its MLP as 4 x hidden whatever ffn_hidden_size says.
-    for name in MLP_WIDTHS:
-        width = getattr(default, name, None)
-        if isinstance(width, int) and isinstance(wide, int) and wide and width % wide == 0:
-            fields[aliases.get(name, name)] = width // wide * SHRINK["hidden_size"]
-    # A width equal to the hidden size under a name of its own (OPT's word_embed_proj_dim)
-    # must shrink with it.
-    for name, value in vars(default).items():
-        if (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and value == wide
-            and name not in fields
-            and name not in aliases.values()
-        ):
-            fields[name] = SHRINK["hidden_size"]
-    return config_class(**(fields | FAMILY_FIELDS.get(model_type, {})))
-
-
-def tiny_checkpoint(architecture: str, out_dir: Path, seed: int = 0) -> Path:
-    """A tiny random checkpoint of ``architecture`` in ``out_dir``.
-
-    Raises:
-        LookupError: transformers has no causal-LM config for the architecture.
-    """
-    from weightroll_dev.tinymodels import build_from_config, build_tiny_model
-
-    if architecture in KNOWN_KINDS:
-        return build_tiny_model(KNOWN_KINDS[architecture], out_dir, seed=seed)
-    types = model_types(architecture)
-    if not types:
-        raise LookupError(NO_CONFIG)
-    # A composite (text + vision) config nests a full-size text config the shrink does not
-    # reach (Qwen3.5-MoE's took 9 GiB); the text config of the same family is the tiny one.
-    config = tiny_config(sorted(types, key=_is_composite)[0])
-    config.architectures = [architecture]
-    return build_from_config(
-        config, out_dir, seed, label={"architecture": architecture, "seed": seed}
-    )
-
-
-def _is_composite(model_type: str) -> bool:
-    from transformers import CONFIG_MAPPING
-
-    return hasattr(CONFIG_MAPPING[model_type](), "text_config")
-
-
 def layer_prefix(names: Iterable[str]) -> str:
     """The checkpoint-name prefix of the second decoder layer (``model.layers.1.``), or of the
     first where the checkpoint has one layer only (LongCat-Flash counts two sublayers as one)."""
@@ -278,9 +160,11 @@ def check_architecture(architecture: str, workdir: Path) -> Verdicts:
     from weightroll_dev.tinymodels import load_tensors, random_checkpoint, write_tensors
 
     workdir = Path(workdir)
+    options = ENGINE_OPTIONS.get(architecture, {})
     try:
         a = tiny_checkpoint(architecture, workdir / "a")
     except Exception as error:  # any failure to build is the row's reason
+        traceback.print_exc()  # the cell has one line; the row's engine.log has the traceback
         return Verdicts.not_runnable(architecture, f"tiny model: {_describe(error)}")
     b = random_checkpoint(a, workdir / "b", seed=1)
     ta, tb = load_tensors(a), load_tensors(b)
@@ -303,13 +187,16 @@ def check_architecture(architecture: str, workdir: Path) -> Verdicts:
     # Cold references first, each engine closed before the next starts (an in-process engine
     # shut down while another is alive tears down state the live one uses).
     try:
-        cold = {name: _cold(path) for name, path in (("b", b), ("p", partial), ("s", sparse))}
+        cold = {
+            name: _cold(path, options) for name, path in (("b", b), ("p", partial), ("s", sparse))
+        }
     except Exception as error:
+        traceback.print_exc()
         return Verdicts.not_runnable(architecture, f"vllm-cpu: {_describe(error)}")
 
     from tests.harness.engines import start_engine
 
-    engine = start_engine(a)
+    engine = start_engine(a, **options)
     try:
         boot = engine.outputs(token_ids=True)
         full = _judge(engine.update("sweep-full", "b", b), "b", engine, cold["b"])
@@ -356,9 +243,24 @@ def check_architecture(architecture: str, workdir: Path) -> Verdicts:
 
 
 def _describe(error: BaseException) -> str:
+    # A pydantic ValidationError (vLLM's config checks) ends with a "For further information
+    # visit <url>" line: its cause is each error's message.
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        try:
+            messages = [str(e["msg"]) for e in errors()]
+        except Exception:  # not pydantic's errors(): fall back to the text
+            messages = []
+        if messages:
+            return f"{type(error).__name__}: " + "; ".join(messages)
     lines = str(error).strip().splitlines()
     # The first sentence of the last line: vLLM appends lists of every parameter name.
     first = lines[-1].split(". ")[0] if lines else ""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not first and frames:
+        # A bare assert says nothing: the statement that failed, and where, does.
+        where = frames[-1]
+        first = f"{where.line} ({Path(where.filename).name}:{where.lineno})"
     return f"{type(error).__name__}: {first}"
 
 
@@ -373,10 +275,10 @@ def _variant(base: Path, out_dir: Path, replaced: dict[str, Any]) -> Path:
     return out_dir
 
 
-def _cold(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+def _cold(model_dir: Path, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     from tests.harness.engines import start_engine
 
-    engine = start_engine(model_dir)
+    engine = start_engine(model_dir, **options)
     try:
         return engine.outputs(token_ids=True), engine.llm.collective_rpc("probe_census")[0]
     finally:
@@ -458,10 +360,26 @@ def run_isolated(architecture: str, workdir: Path, timeout_s: float) -> Verdicts
         except subprocess.TimeoutExpired:
             return Verdicts.not_runnable(architecture, f"no result within {timeout_s:.0f} s")
     if done.returncode == 0 and result.exists():
-        return Verdicts(**json.loads(result.read_text()))
+        verdicts = Verdicts(**json.loads(result.read_text()))
+        if INSPECTION_FAILED in verdicts.full:
+            return Verdicts.not_runnable(
+                architecture, f"vllm-cpu cannot import the model class: {_inspection_cause(log)}"
+            )
+        return verdicts
     return Verdicts.not_runnable(
         architecture, f"engine process exited {done.returncode}: {_last_error(log)}"
     )
+
+
+def _inspection_cause(log: Path) -> str:
+    """Why vLLM's registry could not inspect the model class: the last error its inspecting
+    subprocess logged (vLLM's own message only says "check the logs")."""
+    causes = [
+        found.group(1)
+        for line in log.read_text(errors="replace").splitlines()
+        if (found := re.search(r"\[registry\.py:\d+\] (\w+(?:Error|Exception): .*)$", line))
+    ]
+    return causes[-1].strip() if causes else "no cause in the engine log"
 
 
 def _last_error(log: Path) -> str:

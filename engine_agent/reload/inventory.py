@@ -69,6 +69,9 @@ _RUNTIME_ATTRS = frozenset(
         "_replayssm_ring_start",
         "_replayssm_prev_num_accepted",
         "_replayssm_prev_query_len",
+        # Gemma 3n's AltUp router scale: hidden_size ** -1, a constant of the config that no
+        # weight changes (a non-persistent buffer beside the router's parameters)
+        "router_input_scale",
     }
 )
 #: Callable attributes that are kernels: an opaque object in their closure is kernel state.

@@ -141,3 +141,14 @@ def test_a_view_of_a_checkpoint_parameter_reads_its_bytes() -> None:
     items = _inventory(model).items
     assert items["embed.flat"].kind == CHECKPOINT and items["embed.flat"].sources == {"embed"}
     assert items["embed.copied"].kind == DERIVED and items["embed.copied"].refresher is None
+
+
+def test_gemma3n_router_input_scale_is_a_config_constant() -> None:
+    """Gemma 3n's AltUp keeps ``router_input_scale`` (hidden_size ** -1) as a non-persistent
+    buffer beside its router's parameters: it was classified derived with no refresher, so every
+    full or partial update of Gemma 3n was refused (docs/models.md)."""
+    model = _Model()
+    model.embed.register_buffer("router_input_scale", torch.tensor(4**-1.0), persistent=False)
+    items = _inventory(model).items
+    assert items["embed.router_input_scale"].kind == RUNTIME
+    assert _inventory(model).unsupported({"embed"})[0].name == "embed.scale_copy"
