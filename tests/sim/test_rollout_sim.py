@@ -1170,3 +1170,27 @@ def test_a_finished_rollout_is_not_succeeded_while_an_added_pod_cannot_be_asked(
         sim.check(inv.liveness(sim.server, sim.pods, sim.order))
         if sim.pods["p3"].serving()[0] != {"v2"} or not sim.server.ready("p3"):
             raise Broken(f"p3 not converged:\n{sim.describe()}")
+
+
+def test_a_verified_pod_whose_containers_turned_not_ready_behind_a_partition_is_unknown() -> None:
+    """Found by the soak (80-step schedules; shrunk by delta debugging): p1 is verified at v2
+    when the operator loses its agent, and vLLM restarts under the agent onto the boot weights
+    v1. Kubelet shows the containers NotReady (the agent holds the pod out) but no restart yet,
+    so the incarnation the verdict was made on was unchanged, and the status kept listing p1
+    ``Verified`` at v2 with its gate True. Containers not seen serving, with no answer to
+    re-judge them, are the same case as containers replaced (``domain.standing``): the pod is
+    ``Unknown``. Fails on d22ff4b."""
+    with replay("e", "Verified at v2") as sim:
+        sim.start(pods=4, budget=1, on_failure="Halt", tp=1)
+        sim.partition("p0", True)
+        for _ in range(3):
+            sim.progress(0.0)
+        sim.partition("p1", True)
+        sim.restart_vllm("p1")
+        sim.progress(0.0)
+        sim.progress(0.0)
+        sim.clock_step(120.0)
+        sim.progress(30.0)
+        listed = {p["name"]: p for p in sim.server.weightupdates["wu-a"]["status"]["pods"]}
+        if listed["p1"]["state"] != "Unknown" or "not ready" not in listed["p1"]["reason"]:
+            raise Broken(f"p1 listed {listed['p1']}:\n{sim.describe()}")
