@@ -1194,3 +1194,31 @@ def test_a_verified_pod_whose_containers_turned_not_ready_behind_a_partition_is_
         listed = {p["name"]: p for p in sim.server.weightupdates["wu-a"]["status"]["pods"]}
         if listed["p1"]["state"] != "Unknown" or "not ready" not in listed["p1"]["reason"]:
             raise Broken(f"p1 listed {listed['p1']}:\n{sim.describe()}")
+
+
+@pytest.mark.parametrize("on_failure", ["Halt", "Rollback"])
+def test_a_finished_rollout_whose_failed_straggler_holds_the_budget_halts(on_failure: str) -> None:
+    """Found by the soak (1 in 400 80-step schedules; rebuilt by hand from its shrunk core):
+    budget 1, after ``Succeeded`` vLLM restarts under p1 and the reload that converges it
+    fails: p1 is reported ``Failed`` and, drained, holds the only slot. Then p2 restarts
+    without its agent's state onto its boot weights: its verdict is withdrawn and it waits,
+    in traffic, for a slot that never comes. The rollout sat ``Progressing`` for ever with p2
+    listed ``Pending`` and no reason. Failed units holding every slot while units wait is the
+    halt of a rollout that cannot go on, finished or not; after ``Succeeded`` it never rolls
+    the fleet back (``domain.halts``). Fails on d22ff4b."""
+    with replay("d", "") as sim:
+        sim.start(pods=3, budget=1, on_failure=on_failure, tp=1)
+        drive(sim)
+        sim.restart_vllm("p1")
+        for _ in range(GRACE_PASSES + 1):
+            sim.clock_step(30.0)
+            sim.reconcile("wu-a", None)
+        sim.load_ends("p1", False)
+        sim.reconcile("wu-a", None)
+        sim.restart_pod("p2", keep_state=False)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        status = sim.server.weightupdates["wu-a"]["status"]
+        p0_serves = sim.pods["p0"].serving()[0] == {"v2"} and sim.server.ready("p0")
+        if status.get("abortReason") != "FailureBudgetExceeded" or not p0_serves:
+            raise Broken(f"no halt, or the finished fleet rolled back:\n{sim.describe()}")
