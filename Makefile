@@ -66,11 +66,14 @@ sim: venv
 	$(AREA_PYTEST) tests/sim -m sim
 
 ## The simulation tier (tests/sim) with many more generated hostile schedules than CI runs
-## (fresh randomness each time; a failure prints the shrunk schedule to replay). SOAK_EXAMPLES
-## overrides the count; prints the schedules run and the violations found.
+## (fresh randomness each time, SOAK_SEED=n to run one seed again). The first failing schedule
+## is shrunk by greedy step deletion and printed as replay calls (tests/harness/sim/schedule.py).
+## SOAK_EXAMPLES overrides the count; prints the schedules run and the violations found.
 SOAK_EXAMPLES ?= 2000
 soak: venv
-	WEIGHTROLL_SIM_PROFILE=sim-soak WEIGHTROLL_SIM_EXAMPLES=$(SOAK_EXAMPLES) $(PY) -m pytest tests/sim -m sim -s -p no:cacheprovider
+	WEIGHTROLL_SIM_PROFILE=sim-soak WEIGHTROLL_SIM_EXAMPLES=$(SOAK_EXAMPLES) WEIGHTROLL_SIM_SHRINK=1 \
+	$(PY) -m pytest tests/sim -m sim -s -p no:cacheprovider -k TestRolloutSim \
+	$(if $(SOAK_SEED),--hypothesis-seed=$(SOAK_SEED))
 
 ## The prepared GPU check (bench/gpu_check.py): about 8 minutes on one GPU; DRY_RUN=1 on a CPU.
 gpu-check: venv

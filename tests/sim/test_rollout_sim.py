@@ -60,6 +60,7 @@ from engine_agent.protocol import AgentState
 from tests.harness.sim import invariants as inv
 from tests.harness.sim.agents import SimAgents, SimPod, source_of
 from tests.harness.sim.cluster import NAMESPACE, SimApiServer, SimClock
+from tests.harness.sim.schedule import Step, recorded, render, shrink
 
 pytestmark = pytest.mark.sim
 
@@ -81,6 +82,10 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=list(HealthCheck),
     print_blob=True,
+    # with WEIGHTROLL_SIM_SHRINK=1 greedy step deletion shrinks instead (`SHRINK`)
+    phases=[Phase.explicit, Phase.reuse, Phase.generate]
+    if os.environ.get("WEIGHTROLL_SIM_SHRINK") == "1"
+    else list(Phase),
 )
 settings.register_profile(
     "sim-survey",
@@ -135,10 +140,23 @@ QUIESCE_ROUNDS = 60
 STATS: Counter[str] = Counter()
 #: Survey mode: the violations of each violating schedule.
 SURVEYED: list[str] = []
+#: ``WEIGHTROLL_SIM_SHRINK=1`` (``make soak``): the failing schedule Hypothesis reports last is
+#: shrunk further by greedy step deletion and printed as a replay (``tests/harness/sim/
+#: schedule.py``); Hypothesis' own shrinking is left out of the soak profile, which this replaces.
+SHRINK = os.environ.get("WEIGHTROLL_SIM_SHRINK") == "1"
+#: The last failing schedule and the kind of its first violation (:func:`kind_of`).
+FAILING: list[tuple[list[Step], str]] = []
 
 
 class Broken(AssertionError):
     """An invariant did not hold; the message lists every violation."""
+
+
+def kind_of(violation: str) -> str:
+    """A violation's kind: its text without pod names, numbers and what it quotes (a shrunk
+    schedule must keep the violation, not its counts)."""
+    text = re.sub(r"\('[^']*'\)|'[^']*'|\[[^\]]*\]", "", violation.splitlines()[0])
+    return re.sub(r"\bp\d\b|\d+", "#", text).strip()
 
 
 class RolloutMachine(RuleBasedStateMachine):
@@ -188,6 +206,8 @@ class RolloutMachine(RuleBasedStateMachine):
         self.record_only = False
         self.found: list[inv.Violation] = []
         self.violations: list[inv.Violation] = []
+        #: The rules run so far (``@recorded``): the schedule to replay and shrink.
+        self.schedule: list[Step] = []
 
     # ------------------------------------------------------------------ plumbing
 
@@ -267,6 +287,7 @@ class RolloutMachine(RuleBasedStateMachine):
         STATS["schedules-violating"] += 1
         STATS[f"first-violation-{found[0].invariant}"] += 1
         text = "\n".join(map(str, found)) + "\n" + self.describe()
+        FAILING[:] = [(list(self.schedule), kind_of(str(found[0])))]
         if SURVEY:
             SURVEYED.append(text)
             return
@@ -386,6 +407,7 @@ class RolloutMachine(RuleBasedStateMachine):
         tp=st.sampled_from([1, 2]),
         prefetch=st.sampled_from(["None", "Host"]),
     )
+    @recorded
     def start(
         self, pods: int, budget: int, on_failure: str, tp: int, prefetch: str = "None"
     ) -> None:
@@ -401,6 +423,7 @@ class RolloutMachine(RuleBasedStateMachine):
         catch_up=st.sampled_from([None, None, 0, 1, 3]),
         peers_fresh=st.sampled_from([True, True, False]),
     )
+    @recorded
     def reconcile(self, wu: str, catch_up: int | None, peers_fresh: bool = True) -> None:
         """A pass of ``wu``, its pod index caught up by ``catch_up`` revisions (None: all),
         handed the other WeightUpdates as they are now (``peers_fresh``) or as an earlier pass
@@ -409,6 +432,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.after()
 
     @rule(pod=st.sampled_from(POD_NAMES), ok=st.booleans())
+    @recorded
     def load_ends(self, pod: str, ok: bool) -> None:
         """The load running on ``pod`` (if any) ends: committed on every rank, or failed."""
         sim = self.pods.get(pod)
@@ -417,6 +441,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.after()
 
     @rule(seconds=st.sampled_from([0.0, 5.0, 30.0]))
+    @recorded
     def progress(self, seconds: float) -> None:
         """The fault-free course of things, in one step: every running load commits, every
         WeightUpdate passes on the whole cluster, ``seconds`` pass (schedules get far enough
@@ -432,6 +457,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("blip"))
     @rule(pods=st.frozensets(st.sampled_from(POD_NAMES), min_size=1, max_size=3), on=st.booleans())
+    @recorded
     def blip(self, pods: frozenset[str], on: bool) -> None:
         """The containers of ``pods`` turn (not) ready for a reason of their own (a node's
         hiccup reaches several at once)."""
@@ -443,6 +469,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("restart"))
     @rule(pod=st.sampled_from(POD_NAMES), keep_state=st.booleans())
+    @recorded
     def restart_pod(self, pod: str, keep_state: bool) -> None:
         """``pod``'s containers restart: vLLM onto the boot weights, the agent with or without
         its state."""
@@ -457,6 +484,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("restart"))
     @rule(pod=st.sampled_from(POD_NAMES))
+    @recorded
     def restart_vllm(self, pod: str) -> None:
         """vLLM alone restarts under ``pod``'s agent, onto the boot weights."""
         sim = self.pods.get(pod)
@@ -467,6 +495,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("delete"))
     @rule(pod=st.sampled_from(POD_NAMES), recreate=st.booleans())
+    @recorded
     def delete_pod(self, pod: str, recreate: bool) -> None:
         """``pod`` is deleted (and, like a StatefulSet's, re-created under its name)."""
         sim = self.pods.pop(pod, None)
@@ -486,6 +515,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("scale"))
     @rule()
+    @recorded
     def scale_up(self) -> None:
         """A new pod joins the selected fleet, on the boot weights, gate never set."""
         free = [n for n in POD_NAMES if n not in self.pods]
@@ -496,6 +526,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("conflict"))
     @rule(pod=st.sampled_from(POD_NAMES), error=st.sampled_from(["409", "503"]))
+    @recorded
     def other_writer(self, pod: str, error: str) -> None:
         """Someone else writes ``pod`` (the operator's next write from its older view gets 409),
         or the API server fails the operator's next write to it (503)."""
@@ -508,6 +539,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("partition"))
     @rule(pod=st.sampled_from(POD_NAMES), on=st.booleans())
+    @recorded
     def partition(self, pod: str, on: bool) -> None:
         """The operator cannot reach ``pod``'s agent (or can again)."""
         sim = self.pods.get(pod)
@@ -517,6 +549,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("edit_version"))
     @rule(wu=st.sampled_from(["wu-a", "wu-b"]), version=st.sampled_from(VERSIONS))
+    @recorded
     def edit_version(self, wu: str, version: str) -> None:
         """``spec.version`` (and the source) of ``wu`` change mid-rollout."""
         body = self._edit(wu)
@@ -527,6 +560,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("edit_budget"))
     @rule(wu=st.sampled_from(["wu-a", "wu-b"]), budget=st.sampled_from([1, 2, 3]))
+    @recorded
     def edit_budget(self, wu: str, budget: int) -> None:
         """``maxUnavailable`` of ``wu`` changes mid-rollout."""
         body = self._edit(wu)
@@ -536,12 +570,14 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("overlap") and "wu-b" not in self.server.weightupdates)
     @rule(version=st.sampled_from(["v2", "v3"]), budget=st.sampled_from([1, 2]))
+    @recorded
     def second_weightupdate(self, version: str, budget: int) -> None:
         """A second WeightUpdate over part of the fleet (``tier: b``)."""
         self._wu("wu-b", version, {"app": "llm", "tier": "b"}, budget, "Halt")
         self.after()
 
     @rule(seconds=st.sampled_from([1.0, 5.0, 30.0, 120.0, 700.0, 2000.0]))
+    @recorded
     def clock_step(self, seconds: float) -> None:
         """Time passes (past ``updateTimeoutSeconds`` at 700 s, past the deadline at 2000 s)."""
         self.clock.step(seconds)
@@ -549,6 +585,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("operator_restart"))
     @rule()
+    @recorded
     def operator_restart(self) -> None:
         """The operator restarts: every cache is lost, its index is listed afresh."""
         self.rec = self._reconciler()
@@ -557,6 +594,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("leader_lost"))
     @rule(wu=st.sampled_from(["wu-a", "wu-b"]), writes=st.integers(0, 4))
+    @recorded
     def leader_lost_mid_pass(self, wu: str, writes: int) -> None:
         """The operator stops in the middle of a pass of ``wu`` after ``writes`` writes (its
         process crashed, or it lost the Lease and its fence stopped it: no write or agent call
@@ -575,6 +613,7 @@ class RolloutMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._fault("relist"))
     @rule()
+    @recorded
     def watch_expired(self) -> None:
         """The pod watch expired (410 Gone) and kopf listed the pods again: a pod deleted while
         it was down stays in the operator's index (a ghost) until the operator asks the API
@@ -661,6 +700,42 @@ def _report_counts() -> Iterator[None]:
     for kind, all_of_kind in sorted(kinds.items(), key=lambda item: -len(item[1])):
         print(f"{len(all_of_kind):4d} x {kind}")
         print("       e.g. " + all_of_kind[0].replace("\n", "\n       "))
+    if SHRINK and FAILING:
+        _print_shrunk(*FAILING[-1])
+
+
+def replay_schedule(steps: list[Step]) -> list[inv.Violation]:
+    """Run ``steps`` on a fresh machine as Hypothesis would (the invariants after every step),
+    then let the faults stop and judge liveness, as its teardown does; every violation found."""
+    machine = RolloutMachine()
+    machine.record_only = True
+    try:
+        for step in steps:
+            getattr(machine, step.rule)(**dict(step.args))
+            machine.safety()
+        machine.quiesce()
+        machine.check(inv.liveness(machine.server, machine.pods, machine.order))
+    finally:
+        machine.teardown()
+    return machine.found
+
+
+def _print_shrunk(steps: list[Step], kind: str) -> None:
+    """Shrink a failing schedule by greedy step deletion, keeping a violation of ``kind``."""
+    counted = STATS.copy()  # the replays are no schedules of the soak
+
+    def fails(candidate: list[Step]) -> bool:
+        return any(kind_of(str(v)) == kind for v in replay_schedule(list(candidate)))
+
+    if not fails(steps):
+        print(f"\nshrink: the failing schedule ({len(steps)} steps) did not fail again: {kind}")
+        return
+    shrunk = shrink(steps, fails)
+    STATS.clear()
+    STATS.update(counted)
+    header = f"{kind}\nshrunk from {len(steps)} to {len(shrunk)} steps; replay with"
+    header += ' `with replay("<invariant>", "<words>") as sim:` and these calls'
+    print("\n" + render(shrunk, header))
 
 
 @contextlib.contextmanager
@@ -722,6 +797,20 @@ def drive(sim: RolloutMachine, rounds: int = 40) -> None:
             return
         sim.clock_step(5.0)
     raise Broken(f"no progress:\n{sim.describe()}")
+
+
+def _a_straggler_fails_after_success(sim: RolloutMachine, on_failure: str = "Halt") -> None:
+    """Budget 1, three pods rolled to v2 (``Succeeded``); then vLLM restarts under p1 (its
+    agent holds it out), and the reload that converges p1 fails: p1 is reported ``Failed``
+    and, drained, holds the only slot."""
+    sim.start(pods=3, budget=1, on_failure=on_failure, tp=1)
+    drive(sim)
+    sim.restart_vllm("p1")
+    for _ in range(GRACE_PASSES + 1):
+        sim.clock_step(30.0)
+        sim.reconcile("wu-a", None)
+    sim.load_ends("p1", False)
+    sim.reconcile("wu-a", None)
 
 
 def test_item_1_a_finished_rollout_past_its_deadline_converges_an_added_pod() -> None:
@@ -877,14 +966,7 @@ def test_a_finished_rollout_reports_a_pod_that_failed_after_it_and_stays_succeed
     pod (``Failed`` with its reason, ``Degraded=True``, ``domain.halts``); invariant (e) read
     ``Succeeded`` as "every pod serves the version" and flagged it."""
     with replay("e", "Succeeded at v2") as sim:
-        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
-        drive(sim)
-        sim.restart_vllm("p1")
-        for _ in range(GRACE_PASSES + 1):
-            sim.clock_step(30.0)
-            sim.reconcile("wu-a", None)
-        sim.load_ends("p1", False)
-        sim.reconcile("wu-a", None)
+        _a_straggler_fails_after_success(sim)
         sim.safety()
 
 
@@ -895,14 +977,7 @@ def test_a_pod_its_agent_holds_out_is_converged_while_a_failed_unit_holds_the_bu
     never converged). A unit held out by its agent, like one held by our gate, costs no slot:
     claiming it keeps nothing out that would serve (``domain.availability``)."""
     with replay("d", "still") as sim:
-        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
-        drive(sim)
-        sim.restart_vllm("p1")
-        for _ in range(GRACE_PASSES + 1):
-            sim.clock_step(30.0)
-            sim.reconcile("wu-a", None)
-        sim.load_ends("p1", False)
-        sim.reconcile("wu-a", None)
+        _a_straggler_fails_after_success(sim)
         sim.restart_vllm("p2")
         sim.quiesce()
         sim.check(inv.liveness(sim.server, sim.pods, sim.order))
@@ -1170,3 +1245,48 @@ def test_a_finished_rollout_is_not_succeeded_while_an_added_pod_cannot_be_asked(
         sim.check(inv.liveness(sim.server, sim.pods, sim.order))
         if sim.pods["p3"].serving()[0] != {"v2"} or not sim.server.ready("p3"):
             raise Broken(f"p3 not converged:\n{sim.describe()}")
+
+
+def test_a_verified_pod_whose_containers_turned_not_ready_behind_a_partition_is_unknown() -> None:
+    """Found by the soak (80-step schedules; shrunk by delta debugging): p1 is verified at v2
+    when the operator loses its agent, and vLLM restarts under the agent onto the boot weights
+    v1. Kubelet shows the containers NotReady (the agent holds the pod out) but no restart yet,
+    so the incarnation the verdict was made on was unchanged, and the status kept listing p1
+    ``Verified`` at v2 with its gate True. Containers not seen serving, with no answer to
+    re-judge them, are the same case as containers replaced (``domain.standing``): the pod is
+    ``Unknown``. Fails on d22ff4b."""
+    with replay("e", "Verified at v2") as sim:
+        sim.start(pods=4, budget=1, on_failure="Halt", tp=1)
+        sim.partition("p0", True)
+        for _ in range(3):
+            sim.progress(0.0)
+        sim.partition("p1", True)
+        sim.restart_vllm("p1")
+        sim.progress(0.0)
+        sim.progress(0.0)
+        sim.clock_step(120.0)
+        sim.progress(30.0)
+        listed = {p["name"]: p for p in sim.server.weightupdates["wu-a"]["status"]["pods"]}
+        if listed["p1"]["state"] != "Unknown" or "not ready" not in listed["p1"]["reason"]:
+            raise Broken(f"p1 listed {listed['p1']}:\n{sim.describe()}")
+
+
+@pytest.mark.parametrize("on_failure", ["Halt", "Rollback"])
+def test_a_finished_rollout_whose_failed_straggler_holds_the_budget_halts(on_failure: str) -> None:
+    """Found by the soak (1 in 400 80-step schedules; rebuilt by hand from its shrunk core):
+    budget 1, after ``Succeeded`` vLLM restarts under p1 and the reload that converges it
+    fails: p1 is reported ``Failed`` and, drained, holds the only slot. Then p2 restarts
+    without its agent's state onto its boot weights: its verdict is withdrawn and it waits,
+    in traffic, for a slot that never comes. The rollout sat ``Progressing`` for ever with p2
+    listed ``Pending`` and no reason. Failed units holding every slot while units wait is the
+    halt of a rollout that cannot go on, finished or not; after ``Succeeded`` it never rolls
+    the fleet back (``domain.halts``). Fails on d22ff4b."""
+    with replay("d", "") as sim:
+        _a_straggler_fails_after_success(sim, on_failure)
+        sim.restart_pod("p2", keep_state=False)
+        sim.quiesce()
+        sim.check(inv.liveness(sim.server, sim.pods, sim.order))
+        status = sim.server.weightupdates["wu-a"]["status"]
+        p0_serves = sim.pods["p0"].serving()[0] == {"v2"} and sim.server.ready("p0")
+        if status.get("abortReason") != "FailureBudgetExceeded" or not p0_serves:
+            raise Broken(f"no halt, or the finished fleet rolled back:\n{sim.describe()}")

@@ -309,8 +309,10 @@ class StrategySpec(Model):
     """When the rollout halts (more than `maxFailedReplicas` units failed, a failed canary,
     the progress deadline): `Halt` stops starting units (failed units stay drained);
     `Rollback` reloads every touched unit in place to the version and source it served
-    before. A completed rollout never halts: a pod failing after completion is reported
-    (`Failed`, condition `Degraded`) and the verified pods are left alone."""
+    before. A completed rollout never judges the version again: a pod failing after
+    completion is reported (`Failed`, condition `Degraded`) and the verified pods are left
+    alone; only failed pods holding every `maxUnavailable` slot while pods wait halt it, and
+    that halt never rolls back."""
     max_failed_replicas: int = Field(default=0, ge=0)
     """Failed units tolerated: they stay drained and reported (condition `Degraded`), and the
     rollout goes on and completes (phase `Succeeded`, `Degraded=True`). One more failure halts

@@ -127,6 +127,7 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None) -> PodView:
         deleting=bool(meta.get("deletionTimestamp")),
         resource_version=meta.get("resourceVersion"),
         incarnation=f"{meta.get('uid', '')}|{(pod.get('status') or {}).get('podIP')}|{restarts}",
+        containers_ready=conditions.get("ContainersReady"),
         uid=meta.get("uid"),
     )
 

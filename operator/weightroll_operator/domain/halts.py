@@ -2,14 +2,23 @@
 
 Two concepts live here, so that no step of the planner has to special-case them:
 
-**A finished rollout converges stragglers; it never halts.** Once every selected unit was
-verified (or failed within ``maxFailedReplicas``) the rollout has a ``completionTime`` and its
-verdict stands. A pod that joins later (scale-up, a replaced or restarted pod) is brought to the
-version like any other, but neither its failure nor the time it takes is a verdict on the
-rollout: the pod is reported (``Failed`` with its reason, kept out of traffic; or a note such as
-``Joining``) and the verified pods are left alone. Halting then would roll the whole finished
-fleet back for one new pod (issue 27 items 1 and 7). Deployment behaves alike: a scale-up of a
-complete Deployment is no new rollout and is never judged by ``progressDeadlineSeconds``.
+**A finished rollout converges stragglers; it never judges the version again.** Once every
+selected unit was verified (or failed within ``maxFailedReplicas``) the rollout has a
+``completionTime`` and its verdict stands. A pod that joins later (scale-up, a replaced or
+restarted pod) is brought to the version like any other, but neither its failure nor the time
+it takes is a verdict on the rollout: the pod is reported (``Failed`` with its reason, kept out
+of traffic; or a note such as ``Joining``) and the verified pods are left alone. Halting then
+would roll the whole finished fleet back for one new pod (issue 27 items 1 and 7). Deployment
+behaves alike: a scale-up of a complete Deployment is no new rollout and is never judged by
+``progressDeadlineSeconds``.
+
+One halt still applies, because it judges no version: failed units holding every slot while
+units wait (**Tolerated failures** below) say that the rollout *cannot go on*, finished or not.
+A finished rollout whose failed straggler held the only slot while a pod restarted onto other
+weights waited for it sat ``Progressing`` for ever, the waiting pod listed with no reason
+(found by the simulation tier). It halts (``FailureBudgetExceeded``, naming the fix) and waits
+for a person, but its halt never rolls the finished fleet back (:func:`rolls_back`): only
+``weightroll abort`` (``AbortedByUser``) does, as it asks to.
 
 **The progress clock measures the current attempt.** ``progressDeadlineSeconds`` counts from
 the attempt's last transition (a claim, a verdict), never from creation: time before the
@@ -45,10 +54,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from weightroll_operator.api.v1alpha1 import StrategySpec
+from weightroll_operator.api.v1alpha1 import OnFailure, StrategySpec
 from weightroll_operator.domain.conditions import Reason
 
-__all__ = ["Verdict", "budget_problem", "deadline_problem", "halt_verdict", "progress_clock"]
+__all__ = [
+    "Verdict",
+    "budget_problem",
+    "deadline_problem",
+    "halt_verdict",
+    "progress_clock",
+    "rolls_back",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +119,8 @@ def halt_verdict(
 
     Args:
         strategy: the spec's strategy.
-        finished: the rollout completed (``completionTime``): it never halts (module doc).
+        finished: the rollout completed (``completionTime``): only a rollout that cannot go
+            on halts (module doc).
         rolled_back: units a rollback from this version was recorded on (module doc).
         canary_failed: canary units that failed during the canary phase.
         failed_units: failed units, this pass's verdicts included.
@@ -116,8 +133,37 @@ def halt_verdict(
         clock: :func:`progress_clock`.
         now: this pass's time.
     """
-    if finished:
+    if not finished:
+        verdict = _judged(strategy, rolled_back, canary_failed, failed_units)
+        if verdict is not None:
+            return verdict
+    holding = failed_units if drained_failed_units is None else drained_failed_units
+    if holding and holding >= max_unavailable and waiting_for_slot:
+        if finished:
+            which, fix = "failed since the rollout finished", "raise spec.strategy.maxUnavailable"
+        else:
+            which = f"tolerated by maxFailedReplicas {strategy.max_failed_replicas}"
+            fix = "raise spec.strategy.maxUnavailable above maxFailedReplicas"
+        return Verdict(
+            Reason.FAILURE_BUDGET_EXCEEDED,
+            f"Halted: {holding} failed units ({which}) hold every maxUnavailable slot "
+            f"({max_unavailable}) while {waiting_for_slot} units wait: {fix}, or "
+            "`weightroll retry`",
+        )
+    deadline = timedelta(seconds=strategy.progress_deadline_seconds)
+    if finished or not working or progressed or clock is None or now - clock <= deadline:
         return None
+    return Verdict(
+        Reason.PROGRESS_DEADLINE_EXCEEDED,
+        f"Halted: no progress for {strategy.progress_deadline_seconds}s",
+    )
+
+
+def _judged(
+    strategy: StrategySpec, rolled_back: list[str], canary_failed: list[str], failed_units: int
+) -> Verdict | None:
+    """The halts that judge the version: a rollback recorded, a failed canary, more failed
+    units than tolerated (never after the rollout finished: module doc)."""
     if rolled_back:
         return Verdict(
             Reason.ROLLBACK_RECORDED,
@@ -134,22 +180,16 @@ def halt_verdict(
             Reason.FAILURE_BUDGET_EXCEEDED,
             f"Halted: {failed_units} failed units exceed maxFailedReplicas {tolerated}",
         )
-    holding = failed_units if drained_failed_units is None else drained_failed_units
-    if holding and holding >= max_unavailable and waiting_for_slot:
-        return Verdict(
-            Reason.FAILURE_BUDGET_EXCEEDED,
-            f"Halted: {holding} failed units (tolerated by maxFailedReplicas {tolerated}) "
-            f"hold every maxUnavailable slot ({max_unavailable}) while {waiting_for_slot} "
-            "units wait: raise spec.strategy.maxUnavailable above maxFailedReplicas, or "
-            "`weightroll retry`",
-        )
-    deadline = timedelta(seconds=strategy.progress_deadline_seconds)
-    if working and not progressed and clock is not None and now - clock > deadline:
-        return Verdict(
-            Reason.PROGRESS_DEADLINE_EXCEEDED,
-            f"Halted: no progress for {strategy.progress_deadline_seconds}s",
-        )
     return None
+
+
+def rolls_back(strategy: StrategySpec, *, finished: bool, abort_reason: str | None) -> bool:
+    """A halt rolls the touched pods back: under ``onFailure: Rollback``, unless the rollout
+    had finished and the halt is its own (a finished fleet is rolled back only when a person
+    asks, ``AbortedByUser``: module doc)."""
+    if strategy.on_failure is not OnFailure.ROLLBACK:
+        return False
+    return not finished or abort_reason == Reason.ABORTED_BY_USER
 
 
 def deadline_problem(strategy: StrategySpec) -> str | None:

@@ -331,6 +331,9 @@ class PodView:
     resource_version: str | None = None
     #: Changes whenever the pod's containers restart (cache key for agent observations).
     incarnation: str = ""
+    #: Kubelet's ``ContainersReady`` condition (``None`` while the pod has none): whether the
+    #: containers a verdict was made on are seen serving (``domain.standing``).
+    containers_ready: bool | None = None
     #: The view predates the operator's own last write to the pod (the watch has not caught
     #: up): the planner neither acts on its unit nor counts it available this pass.
     stale: bool = False

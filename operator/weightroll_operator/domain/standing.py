@@ -27,6 +27,18 @@ and in traffic. The planner once asked a verified, Ready pod nothing again, so t
   is ``Unknown`` until its agent answers; one the new containers' agent confirms is recorded
   for them (``plan.restore.withdraw``).
 
+  Containers that turned NotReady while their agent is silent are no longer *seen* to be the
+  ones the verdict was made on either: vLLM restarting under its agent shows first as
+  ``ContainersReady=False``, before kubelet counts the restart. Such a pod was listed
+  ``Verified`` at v2 while its ranks served their boot weights v1 (found by the simulation
+  tier). It is the same case, caught earlier: the verdict vouches for nothing seen, so the pod
+  is ``Unknown``. Its gate stays: kubelet keeps it out of traffic already, and the containers
+  that come back ready without a restart are those whose agent held them out (its ``/readyz``
+  sees the change; a vLLM restart under it holds the pod until a full update). Taking the gate
+  off there would guard nothing, yet keep every pod a readiness blip touched out of traffic
+  for as long as a partition lasts, beyond ``maxUnavailable``. Only replaced containers
+  (:attr:`Outlived.replaced`) need our gate to keep them out.
+
 A commit id the agent no longer reports (``None``: ranks that booted at the version after a
 restart report no commit) is not a contradiction: the label and files are checked instead.
 
@@ -44,9 +56,22 @@ restart report no commit) is not a contradiction: the label and files are checke
 
 from __future__ import annotations
 
-from weightroll_operator.domain.model import AgentView, OwnerKey, UnitState, WeightState
+from dataclasses import dataclass
 
-__all__ = ["contradicts", "outlived", "withdrawal"]
+from weightroll_operator.domain.model import AgentView, OwnerKey, PodView, UnitState, WeightState
+
+__all__ = ["Outlived", "contradicts", "outlived", "withdrawal"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outlived:
+    """Why a verdict vouches for nothing now (:func:`outlived`)."""
+
+    why: str
+    #: The containers the verdict was made on were replaced (restarted): their successors'
+    #: readiness probe knows no verdict, so only our gate keeps the pod out of traffic. Else
+    #: they only turned NotReady, and kubelet keeps the pod out already.
+    replaced: bool
 
 
 def contradicts(st: WeightState | None, agent: AgentView | None, owner: OwnerKey) -> bool:
@@ -59,18 +84,25 @@ def contradicts(st: WeightState | None, agent: AgentView | None, owner: OwnerKey
 
 
 def outlived(
-    st: WeightState | None, incarnation: str, agent: AgentView | None, owner: OwnerKey
-) -> str | None:
-    """Why ``owner``'s verdict ``st`` no longer vouches for the pod though no agent answer
-    contradicts it: it was made on other containers (the pod's ``incarnation`` now) and the
-    agent does not answer (module doc); ``None`` when it stands or an answer judges it."""
+    st: WeightState | None, pod: PodView, agent: AgentView | None, owner: OwnerKey
+) -> Outlived | None:
+    """Why ``owner``'s verdict ``st`` no longer vouches for ``pod`` though no agent answer
+    contradicts it: the agent does not answer, and the containers the verdict was made on are
+    not seen serving: they restarted since (the pod's incarnation changed) or kubelet reports
+    them not ready (module doc); ``None`` when it stands or an answer judges it."""
     if st is None or st.by != owner or st.incarnation is None:
         return None
     if st.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK):
         return None
-    if st.incarnation == incarnation or (agent is not None and agent.reachable):
+    if agent is not None and agent.reachable:
         return None
-    return "its containers restarted since its verdict and its agent does not answer"
+    if st.incarnation != pod.incarnation:
+        why = "its containers restarted since its verdict and its agent does not answer"
+        return Outlived(why, replaced=True)
+    if pod.containers_ready is False:
+        why = "its containers are not ready and its agent does not answer"
+        return Outlived(why, replaced=False)
+    return None
 
 
 def withdrawal(st: WeightState | None, agent: AgentView | None, owner: OwnerKey) -> str | None:

@@ -14,7 +14,6 @@ from typing import Any
 from weightroll_operator.api.v1alpha1 import (
     Condition,
     ConditionType,
-    OnFailure,
     Phase,
     PodResult,
     ReplicaCounts,
@@ -67,7 +66,7 @@ def compute_counts(plan: Plan, spec: WeightUpdateSpec) -> ReplicaCounts:
     """
     classes = list(plan.classes.values())
     aborted = plan.persisted.aborted_at is not None
-    rolling_back = aborted and spec.strategy.on_failure is OnFailure.ROLLBACK
+    rolling_back = plan.rolling_back  # the planner's rule (``halts.rolls_back``)
     held = aborted or plan.paused_reason is not None or bool(plan.blocked_by)
     stale_classes = {PodClass.FOREIGN, PodClass.UNKNOWN, PodClass.BLOCKED}
     if held and not rolling_back:

@@ -1013,23 +1013,38 @@ def test_a_claim_whose_drain_never_landed_waits_for_a_slot(budget: int, drained:
 
 
 @pytest.mark.parametrize(
-    ("now", "live", "expected"),
+    ("now", "containers_ready", "live", "expected", "unknown"),
     [
         # restarted, its agent silent: nothing vouches for what it serves: out of traffic
-        ("uid|ip|1", agent("v1", reachable=False), [("GateOff", "VerdictOutlived")]),
+        ("uid|ip|1", True, agent("v1", reachable=False), [("GateOff", "VerdictOutlived")], True),
         # the same containers, silent: the verdict stands (the readiness probe guards them)
-        ("uid|ip|0", agent("v1", reachable=False), []),
+        ("uid|ip|0", True, agent("v1", reachable=False), [], False),
+        # the same containers turned NotReady, silent: not seen serving, so no verdict is
+        # shown; kubelet keeps them out already, so the gate stays
+        ("uid|ip|0", False, agent("v1", reachable=False), [], True),
+        # NotReady, but the agent answers and confirms: the verdict stands
+        ("uid|ip|0", False, SERVING_V2, [], False),
         # restarted, the new containers' agent confirms: the verdict is recorded for them
-        ("uid|ip|1", SERVING_V2, [("Settle", "uid|ip|1")]),
+        ("uid|ip|1", True, SERVING_V2, [("Settle", "uid|ip|1")], False),
     ],
 )
 def test_a_verdict_vouches_for_the_containers_it_was_made_on(
-    now: str, live: AgentView, expected: list[tuple[str, str]]
+    now: str,
+    containers_ready: bool,
+    live: AgentView,
+    expected: list[tuple[str, str]],
+    unknown: bool,
 ) -> None:
     """Found by the simulation tier: behind a partition from the operator, a verified pod
-    restarted onto its boot weights stayed Ready under a gate set for v2 (``domain.standing``)."""
+    restarted onto its boot weights stayed Ready under a gate set for v2, and one whose vLLM
+    restarted (NotReady, no restart counted yet) stayed listed ``Verified`` at v2
+    (``domain.standing``)."""
     st = state(UnitState.VERIFIED).evolve(incarnation="uid|ip|0")
-    p0 = dataclasses.replace(pod("p0", st=st), incarnation=now)
+    p0 = dataclasses.replace(
+        pod("p0", st=st, ready=containers_ready),
+        incarnation=now,
+        containers_ready=containers_ready,
+    )
     p = run(spec(maxUnavailable=1), [p0, pod("p1", st=state(UnitState.VERIFIED))],
             {"p0": live, "p1": SERVING_V2})  # fmt: skip
     acts = [a for a in p.actions if not isinstance(a, Emit)]
@@ -1039,7 +1054,6 @@ def test_a_verdict_vouches_for_the_containers_it_was_made_on(
         if isinstance(a, GateOff | Settle)
     ] == expected
     assert len(acts) == len(expected)
-    unknown = expected == [("GateOff", "VerdictOutlived")]
     assert p.classes["p0"] is (PodClass.UNKNOWN if unknown else PodClass.UPDATED)
 
 

@@ -167,3 +167,44 @@ def test_a_straggler_starts_the_progress_clock_of_the_convergence() -> None:
     assert p.persisted.last_progress_time == timestamp(NOW)
     idle = run(spec(), _fleet_of_two_verified(), {}, persisted)
     assert idle.persisted.last_progress_time == LONG_AGO  # nothing to do: nothing written
+
+
+@pytest.mark.parametrize("on_failure", ["Halt", "Rollback"])
+def test_a_finished_rollout_whose_failed_straggler_holds_every_slot_halts_in_place(
+    on_failure: str,
+) -> None:
+    """Found by the simulation tier: after Succeeded, a straggler failed (drained, holding the
+    only slot) and a verified pod restarted onto other weights waits, in traffic, for a slot
+    that never comes. The rollout stayed Progressing for ever, the waiting pod listed with no
+    reason. It cannot go on: it halts, naming the fix, and never rolls the finished fleet back
+    (``domain.halts``)."""
+    s = spec(maxUnavailable=1, onFailure=on_failure)
+    pods = [pod("p0", st=VERIFIED), _failed("p1"), pod("p2", st=VERIFIED)]
+    answers = {"p0": agent("v2"), "p1": agent("v1", ready=False), "p2": agent("v1")}
+    p = run(s, pods, answers, FINISHED)
+    assert p.persisted.abort_reason == Reason.FAILURE_BUDGET_EXCEEDED
+    emits = [a for a in p.actions if getattr(a, "reason", None) == Reason.FAILURE_BUDGET_EXCEEDED]
+    assert emits and "finished" in emits[0].message  # type: ignore[attr-defined]
+    assert not p.rolling_back
+    assert not any(isinstance(a, Claim) for a in p.actions)
+    status = build_status(p, s, None, 1, NOW)
+    assert status.phase is Phase.FAILED and status.abort_reason == Reason.FAILURE_BUDGET_EXCEEDED
+    # with room for the waiting pod the finished rollout goes on converging it
+    room = run(spec(maxUnavailable=2, onFailure=on_failure), pods, answers, FINISHED)
+    assert room.persisted.aborted_at is None
+    assert [a.pod.name for a in room.actions if isinstance(a, Claim)] == ["p2"]
+
+
+def test_a_person_aborting_a_finished_rollout_rolls_it_back() -> None:
+    """Only the rollout's own halts spare a finished fleet: ``weightroll abort`` under
+    ``onFailure: Rollback`` rolls back as it says (docs/api.md, "Steering a rollout")."""
+    s = spec(onFailure="Rollback")
+    aborted = Persisted(
+        target_version="v2",
+        start_time=FINISHED.start_time,
+        completion_time=FINISHED.completion_time,
+        aborted_at=timestamp(NOW),
+        abort_reason=Reason.ABORTED_BY_USER,
+    )
+    p = run(s, _fleet_of_two_verified(), {"p0": agent("v2"), "p1": agent("v2")}, aborted)
+    assert p.rolling_back

@@ -61,9 +61,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from weightroll_operator.api.v1alpha1 import OnFailure, WeightUpdateSpec
+from weightroll_operator.api.v1alpha1 import WeightUpdateSpec
 from weightroll_operator.domain.availability import Slots, held_by_agent
 from weightroll_operator.domain.events import aggregate_emits, emit_holding
+from weightroll_operator.domain.halts import rolls_back
 from weightroll_operator.domain.plan import deadlines, restore, settle
 from weightroll_operator.domain.plan.advance import (
     advance_units,
@@ -166,7 +167,11 @@ def plan(
         (u.key for u in seen.units if not u.ready and held_by_agent(u, fleet.agents)),
     )
     drain_waiting_claims(ctx, slots, halt.aborted_at is not None)
-    rollback = halt.aborted_at is not None and spec.strategy.on_failure is OnFailure.ROLLBACK
+    rollback = halt.aborted_at is not None and rolls_back(
+        spec.strategy,
+        finished=persisted.completion_time is not None,
+        abort_reason=halt.abort_reason,
+    )
     remaining = 0
     if rollback:
         remaining = roll_back(ctx, seen, flying, slots)

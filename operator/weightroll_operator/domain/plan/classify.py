@@ -181,7 +181,7 @@ def classify(
     if (
         not reachable
         and verified_at(st, version, source, legacy=True)
-        and outlived(st, pod.incarnation, agent, owner) is None
+        and outlived(st, pod, agent, owner) is None
     ):
         return PodClass.UPDATED
     if serves(agent, version, source) and not contradicts(st, agent, owner):

@@ -15,7 +15,7 @@ from weightroll_operator.domain.model import (
 )
 from weightroll_operator.domain.plan.classify import Seen, serves
 from weightroll_operator.domain.plan.context import PassContext, PodClass
-from weightroll_operator.domain.standing import outlived, withdrawal
+from weightroll_operator.domain.standing import Outlived, outlived, withdrawal
 
 
 def restore(ctx: PassContext, seen: Seen, back_to: tuple[str, SourceRef] | None = None) -> None:
@@ -79,7 +79,7 @@ def withdraw(ctx: PassContext) -> None:
         if pod.name in acted or pod.stale or st is None:
             continue
         agent = ctx.fleet.agents.get(pod.name)
-        gone = outlived(st, pod.incarnation, agent, owner)
+        gone = outlived(st, pod, agent, owner)
         if gone is not None:
             _fail_closed(ctx, pod, st, gone)
             continue
@@ -113,13 +113,17 @@ def withdraw(ctx: PassContext) -> None:
         )
 
 
-def _fail_closed(ctx: PassContext, pod: PodView, st: WeightState, why: str) -> None:
+def _fail_closed(ctx: PassContext, pod: PodView, st: WeightState, gone: Outlived) -> None:
     """A verdict that outlived its containers, with no answer to re-judge it
-    (``domain.standing``): nothing vouches for what the pod serves, so it leaves traffic
-    (a drain never waits for the budget: it is what keeps traffic safe)."""
-    if pod.gate is not True:
+    (``domain.standing``): nothing vouches for what the pod serves (it is ``Unknown``), so
+    replaced containers leave traffic (a drain never waits for the budget: it is what keeps
+    traffic safe). Containers that only turned NotReady are out of traffic already, and
+    their own agent's probe keeps them out if what they serve changed."""
+    if pod.gate is not True or not gone.replaced:
         return
-    message = f"Draining {pod.name}: {why} (its verdict at {st.version} vouches for nothing now)"
+    message = (
+        f"Draining {pod.name}: {gone.why} (its verdict at {st.version} vouches for nothing now)"
+    )
     ctx.actions.append(GateOff(pod, reason="VerdictOutlived", message=message[:1000]))
     ctx.emit(Reason.UNIT_WITHDRAWN, message, warning=True, pods=(pod,))
 

@@ -23,6 +23,7 @@ from weightroll_operator.domain.plan.context import (
     target_source,
 )
 from weightroll_operator.domain.plan.deadlines import Halt
+from weightroll_operator.domain.standing import outlived
 
 #: The classes of a completed rollout: failed within the tolerance (else it halted) or done.
 _DONE = frozenset({PodClass.UPDATED, PodClass.FOREIGN, PodClass.FAILED})
@@ -88,6 +89,9 @@ def _note(
     st, note = pod.state, None
     if cls is PodClass.UNKNOWN:
         note = f"AgentUnreachable: {agent.error}" if agent else "AgentUnreachable"
+        gone = outlived(st, pod, agent, owner)
+        if gone is not None and st is not None:
+            note += f"; its verdict at {st.version} vouches for nothing seen: {gone.why}"
     elif cls is PodClass.PENDING and not can_claim(pod, agent, owner, version):
         note = "Joining: waiting for its agent to answer at a known version"
     if (
