@@ -109,16 +109,15 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None) -> PodView:
     owner = annotations.get(ANNOTATION_OWNER)
     name = str(meta.get("name", ""))
     conditions = _conditions(pod)
+    gates = [g.get("conditionType") for g in (pod.get("spec") or {}).get("readinessGates") or []]
+    ready = conditions.get("Ready") is True
     return PodView(
         name=name,
         namespace=str(meta.get("namespace", "")),
         unit=labels.get(group_by, name) if group_by else name,
-        ready=conditions.get("Ready") is True,
+        ready=ready,
         gate=conditions.get(CONDITION_WEIGHTS_READY),
-        has_gate=any(
-            g.get("conditionType") == CONDITION_WEIGHTS_READY
-            for g in (pod.get("spec") or {}).get("readinessGates") or []
-        ),
+        has_gate=CONDITION_WEIGHTS_READY in gates,
         owner=OwnerKey(owner) if owner else None,
         state=_state(raw_state) if raw_state else None,
         ip=(pod.get("status") or {}).get("podIP"),
@@ -128,6 +127,11 @@ def pod_view(pod: Mapping[str, Any], *, group_by: str | None) -> PodView:
         resource_version=meta.get("resourceVersion"),
         incarnation=f"{meta.get('uid', '')}|{(pod.get('status') or {}).get('podIP')}|{restarts}",
         containers_ready=conditions.get("ContainersReady"),
+        ready_lags_gates=(
+            not ready
+            and conditions.get("ContainersReady") is True
+            and all(conditions.get(str(t)) is True for t in gates)
+        ),
         uid=meta.get("uid"),
     )
 

@@ -334,6 +334,11 @@ class PodView:
     #: Kubelet's ``ContainersReady`` condition (``None`` while the pod has none): whether the
     #: containers a verdict was made on are seen serving (``domain.standing``).
     containers_ready: bool | None = None
+    #: ``Ready`` is False though every input of kubelet's rule says True (containers ready,
+    #: every readiness gate True): the kubelet has not yet acted on a gate write, ours as a
+    #: rule (a ``GateOn`` moments ago). Its verdict on what it last saw may still land after
+    #: a drain of ours, so a ``Ready`` False seen now proves no drain (``plan.start``).
+    ready_lags_gates: bool = False
     #: The view predates the operator's own last write to the pod (the watch has not caught
     #: up): the planner neither acts on its unit nor counts it available this pass.
     stale: bool = False

@@ -64,12 +64,26 @@ def held(seen: Seen, flying: frozenset[str], unit: Unit) -> bool:
     )
 
 
+def kubelet_caught_up(unit: Unit) -> bool:
+    """No pod of ``unit`` has a ``Ready`` that lags its gates (``PodView.ready_lags_gates``).
+
+    A claim drains, and a drain is observed as ``Ready`` False: on a pod whose kubelet has not
+    yet acted on our last ``GateOn``, that False is the one from before the ``GateOn``, and
+    the kubelet's ``Ready`` True for the gate it last saw can still land after the drain,
+    putting the pod in traffic while its update runs (a flip-back right after a restore, found
+    on the real node). Such a unit is claimed once the kubelet caught up.
+    """
+    return not any(p.ready_lags_gates for p in unit.pods)
+
+
 def startable(ctx: PassContext, seen: Seen, unit: Unit) -> bool:
-    """A pending ``unit`` may be claimed: seen fresh, and every pod that wants the version
-    may be (:func:`can_claim`)."""
+    """A pending ``unit`` may be claimed: seen fresh, its kubelet caught up with its gates
+    (:func:`kubelet_caught_up`), and every pod that wants the version may be
+    (:func:`can_claim`)."""
     fleet = ctx.fleet
     return (
         unit.key not in seen.frozen
+        and kubelet_caught_up(unit)
         and all(seen.classes[p.name] in (PodClass.PENDING, PodClass.UPDATED) for p in unit.pods)
         and all(
             can_claim(p, fleet.agents.get(p.name), fleet.owner, ctx.spec.version)
@@ -101,12 +115,13 @@ def start_units(
                 if slots.cost(unit) == 2 or slots.rollout <= 0:
                     break  # no later unit is cheaper
                 continue
-            if unit.key not in ready and not startable(ctx, seen, unit):
+            staged_here = unit.key in ready
+            if not (kubelet_caught_up(unit) if staged_here else startable(ctx, seen, unit)):
                 continue
             if not ctx.take_steps(len(unit.pods)):
                 break
             slots.take(unit)
-            if unit.key in ready:
+            if staged_here:
                 claim_prefetched(ctx, unit)
                 ctx.progressed = True
             elif on_fresh_answers(ctx, unit):
