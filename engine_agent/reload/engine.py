@@ -74,6 +74,8 @@ from engine_agent.reload.index import ModelIndex, build_index
 from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.modelwise import LoadRouter
 from engine_agent.reload.prefetch import Prefetch, available_memory, memory_problem
+from engine_agent.reload.processing import ModuleProcessor
+from engine_agent.reload.shadow import Prepared, ShadowProcessor
 from engine_agent.reload.sources import open_source
 
 __all__ = ["RankEngine"]
@@ -299,7 +301,9 @@ class RankEngine:
         )
         return self._report("begin", ok=True)
 
-    def _new_session(self, spec: UpdateSpec) -> _Session:
+    def _new_session(
+        self, spec: UpdateSpec, processor: type[ModuleProcessor] = ModuleProcessor
+    ) -> _Session:
         """What a session of ``spec`` keeps: required shards, inventory, router and identity
         snapshots. Changes no state (a prefetch builds one for its dry run only).
 
@@ -345,6 +349,7 @@ class RankEngine:
             self._mark_written,
             inventory,
             lambda point: failpoints.check(point, self.rank),
+            processor,
         )
         return _Session(
             spec, ledger, router, index.storage_snapshot(), index.kernel_snapshot(), inventory
@@ -501,6 +506,8 @@ class RankEngine:
             raise WrongState("no prefetch is held on this rank (aborted, or the rank restarted)")
         if staging.error is not None:
             raise staging.error
+        if staging.status == "ready" and staging.prepared is None:
+            self._prepare(staging)  # this call runs between engine steps, as the dry run did
         return self._prefetch_report("prefetched", staging, ok=True)
 
     def _current_prefetch(self) -> Prefetch | None:
@@ -532,19 +539,40 @@ class RankEngine:
                 field="prefetch",
             )
         self._prefetch, self.state = None, session.drop_prefetch(self.state)
-        checkpoint = staging.checkpoint
-        with _timed(active.timings, "dry_run"):
-            active.router.dry_run(
-                (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
-            )
-        failpoints.check("load.dry_run", self.rank)
-        # Every byte was hashed and verified before the drain: nothing to wait for here.
+        # Routed and post-processed on shadows while the rank served (the poll that found the
+        # read done); a caller that skipped that poll pays for it here, inside the drain.
+        prepared = staging.prepared if staging.prepared is not None else self._prepare(staging)
+        staging.prepared = None
         with _timed(active.timings, "load"):
-            active.router.load(staging.consume())
+            prepared.apply(active.router.processing, lambda p: failpoints.check(p, self.rank))
+        active.router.bytes_loaded += prepared.bytes_loaded
         failpoints.check("load.read", self.rank)
-        self._loaded(active, checkpoint, prefix="prefetch_")
+        self._loaded(active, staging.checkpoint, prefix="prefetch_")
         active.timings |= staging.timings
         return self._report("apply", ok=True)
+
+    def _prepare(self, staging: Prefetch) -> Prepared:
+        """Route a read prefetch into per-module staging and run every module's post-load step
+        on a shadow (:mod:`.shadow`), between two engine steps: the live model is untouched
+        (its parameter slots hold the router's proxies only for the routing's duration)."""
+        started = time.perf_counter()
+        probe = self._new_session(staging.spec, processor=ShadowProcessor)
+        probe.router.load(staging.consume())
+        probe.ledger.require_complete()
+        processor = probe.router.processing
+        assert isinstance(processor, ShadowProcessor)
+        prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
+        staging.prepared = prepared
+        staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
+        staging.timings["prefetch_prepare"] = round(time.perf_counter() - started, 6)
+        for name, reason in prepared.in_window.items():
+            logger.info(
+                "Prefetch of %s: %s is processed in the drain: %s",
+                staging.spec.update_id,
+                name,
+                reason,
+            )
+        return prepared
 
     def _prefetch_report(
         self,

@@ -113,6 +113,9 @@ class Prefetch:
         self.stage_bytes = stage_bytes
         self.timings: dict[str, float] = {}
         self.error: AgentError | None = None
+        #: The read routed into staging and processed on shadow modules (engine's ``_prepare``,
+        #: on the engine's thread once the read is ready); what the drain installs.
+        self.prepared: Any = None
         self._failpoint = failpoint
         self._tensors: deque[tuple[str, torch.Tensor]] = deque()
         self._cancelled = threading.Event()
@@ -135,6 +138,9 @@ class Prefetch:
         """Stop reading at the next tensor and free the buffers (nothing else to undo)."""
         self._cancelled.set()
         self._tensors.clear()
+        if self.prepared is not None:
+            self.prepared.processor.discard()
+            self.prepared = None
 
     def consume(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hand out the staged tensors once, in checkpoint order, each freed once taken."""

@@ -169,8 +169,8 @@ class ModuleProcessor:
                 ) from e
             self._failpoint("copy.before")
             with self._timed("copy_live"):
-                self._copy_into_live(entry, live_params, _present(module._parameters))
-                self._copy_into_live(entry, live_buffers, _present(module._buffers))
+                self._copy_into_live(entry.name, live_params, _present(module._parameters))
+                self._copy_into_live(entry.name, live_buffers, _present(module._buffers))
         finally:
             # Back to what the load installed: a later tensor of this batch for this module
             # must meet the accounting (a duplicate), never the live parameter's own loader.
@@ -181,6 +181,12 @@ class ModuleProcessor:
         self._failpoint("copy.after")
         self.processed.add(entry.name)
         self._reprocess_sharers(entry)
+
+    def process_staged(self, entry: ModuleEntry, staged: dict[str, torch.Tensor]) -> None:
+        """Process ``entry`` from tensors staged elsewhere (a prefetch's, routed before the
+        drain), as if the router had just completed it."""
+        self._staging[entry.name] = staged
+        self.complete(entry)
 
     def complete(self, entry: ModuleEntry) -> None:
         """Process a module whose staging covers its required shards, or hold it back.
@@ -315,7 +321,7 @@ class ModuleProcessor:
 
     @staticmethod
     def _copy_into_live(
-        entry: ModuleEntry, live: Mapping[str, torch.Tensor], processed: Mapping[str, torch.Tensor]
+        module: str, live: Mapping[str, torch.Tensor], processed: Mapping[str, torch.Tensor]
     ) -> None:
         for name, target in live.items():
             new = processed.get(name)
@@ -325,10 +331,10 @@ class ModuleProcessor:
                 continue  # a placeholder on both sides (weights moved into a kernel closure)
             if tuple(new.shape) != tuple(target.shape) or new.dtype != target.dtype:
                 raise IdentityChanged(
-                    f"{entry.name}.{name}: processed tensor {new.dtype}{list(new.shape)} does not "
+                    f"{module}.{name}: processed tensor {new.dtype}{list(new.shape)} does not "
                     f"fit live storage {target.dtype}{list(target.shape)}; the kernel layout "
                     "changed since the engine started",
-                    field=f"{entry.name}.{name}",
+                    field=f"{module}.{name}",
                 )
             target.data.copy_(new.data)
 
