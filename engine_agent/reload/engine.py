@@ -111,6 +111,8 @@ class _Session:
         #: Runs right before the session's first live write: waits for the hashes of every
         #: tensor handed out so far, so a wrong checkpoint is refused with the rank still clean.
         self.before_first_write: Callable[[], None] | None = None
+        #: Digests the commit's seal takes as known (a prefetched update's, :mod:`.shadow`).
+        self.sealed_digests: dict[str, str] = {}
 
 
 class RankEngine:
@@ -153,7 +155,7 @@ class RankEngine:
         self.guard = StillTrueGuard(
             tensors=lambda: self.index.kernel_visible(),
             kernels=lambda: self.index.kernel_snapshot(),
-            observations=lambda: kernel_probes(self.model),
+            observations=lambda known: kernel_probes(self.model, known),
             period=guard_period,
         )
 
@@ -546,6 +548,7 @@ class RankEngine:
         with _timed(active.timings, "load"):
             prepared.apply(active.router.processing, lambda p: failpoints.check(p, self.rank))
         active.router.bytes_loaded += prepared.bytes_loaded
+        active.sealed_digests = prepared.digests
         failpoints.check("load.read", self.rank)
         self._loaded(active, staging.checkpoint, prefix="prefetch_")
         active.timings |= staging.timings
@@ -562,6 +565,8 @@ class RankEngine:
         processor = probe.router.processing
         assert isinstance(processor, ShadowProcessor)
         prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
+        with _timed(staging.timings, "prefetch_seal_digests"):
+            prepared.digest_shadows()
         staging.prepared = prepared
         staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
         staging.timings["prefetch_prepare"] = round(time.perf_counter() - started, 6)
@@ -661,7 +666,8 @@ class RankEngine:
         ).to_wire()
         self.state, self._session = committed, None
         try:
-            self.guard.seal()  # what "still true now" is checked against from here on
+            # what "still true now" is checked against from here on
+            self.guard.seal(active.sealed_digests)
         except Exception as e:  # a commit that cannot be guarded is not served
             self.state = session.poison(self.state, f"the commit could not be sealed: {e!r:.200}")
             raise

@@ -110,6 +110,27 @@ class Prepared:
     keys: list[ShardKey]
     processor: ShadowProcessor
     bytes_loaded: int
+    #: What the commit's seal must record for the tensors and kernels the shadows hand over
+    #: (:meth:`StillTrueGuard.seal`), digested before the drain; empty where modules are left
+    #: to the drain (their processing may write any live tensor).
+    digests: dict[str, str] = field(default_factory=dict)
+
+    def digest_shadows(self) -> None:
+        """Digest, before the drain, what each shadow will put in live storage: its tensors
+        (the bytes the install copies) and what its kernel computes on the guard's probe."""
+        from engine_agent.reload.digest import tensor_digest
+        from engine_agent.reload.guard import PROBED, kernel_probe
+
+        if self.processor.in_window:
+            return
+        for shadow in self.processor.shadows:
+            for slots in ("_parameters", "_buffers"):
+                for pname, tensor in shadow.shadow.__dict__[slots].items():
+                    if tensor is not None and not tensor.is_meta and tensor.numel():
+                        self.digests[f"{shadow.name}.{pname}"] = tensor_digest(tensor)
+            observed = kernel_probe(shadow.shadow)
+            if observed is not None:
+                self.digests[f"{shadow.name}{PROBED}"] = tensor_digest(observed)
 
     @property
     def in_window(self) -> dict[str, str]:
