@@ -83,6 +83,9 @@ __all__ = ["RankEngine"]
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 50
+#: While a prefetch still reads, a poll routes and post-processes what was read once at least
+#: this much is waiting (every routing call swaps the whole model's parameter slots).
+PREPARE_BATCH_BYTES = 64 << 20
 
 
 class _Session:
@@ -508,7 +511,7 @@ class RankEngine:
             raise WrongState("no prefetch is held on this rank (aborted, or the rank restarted)")
         if staging.error is not None:
             raise staging.error
-        if staging.status == "ready" and staging.prepared is None:
+        if staging.prepared is None:
             self._prepare(staging)  # this call runs between engine steps, as the dry run did
         return self._prefetch_report("prefetched", staging, ok=True)
 
@@ -544,6 +547,7 @@ class RankEngine:
         # Routed and post-processed on shadows while the rank served (the poll that found the
         # read done); a caller that skipped that poll pays for it here, inside the drain.
         prepared = staging.prepared if staging.prepared is not None else self._prepare(staging)
+        assert prepared is not None, "the read is ready: the preparation finishes"
         staging.prepared = None
         with _timed(active.timings, "load"):
             prepared.apply(active.router.processing, lambda p: failpoints.check(p, self.rank))
@@ -554,22 +558,33 @@ class RankEngine:
         active.timings |= staging.timings
         return self._report("apply", ok=True)
 
-    def _prepare(self, staging: Prefetch) -> Prepared:
-        """Route a read prefetch into per-module staging and run every module's post-load step
-        on a shadow (:mod:`.shadow`), between two engine steps: the live model is untouched
-        (its parameter slots hold the router's proxies only for the routing's duration)."""
-        started = time.perf_counter()
-        probe = self._new_session(staging.spec, processor=ShadowProcessor)
-        probe.router.load(staging.consume())
-        probe.ledger.require_complete()
-        processor = probe.router.processing
-        assert isinstance(processor, ShadowProcessor)
-        prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
-        with _timed(staging.timings, "prefetch_seal_digests"):
-            prepared.digest_shadows()
-        staging.prepared = prepared
+    def _prepare(self, staging: Prefetch) -> Prepared | None:
+        """Route what the prefetch read so far into per-module staging and run each complete
+        module's post-load step on a shadow (:mod:`.shadow`); once the read is ready, finish:
+        coverage, the seal's digests, :attr:`Prefetch.prepared`. Runs inside an RPC, between two
+        engine steps: the live model is untouched (its parameter slots hold the router's proxies
+        only while the routing runs), and the read goes on on its own thread meanwhile.
+        """
+        ready = staging.status == "ready"  # before taking: nothing is appended after ready
+        if not ready and staging.pending_bytes < PREPARE_BATCH_BYTES:
+            return None  # each routing installs the model's proxies: not for a few tensors
+        with _timed(staging.timings, "prefetch_prepare"):
+            if staging.preparing is None:
+                staging.preparing = self._new_session(staging.spec, processor=ShadowProcessor)
+            probe = staging.preparing
+            taken = staging.take()
+            if taken:
+                probe.router.load(taken)
+            if not ready:
+                return None
+            probe.ledger.require_complete()
+            processor = probe.router.processing
+            assert isinstance(processor, ShadowProcessor)
+            prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
+            with _timed(staging.timings, "prefetch_seal_digests"):
+                prepared.digest_shadows()
+            staging.prepared, staging.preparing = prepared, None
         staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
-        staging.timings["prefetch_prepare"] = round(time.perf_counter() - started, 6)
         for name, reason in prepared.in_window.items():
             logger.info(
                 "Prefetch of %s: %s is processed in the drain: %s",
@@ -597,7 +612,13 @@ class RankEngine:
             error=None
             if error is None
             else ErrorBody(code=error.code, message=error.message, field=error.field),
-            prefetch="" if staging is None or not ok else staging.status,
+            # ``ready`` once prepared: a read that ended after this call's preparation step is
+            # prepared by the next poll, not inside the drain
+            prefetch=""
+            if staging is None or not ok
+            else "ready"
+            if staging.prepared is not None
+            else "reading",
             staged_bytes=0 if staging is None else staging.stage_bytes,
             timings={} if staging is None else dict(staging.timings),
         ).to_wire()
