@@ -62,11 +62,15 @@ class ShadowModule:
 
     ``shares``: the parameter it holds of another module (a tied LM head holds the embedding's
     weight); that parameter is the owner's and is copied by the owner's install, never here.
+    ``before``: the shadow's attributes before its post-load step, so the install hands over
+    only what that step set or removed (an attribute the live module changed since, at run
+    time, is left as the live module has it).
     """
 
     name: str
     live: nn.Module
     shadow: nn.Module
+    before: dict[str, Any]
     shares: str | None = None
     derived: list[str] = field(default_factory=list)
 
@@ -82,17 +86,15 @@ class ShadowModule:
             processed = {k: v for k, v in shadow.__dict__[slots].items() if v is not None}
             _copy_into_live(self.name, targets, processed)
         for key, value in shadow.__dict__.items():
-            if key in _SLOTS:
+            if key in _SLOTS or self.before.get(key, _MISSING) is value:
                 continue
             current = live.__dict__.get(key, _MISSING)
-            if current is value:
-                continue
             if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
                 _copy_into_live(self.name, {key: current}, {key: value})
             else:  # the kernel (on CPU a new ``cpu_linear`` closure over its packed copy)
                 live.__dict__[key] = value
-        for key in live.__dict__.keys() - shadow.__dict__.keys():
-            del live.__dict__[key]  # what the post-load step removed (its "already called" flag)
+        for key in self.before.keys() - shadow.__dict__.keys():
+            live.__dict__.pop(key, None)  # what the post-load step removed ("already called")
         failpoint("copy.after")
 
 
@@ -192,11 +194,12 @@ class ShadowProcessor(ModuleProcessor):
 
     def _process_on_shadow(self, entry: ModuleEntry, staged: dict[str, torch.Tensor]) -> None:
         shadow = self._shadow(entry.module, staged)
+        before = dict(shadow.__dict__)
         try:
             self._failpoint("prefetch.post_load")
             with self._timed("post_load"):
                 self._post_load(entry.name, shadow)
-                self.shadows.append(ShadowModule(entry.name, entry.module, shadow))
+                self.shadows.append(ShadowModule(entry.name, entry.module, shadow, before))
                 self._shadow_sharers(entry, shadow)
         except AgentError:
             raise
@@ -266,6 +269,7 @@ class ShadowProcessor(ModuleProcessor):
                     field=f"{holder_name}.{pname}",
                 )
             shadow = self._shadow(holder, {pname: tensor}, shared=pname)
+            before = dict(shadow.__dict__)
             self._post_load(holder_name, shadow)
             if shadow._parameters.get(pname) is not tensor:
                 raise IdentityChanged(
@@ -278,6 +282,7 @@ class ShadowProcessor(ModuleProcessor):
                     holder_name,
                     holder,
                     shadow,
+                    before,
                     shares=pname,
                     derived=[f"{holder_name}:post_load(shares {entry.name})"],
                 )
