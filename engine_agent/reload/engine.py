@@ -75,7 +75,7 @@ from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.modelwise import LoadRouter
 from engine_agent.reload.prefetch import Prefetch, available_memory, memory_problem
 from engine_agent.reload.processing import ModuleProcessor
-from engine_agent.reload.shadow import Prepared, ShadowProcessor
+from engine_agent.reload.shadow import Prepared, ShadowProcessor, prepare
 from engine_agent.reload.sources import open_source
 
 __all__ = ["RankEngine"]
@@ -83,9 +83,6 @@ __all__ = ["RankEngine"]
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 50
-#: While a prefetch still reads, a poll routes and post-processes what was read once at least
-#: this much is waiting (every routing call swaps the whole model's parameter slots).
-PREPARE_BATCH_BYTES = 64 << 20
 
 
 class _Session:
@@ -559,40 +556,8 @@ class RankEngine:
         return self._report("apply", ok=True)
 
     def _prepare(self, staging: Prefetch) -> Prepared | None:
-        """Route what the prefetch read so far into per-module staging and run each complete
-        module's post-load step on a shadow (:mod:`.shadow`); once the read is ready, finish:
-        coverage, the seal's digests, :attr:`Prefetch.prepared`. Runs inside an RPC, between two
-        engine steps: the live model is untouched (its parameter slots hold the router's proxies
-        only while the routing runs), and the read goes on on its own thread meanwhile.
-        """
-        ready = staging.status == "ready"  # before taking: nothing is appended after ready
-        if not ready and staging.pending_bytes < PREPARE_BATCH_BYTES:
-            return None  # each routing installs the model's proxies: not for a few tensors
-        with _timed(staging.timings, "prefetch_prepare"):
-            if staging.preparing is None:
-                staging.preparing = self._new_session(staging.spec, processor=ShadowProcessor)
-            probe = staging.preparing
-            taken = staging.take()
-            if taken:
-                probe.router.load(taken)
-            if not ready:
-                return None
-            probe.ledger.require_complete()
-            processor = probe.router.processing
-            assert isinstance(processor, ShadowProcessor)
-            prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
-            with _timed(staging.timings, "prefetch_seal_digests"):
-                prepared.digest_shadows()
-            staging.prepared, staging.preparing = prepared, None
-        staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
-        for name, reason in prepared.in_window.items():
-            logger.info(
-                "Prefetch of %s: %s is processed in the drain: %s",
-                staging.spec.update_id,
-                name,
-                reason,
-            )
-        return prepared
+        """One preparation step of ``staging`` (:func:`.shadow.prepare`), inside this RPC."""
+        return prepare(staging, lambda: self._new_session(staging.spec, ShadowProcessor))
 
     def _prefetch_report(
         self,

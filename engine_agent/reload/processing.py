@@ -42,7 +42,7 @@ from engine_agent.reload.coverage import CoverageLedger
 from engine_agent.reload.index import ModelIndex, ModuleEntry
 from engine_agent.reload.inventory import Inventory
 
-__all__ = ["ModuleProcessor", "parameter_slots"]
+__all__ = ["ModuleProcessor", "parameter_slots", "require_tie_kept"]
 
 
 class ModuleProcessor:
@@ -268,12 +268,7 @@ class ModuleProcessor:
                     self._failpoint("tied.before")
                     with self._timed("post_load"):
                         self._post_load(holder_name, holder)
-                    if holder._parameters.get(pname) is not shared:
-                        raise IdentityChanged(
-                            f"{holder_name}.{pname}: the post-load step of a module sharing "
-                            f"{entry.name}'s parameter replaced it; the tie would break",
-                            field=f"{holder_name}.{pname}",
-                        )
+                    require_tie_kept(holder_name, holder, pname, shared, entry.name)
                     self.derived_refreshed.append(f"{holder_name}:post_load(shares {entry.name})")
                     self._failpoint("tied.after")
                 except AgentError:
@@ -355,6 +350,22 @@ class ModuleProcessor:
     def discard(self) -> None:
         """Forget the modules held back for an owner (abort or failure)."""
         self._deferred.clear()
+
+
+def require_tie_kept(
+    holder_name: str, holder: nn.Module, pname: str, shared: Any, owner: str
+) -> None:
+    """Refuse a sharer's post-load step that replaced the parameter it shares with ``owner``.
+
+    Raises:
+        IdentityChanged: the tie would break (the holder would keep its own, stale copy).
+    """
+    if holder._parameters.get(pname) is not shared:
+        raise IdentityChanged(
+            f"{holder_name}.{pname}: the post-load step of a module sharing {owner}'s "
+            "parameter replaced it; the tie would break",
+            field=f"{holder_name}.{pname}",
+        )
 
 
 def parameter_slots(module: nn.Module) -> dict[str, Any]:

@@ -36,6 +36,8 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -46,9 +48,23 @@ from torch import nn
 from engine_agent.errors import AgentError, IdentityChanged
 from engine_agent.reload.coverage import ShardKey
 from engine_agent.reload.index import ModuleEntry
-from engine_agent.reload.processing import ModuleProcessor
+from engine_agent.reload.prefetch import Prefetch
+from engine_agent.reload.processing import ModuleProcessor, require_tie_kept
 
-__all__ = ["SHADOW_SAFE_METHODS", "Prepared", "ShadowModule", "ShadowProcessor"]
+__all__ = [
+    "PREPARE_BATCH_BYTES",
+    "SHADOW_SAFE_METHODS",
+    "Prepared",
+    "ShadowModule",
+    "ShadowProcessor",
+    "prepare",
+]
+
+logger = logging.getLogger(__name__)
+
+#: While a prefetch still reads, a poll routes and post-processes what was read once at least
+#: this much is waiting (every routing call swaps the whole model's parameter slots).
+PREPARE_BATCH_BYTES: Final = 64 << 20
 
 #: Quant methods whose post-load step writes only the layer's own parameter slots and kernel
 #: attribute (vLLM 0.32: ``dispatch_cpu_unquantized_gemm`` on CPU, nothing on CUDA).
@@ -271,12 +287,7 @@ class ShadowProcessor(ModuleProcessor):
             shadow = self._shadow(holder, {pname: tensor}, shared=pname)
             before = dict(shadow.__dict__)
             self._post_load(holder_name, shadow)
-            if shadow._parameters.get(pname) is not tensor:
-                raise IdentityChanged(
-                    f"{holder_name}.{pname}: the post-load step of a module sharing "
-                    f"{entry.name}'s parameter replaced it; the tie would break",
-                    field=f"{holder_name}.{pname}",
-                )
+            require_tie_kept(holder_name, shadow, pname, tensor, entry.name)
             self.shadows.append(
                 ShadowModule(
                     holder_name,
@@ -317,3 +328,45 @@ def _private(tensor: Any) -> Any:
     copy.__class__ = tensor.__class__
     copy.__dict__ = tensor.__dict__.copy()
     return copy
+
+
+def prepare(staging: Prefetch, open_session: Callable[[], Any]) -> Prepared | None:
+    """Route what ``staging`` read so far into per-module staging and run each complete
+    module's post-load step on a shadow; once the read is ready, finish: coverage, the seal's
+    digests, ``staging.prepared`` (returned; ``None`` while the read goes on).
+
+    Runs inside an RPC, between two engine steps: the live model is untouched (its parameter
+    slots hold the router's proxies only while the routing runs), and the read goes on on its
+    own thread meanwhile. ``open_session`` opens the session whose router (with a
+    :class:`ShadowProcessor`) the preparation loads into, without changing the rank's state.
+    """
+    ready = staging.status == "ready"  # before taking: nothing is appended after ready
+    if not ready and staging.pending_bytes < PREPARE_BATCH_BYTES:
+        return None  # each routing installs the model's proxies: not for a few tensors
+    started = time.perf_counter()
+    try:
+        if staging.preparing is None:
+            staging.preparing = open_session()
+        probe = staging.preparing
+        taken = staging.take()
+        if taken:
+            probe.router.load(taken)
+        if not ready:
+            return None
+        probe.ledger.require_complete()
+        processor = probe.router.processing
+        assert isinstance(processor, ShadowProcessor)
+        prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
+        digests_started = time.perf_counter()
+        prepared.digest_shadows()
+        staging.timings["prefetch_seal_digests"] = round(time.perf_counter() - digests_started, 6)
+        staging.prepared, staging.preparing = prepared, None
+    finally:
+        spent = staging.timings.get("prefetch_prepare", 0.0) + time.perf_counter() - started
+        staging.timings["prefetch_prepare"] = round(spent, 6)
+    staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
+    for name, reason in prepared.in_window.items():
+        logger.info(
+            "Prefetch of %s: %s is processed in the drain: %s", staging.spec.update_id, name, reason
+        )
+    return prepared
