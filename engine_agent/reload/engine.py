@@ -543,8 +543,9 @@ class RankEngine:
         self._prefetch, self.state = None, session.drop_prefetch(self.state)
         # Routed and post-processed on shadows while the rank served (the poll that found the
         # read done); a caller that skipped that poll pays for it here, inside the drain.
-        prepared = staging.prepared if staging.prepared is not None else self._prepare(staging)
-        assert prepared is not None, "the read is ready: the preparation finishes"
+        prepared = staging.prepared
+        while prepared is None:  # the read is ready: each step prepares more, the last finishes
+            prepared = self._prepare(staging)
         staging.prepared = None
         with _timed(active.timings, "load"):
             prepared.apply(active.router.processing, lambda p: failpoints.check(p, self.rank))

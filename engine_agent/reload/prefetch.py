@@ -157,18 +157,22 @@ class Prefetch:
         with self._lock:
             return self._pending_bytes
 
-    def take(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors read so far and not taken yet, in checkpoint order, each handed out once.
+    def take(self, max_bytes: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The tensors read so far and not taken yet, in checkpoint order, each handed out once
+        (at least one, then as many as fit in ``max_bytes``).
 
         Their hashes may still be pending: the preparation routes them into private staging and
         shadows while the read goes on, and nothing of it reaches live storage before the read
         is ``ready`` (every hash verified); a mismatch fails the prefetch and drops it all.
         """
-        taken = []
-        while self._tensors:
-            taken.append(self._tensors.popleft())
+        taken: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        while self._tensors and (max_bytes is None or not taken or size < max_bytes):
+            name, tensor = self._tensors.popleft()
+            taken.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
         with self._lock:
-            self._pending_bytes -= sum(t.numel() * t.element_size() for _, t in taken)
+            self._pending_bytes -= size
         return taken
 
     def consume(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -53,6 +53,7 @@ from engine_agent.reload.processing import ModuleProcessor, require_tie_kept
 
 __all__ = [
     "PREPARE_BATCH_BYTES",
+    "PREPARE_POLL_BYTES",
     "SHADOW_SAFE_METHODS",
     "Prepared",
     "ShadowModule",
@@ -65,6 +66,9 @@ logger = logging.getLogger(__name__)
 #: While a prefetch still reads, a poll routes and post-processes what was read once at least
 #: this much is waiting (every routing call swaps the whole model's parameter slots).
 PREPARE_BATCH_BYTES: Final = 64 << 20
+#: At most this much per poll: the engine does not step during one, and the agent's poll has
+#: its control timeout (30 s by default); the next poll goes on.
+PREPARE_POLL_BYTES: Final = 1 << 30
 
 #: Quant methods whose post-load step writes only the layer's own parameter slots and kernel
 #: attribute (vLLM 0.32: ``dispatch_cpu_unquantized_gemm`` on CPU, nothing on CUDA).
@@ -333,7 +337,8 @@ def _private(tensor: Any) -> Any:
 def prepare(staging: Prefetch, open_session: Callable[[], Any]) -> Prepared | None:
     """Route what ``staging`` read so far into per-module staging and run each complete
     module's post-load step on a shadow; once the read is ready, finish: coverage, the seal's
-    digests, ``staging.prepared`` (returned; ``None`` while the read goes on).
+    digests, ``staging.prepared`` (returned; ``None`` while the read goes on or read tensors
+    wait: at most :data:`PREPARE_POLL_BYTES` are prepared per call).
 
     Runs inside an RPC, between two engine steps: the live model is untouched (its parameter
     slots hold the router's proxies only while the routing runs), and the read goes on on its
@@ -348,10 +353,10 @@ def prepare(staging: Prefetch, open_session: Callable[[], Any]) -> Prepared | No
         if staging.preparing is None:
             staging.preparing = open_session()
         probe = staging.preparing
-        taken = staging.take()
+        taken = staging.take(PREPARE_POLL_BYTES)
         if taken:
             probe.router.load(taken)
-        if not ready:
+        if not ready or staging.pending_bytes:
             return None
         probe.ledger.require_complete()
         processor = probe.router.processing

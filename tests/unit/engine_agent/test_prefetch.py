@@ -286,5 +286,7 @@ def test_the_preparation_takes_what_was_read_once_and_counts_what_waits() -> Non
     go.set()
     until(lambda: staging.status != "reading")
     assert staging.status == "ready" and staging.pending_bytes == 32
-    assert [n for n, _ in staging.take()] == ["t1", "t2"]
+    assert [n for n, _ in staging.take(max_bytes=16)] == ["t1"]  # bounded per poll
+    assert staging.pending_bytes == 16
+    assert [n for n, _ in staging.take()] == ["t2"]
     assert staging.take() == [] and staging.pending_bytes == 0
