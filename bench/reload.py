@@ -10,8 +10,14 @@ engine with weightroll's extension, and times, in the same run and on the same e
   byte checked against a BLAKE3 manifest (``weightroll.manifest/v2``) as the loaders consume it;
 * ``prefetch`` and ``window``: the same update prefetched (issue 30): ``prefetch`` is
   ``weightroll_prefetch`` until every rank reports ``ready`` (read, hashed and verified into
-  host staging while the engine serves); ``window`` is begin/apply/finish, what the drain must
-  hold (the pause and resume around it are the agent's and not timed here).
+  host staging, routed, every module post-processed on a shadow and the seal's digests taken,
+  while the engine serves); ``window`` is begin/apply/finish, what the drain must hold (the
+  pause and resume around it are the agent's and not timed here). In
+  ``prefetched_breakdown_seconds`` the ``prefetch_*`` steps ran before the drain:
+  ``prefetch_prepare`` is the time the polls spent routing and post-processing (the engine
+  does not step meanwhile), ``prefetch_post_load`` the post-load steps in it and
+  ``prefetch_seal_digests`` the digests the commit's seal takes as known; the rest (``apply``:
+  the shadows' copy into live storage and kernel hand-over; ``begin``; ``identity``) ran inside.
 
 Each is repeated ``--rounds`` times alternating between two checkpoints; medians are reported
 and compared as ratios (machines here are noisy, absolute seconds are not comparable across

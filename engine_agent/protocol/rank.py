@@ -217,7 +217,8 @@ class RankReport(WireModel):
     #: Seconds spent in each step of the call (read, load, process, refresh, verify, digest).
     timings: dict[str, float] = Field(default_factory=dict)
     #: The rank's prefetch of this update: ``""`` none, ``reading`` (the checkpoint is being read
-    #: and hashed into host staging), ``ready`` (read, verified, waiting for the drain).
+    #: and hashed into host staging, and what was read routed and post-processed on shadow
+    #: modules), ``ready`` (read, verified, prepared, waiting for the drain).
     prefetch: str = ""
     #: Bytes this rank holds (or will hold) in host staging for the prefetch.
     staged_bytes: int = 0

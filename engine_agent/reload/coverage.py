@@ -132,6 +132,10 @@ class CoverageLedger:
         required = self._required.get(module, frozenset())
         return required <= self._received.get(module, set())
 
+    def received(self) -> list[ShardKey]:
+        """Every key recorded so far, sorted."""
+        return sorted(k for keys in self._received.values() for k in keys)
+
     def touched(self) -> frozenset[str]:
         return frozenset(m for m, keys in self._received.items() if keys)
 

@@ -74,6 +74,8 @@ from engine_agent.reload.index import ModelIndex, build_index
 from engine_agent.reload.inventory import Inventory
 from engine_agent.reload.modelwise import LoadRouter
 from engine_agent.reload.prefetch import Prefetch, available_memory, memory_problem
+from engine_agent.reload.processing import ModuleProcessor
+from engine_agent.reload.shadow import Prepared, ShadowProcessor, prepare
 from engine_agent.reload.sources import open_source
 
 __all__ = ["RankEngine"]
@@ -109,6 +111,8 @@ class _Session:
         #: Runs right before the session's first live write: waits for the hashes of every
         #: tensor handed out so far, so a wrong checkpoint is refused with the rank still clean.
         self.before_first_write: Callable[[], None] | None = None
+        #: Digests the commit's seal takes as known (a prefetched update's, :mod:`.shadow`).
+        self.sealed_digests: dict[str, str] = {}
 
 
 class RankEngine:
@@ -151,7 +155,7 @@ class RankEngine:
         self.guard = StillTrueGuard(
             tensors=lambda: self.index.kernel_visible(),
             kernels=lambda: self.index.kernel_snapshot(),
-            observations=lambda: kernel_probes(self.model),
+            observations=lambda known: kernel_probes(self.model, known),
             period=guard_period,
         )
 
@@ -304,7 +308,9 @@ class RankEngine:
         )
         return self._report("begin", ok=True)
 
-    def _new_session(self, spec: UpdateSpec) -> _Session:
+    def _new_session(
+        self, spec: UpdateSpec, processor: type[ModuleProcessor] = ModuleProcessor
+    ) -> _Session:
         """What a session of ``spec`` keeps: required shards, inventory, router and identity
         snapshots. Changes no state (a prefetch builds one for its dry run only).
 
@@ -350,6 +356,7 @@ class RankEngine:
             self._mark_written,
             inventory,
             lambda point: failpoints.check(point, self.rank),
+            processor,
         )
         return _Session(
             spec, ledger, router, index.storage_snapshot(), index.kernel_snapshot(), inventory
@@ -502,6 +509,8 @@ class RankEngine:
             raise WrongState("no prefetch is held on this rank (aborted, or the rank restarted)")
         if staging.error is not None:
             raise staging.error
+        if staging.prepared is None:
+            self._prepare(staging)  # this call runs between engine steps, as the dry run did
         return self._prefetch_report("prefetched", staging, ok=True)
 
     def _current_prefetch(self) -> Prefetch | None:
@@ -533,19 +542,24 @@ class RankEngine:
                 field="prefetch",
             )
         self._prefetch, self.state = None, session.drop_prefetch(self.state)
-        checkpoint = staging.checkpoint
-        with _timed(active.timings, "dry_run"):
-            active.router.dry_run(
-                (info.name, info.shape, info.dtype) for info in checkpoint.infos.values()
-            )
-        failpoints.check("load.dry_run", self.rank)
-        # Every byte was hashed and verified before the drain: nothing to wait for here.
+        # Routed and post-processed on shadows while the rank served (the poll that found the
+        # read done); a caller that skipped that poll pays for it here, inside the drain.
+        prepared = staging.prepared
+        while prepared is None:  # the read is ready: each step prepares more, the last finishes
+            prepared = self._prepare(staging)
+        staging.prepared = None
         with _timed(active.timings, "load"):
-            active.router.load(staging.consume())
+            prepared.apply(active.router.processing, lambda p: failpoints.check(p, self.rank))
+        active.router.bytes_loaded += prepared.bytes_loaded
+        active.sealed_digests = prepared.digests
         failpoints.check("load.read", self.rank)
-        self._loaded(active, checkpoint, prefix="prefetch_")
+        self._loaded(active, staging.checkpoint, prefix="prefetch_")
         active.timings |= staging.timings
         return self._report("apply", ok=True)
+
+    def _prepare(self, staging: Prefetch) -> Prepared | None:
+        """One preparation step of ``staging`` (:func:`.shadow.prepare`), inside this RPC."""
+        return prepare(staging, lambda: self._new_session(staging.spec, ShadowProcessor))
 
     def _prefetch_report(
         self,
@@ -560,7 +574,13 @@ class RankEngine:
             ok=ok,
             error=error,
             update_id=None if staging is None else staging.spec.update_id,
-            prefetch="" if staging is None or not ok else staging.status,
+            # ``ready`` once prepared: a read that ended after this call's preparation step is
+            # prepared by the next poll, not inside the drain
+            prefetch=""
+            if staging is None or not ok
+            else "ready"
+            if staging.prepared is not None
+            else "reading",
             staged_bytes=0 if staging is None else staging.stage_bytes,
             timings={} if staging is None else dict(staging.timings),
         )
@@ -629,7 +649,8 @@ class RankEngine:
         ).to_wire()
         self.state, self._session = committed, None
         try:
-            self.guard.seal()  # what "still true now" is checked against from here on
+            # what "still true now" is checked against from here on
+            self.guard.seal(active.sealed_digests)
         except Exception as e:  # a commit that cannot be guarded is not served
             self.state = session.poison(self.state, f"the commit could not be sealed: {e!r:.200}")
             raise

@@ -37,12 +37,14 @@ __all__ = ["POINTS", "check"]
 #: ``sparse.*`` points, sparse updates skip ``load.staged`` to ``copy.after``; ``tied.*`` fire
 #: only on models with tied parameters; ``load.read`` fires once this rank's loaders consumed
 #: and hashed every tensor of the batch; only prefetched updates pass ``prefetch`` to
-#: ``prefetched`` — ``prefetch.read`` fires on the reading thread, before its first byte — and
-#: ``apply``, which replaces ``load``).
+#: ``prefetched`` — ``prefetch.read`` fires on the reading thread, before its first byte, and
+#: ``prefetch.post_load`` before each module's post-load step on its shadow, inside the
+#: ``prefetched`` call that finds the read done — and ``apply``, which replaces ``load``).
 POINTS = (
     "prefetch",
     "prefetch.read",
     "prefetched",
+    "prefetch.post_load",
     "begin",
     "begin.snapshot",
     "load",

@@ -30,7 +30,7 @@ GPU reads its memory at TB/s. ``bench/reload.py`` reports the measured figure.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -46,7 +46,7 @@ from engine_agent.reload.identity import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_PERIOD_S", "Seal", "StillTrueGuard", "kernel_probes"]
+__all__ = ["DEFAULT_PERIOD_S", "PROBED", "Seal", "StillTrueGuard", "kernel_probe", "kernel_probes"]
 
 #: Seconds between content checks by default (issue 26 E: detection within 30 s).
 DEFAULT_PERIOD_S: Final = 30.0
@@ -77,8 +77,9 @@ class StillTrueGuard:
 
     tensors: Callable[[], Mapping[str, torch.Tensor]]
     kernels: Callable[[], Mapping[str, str]]
-    #: What kernels that keep private copies compute (read only when content is checked).
-    observations: Callable[[], Mapping[str, torch.Tensor]] = dict
+    #: What kernels that keep private copies compute (read only when content is checked), but
+    #: for the names it is handed (their digests are known).
+    observations: Callable[[Collection[str]], Mapping[str, torch.Tensor]] = lambda _known: {}
     period: float = DEFAULT_PERIOD_S
     clock: Callable[[], float] = time.monotonic
     _seal: Seal | None = field(default=None, init=False)
@@ -91,13 +92,20 @@ class StillTrueGuard:
     def sealed(self) -> bool:
         return self._seal is not None
 
-    def seal(self) -> None:
-        """Record what the kernels read now (call right after a commit, before serving)."""
+    def seal(self, known: Mapping[str, str] | None = None) -> None:
+        """Record what the kernels read now (call right after a commit, before serving).
+
+        ``known``: digests of what some tensors (and observations) must hold now, computed
+        before the commit from the very bytes that were copied into them (a prefetched update's
+        shadows, :mod:`.shadow`); they are not read again here. The first content check reads
+        them and compares with these, so a copy that went wrong is still caught, one period
+        later at most — where digesting the live bytes here would have sealed it.
+        """
         tensors = self.tensors()
         self._seal = Seal(
             storage={name: storage_record(t) for name, t in tensors.items()},
             kernels=dict(self.kernels()),
-            digests=self._digests(tensors),
+            digests=self._digests(tensors, known or {}),
         )
         self._content_due = self.clock() + self.period
 
@@ -123,7 +131,7 @@ class StillTrueGuard:
         if not force_content and now < self._content_due:
             return []
         started = time.perf_counter()
-        digests = self._digests(tensors)
+        digests = self._digests(tensors, {})
         changed = [
             f"{name}: content changed since the commit"
             for name in sorted(seal.digests.keys() | digests.keys())
@@ -134,10 +142,12 @@ class StillTrueGuard:
         self._content_due = now + self.period
         return changed
 
-    def _digests(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-        digests = {name: tensor_digest(t) for name, t in tensors.items()}
-        digests |= {name: tensor_digest(t) for name, t in self.observations().items()}
-        return digests
+    def _digests(
+        self, tensors: Mapping[str, torch.Tensor], known: Mapping[str, str]
+    ) -> dict[str, str]:
+        digests = {name: known.get(name) or tensor_digest(t) for name, t in tensors.items()}
+        digests |= {name: tensor_digest(t) for name, t in self.observations(known).items()}
+        return digests | {name: d for name, d in known.items() if name.endswith(PROBED)}
 
     @staticmethod
     def describe(problems: list[str]) -> str:
@@ -151,7 +161,13 @@ class StillTrueGuard:
 _PROBE_SEED: Final = 20261206
 
 
-def kernel_probes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+#: How an observation is named: ``<module>`` + this.
+PROBED: Final = ".cpu_linear(probe)"
+
+
+def kernel_probes(
+    model: torch.nn.Module, known: Collection[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """What each CPU GEMM kernel with a private weight copy computes on a fixed probe input.
 
     vLLM's oneDNN path (AVX-512/AMX CPUs) packs a linear's weight behind an opaque handle and
@@ -159,20 +175,31 @@ def kernel_probes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     input is the view of them the guard compares. A kernel without captured state (the fallback
     that reads the live parameter) is covered by the parameter itself and skipped.
     """
-    import torch
-
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
-        kernel = module.__dict__.get("cpu_linear")
-        weight = module._parameters.get("weight")
-        if kernel is None or weight is None or not getattr(kernel, "__closure__", None):
+        if f"{name}{PROBED}" in known:
             continue
-        width = int(weight.shape[1]) if weight.ndim == 2 and weight.numel() else 0
-        width = width or int(getattr(module, "input_size_per_partition", 0) or 0)
-        if not width:
-            continue
-        generator = torch.Generator().manual_seed(_PROBE_SEED + width)
-        probe = torch.randn(1, width, generator=generator).to(weight.dtype).to(weight.device)
-        with torch.no_grad():
-            out[f"{name}.cpu_linear(probe)"] = kernel(probe, weight, None)
+        observed = kernel_probe(module)
+        if observed is not None:
+            out[f"{name}{PROBED}"] = observed
     return out
+
+
+def kernel_probe(module: torch.nn.Module) -> torch.Tensor | None:
+    """What ``module``'s CPU GEMM kernel computes on the fixed probe input (``None``: it has no
+    kernel with a private weight copy); :func:`kernel_probes`."""
+    import torch
+
+    kernel = module.__dict__.get("cpu_linear")
+    weight = module._parameters.get("weight")
+    if kernel is None or weight is None or not getattr(kernel, "__closure__", None):
+        return None
+    width = int(weight.shape[1]) if weight.ndim == 2 and weight.numel() else 0
+    width = width or int(getattr(module, "input_size_per_partition", 0) or 0)
+    if not width:
+        return None
+    generator = torch.Generator().manual_seed(_PROBE_SEED + width)
+    probe = torch.randn(1, width, generator=generator).to(weight.dtype).to(weight.device)
+    with torch.no_grad():
+        observed: torch.Tensor = kernel(probe, weight, None)
+    return observed

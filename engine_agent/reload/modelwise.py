@@ -94,6 +94,8 @@ class LoadRouter:
         inventory: the session's inventory (which kernel objects a post-load step rebuilt).
         failpoint: called at every step boundary with its name (tests; see
             :mod:`engine_agent.reload.failpoints`).
+        processor: what processes complete modules (a prefetch's router processes them on
+            shadows, :class:`engine_agent.reload.shadow.ShadowProcessor`).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class LoadRouter:
         before_live_write: Callable[[], None],
         inventory: Inventory | None = None,
         failpoint: Callable[[str], None] = lambda _point: None,
+        processor: type[ModuleProcessor] = ModuleProcessor,
     ) -> None:
         self.index = index
         self.ledger = ledger
@@ -121,8 +124,9 @@ class LoadRouter:
         self._dry_keys: list[ShardKey] | None = None
         #: Watches loaders that write parameters themselves, while the proxies are installed.
         self._direct: DirectWrites | None = None
-        #: Processes complete modules (:mod:`.processing`); refuses stale sharers here, at begin.
-        self.processing = ModuleProcessor(
+        #: Processes complete modules (:mod:`.processing`; during a prefetch on shadows,
+        #: :mod:`.shadow`); refuses stale sharers here, at begin.
+        self.processing = processor(
             index,
             ledger,
             inventory if inventory is not None else index.inventory(),

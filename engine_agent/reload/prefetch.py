@@ -113,8 +113,17 @@ class Prefetch:
         self.stage_bytes = stage_bytes
         self.timings: dict[str, float] = {}
         self.error: AgentError | None = None
+        #: The read routed into staging and processed on shadow modules (engine's ``_prepare``,
+        #: on the engine's thread once the read is ready); what the drain installs.
+        self.prepared: Any = None
+        #: The preparation under way: a session whose router has routed what was taken so far
+        #: (engine's ``_prepare``), while the read goes on.
+        self.preparing: Any = None
         self._failpoint = failpoint
         self._tensors: deque[tuple[str, torch.Tensor]] = deque()
+        #: Bytes read and not taken yet (:meth:`take`), under ``_lock`` (two threads count).
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(
@@ -135,6 +144,36 @@ class Prefetch:
         """Stop reading at the next tensor and free the buffers (nothing else to undo)."""
         self._cancelled.set()
         self._tensors.clear()
+        if self.prepared is not None:
+            self.prepared.processor.discard()
+            self.prepared = None
+        if self.preparing is not None:
+            self.preparing.router.discard()
+            self.preparing = None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes read and not taken yet."""
+        with self._lock:
+            return self._pending_bytes
+
+    def take(self, max_bytes: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The tensors read so far and not taken yet, in checkpoint order, each handed out once
+        (at least one, then as many as fit in ``max_bytes``).
+
+        Their hashes may still be pending: the preparation routes them into private staging and
+        shadows while the read goes on, and nothing of it reaches live storage before the read
+        is ``ready`` (every hash verified); a mismatch fails the prefetch and drops it all.
+        """
+        taken: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        while self._tensors and (max_bytes is None or not taken or size < max_bytes):
+            name, tensor = self._tensors.popleft()
+            taken.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        with self._lock:
+            self._pending_bytes -= size
+        return taken
 
     def consume(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hand out the staged tensors once, in checkpoint order, each freed once taken."""
@@ -151,6 +190,8 @@ class Prefetch:
                 if self._cancelled.is_set():
                     return
                 self._tensors.append((name, tensor))
+                with self._lock:
+                    self._pending_bytes += tensor.numel() * tensor.element_size()
             # Waits for every hash: a byte the manifest does not pin fails the prefetch here
             # (the wait is reported as ``prefetch_hash_wait`` by the engine, from the source).
             self.checkpoint.complete()

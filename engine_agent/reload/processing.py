@@ -42,7 +42,7 @@ from engine_agent.reload.coverage import CoverageLedger
 from engine_agent.reload.index import ModelIndex, ModuleEntry
 from engine_agent.reload.inventory import Inventory
 
-__all__ = ["ModuleProcessor", "parameter_slots"]
+__all__ = ["ModuleProcessor", "parameter_slots", "require_tie_kept"]
 
 
 class ModuleProcessor:
@@ -169,8 +169,8 @@ class ModuleProcessor:
                 ) from e
             self._failpoint("copy.before")
             with self._timed("copy_live"):
-                self._copy_into_live(entry, live_params, _present(module._parameters))
-                self._copy_into_live(entry, live_buffers, _present(module._buffers))
+                self._copy_into_live(entry.name, live_params, _present(module._parameters))
+                self._copy_into_live(entry.name, live_buffers, _present(module._buffers))
         finally:
             # Back to what the load installed: a later tensor of this batch for this module
             # must meet the accounting (a duplicate), never the live parameter's own loader.
@@ -181,6 +181,12 @@ class ModuleProcessor:
         self._failpoint("copy.after")
         self.processed.add(entry.name)
         self._reprocess_sharers(entry)
+
+    def process_staged(self, entry: ModuleEntry, staged: dict[str, torch.Tensor]) -> None:
+        """Process ``entry`` from tensors staged elsewhere (a prefetch's, routed before the
+        drain), as if the router had just completed it."""
+        self._staging[entry.name] = staged
+        self.complete(entry)
 
     def complete(self, entry: ModuleEntry) -> None:
         """Process a module whose staging covers its required shards, or hold it back.
@@ -262,12 +268,7 @@ class ModuleProcessor:
                     self._failpoint("tied.before")
                     with self._timed("post_load"):
                         self._post_load(holder_name, holder)
-                    if holder._parameters.get(pname) is not shared:
-                        raise IdentityChanged(
-                            f"{holder_name}.{pname}: the post-load step of a module sharing "
-                            f"{entry.name}'s parameter replaced it; the tie would break",
-                            field=f"{holder_name}.{pname}",
-                        )
+                    require_tie_kept(holder_name, holder, pname, shared, entry.name)
                     self.derived_refreshed.append(f"{holder_name}:post_load(shares {entry.name})")
                     self._failpoint("tied.after")
                 except AgentError:
@@ -315,7 +316,7 @@ class ModuleProcessor:
 
     @staticmethod
     def _copy_into_live(
-        entry: ModuleEntry, live: Mapping[str, torch.Tensor], processed: Mapping[str, torch.Tensor]
+        module: str, live: Mapping[str, torch.Tensor], processed: Mapping[str, torch.Tensor]
     ) -> None:
         for name, target in live.items():
             new = processed.get(name)
@@ -325,10 +326,10 @@ class ModuleProcessor:
                 continue  # a placeholder on both sides (weights moved into a kernel closure)
             if tuple(new.shape) != tuple(target.shape) or new.dtype != target.dtype:
                 raise IdentityChanged(
-                    f"{entry.name}.{name}: processed tensor {new.dtype}{list(new.shape)} does not "
+                    f"{module}.{name}: processed tensor {new.dtype}{list(new.shape)} does not "
                     f"fit live storage {target.dtype}{list(target.shape)}; the kernel layout "
                     "changed since the engine started",
-                    field=f"{entry.name}.{name}",
+                    field=f"{module}.{name}",
                 )
             target.data.copy_(new.data)
 
@@ -349,6 +350,22 @@ class ModuleProcessor:
     def discard(self) -> None:
         """Forget the modules held back for an owner (abort or failure)."""
         self._deferred.clear()
+
+
+def require_tie_kept(
+    holder_name: str, holder: nn.Module, pname: str, shared: Any, owner: str
+) -> None:
+    """Refuse a sharer's post-load step that replaced the parameter it shares with ``owner``.
+
+    Raises:
+        IdentityChanged: the tie would break (the holder would keep its own, stale copy).
+    """
+    if holder._parameters.get(pname) is not shared:
+        raise IdentityChanged(
+            f"{holder_name}.{pname}: the post-load step of a module sharing {owner}'s "
+            "parameter replaced it; the tie would break",
+            field=f"{holder_name}.{pname}",
+        )
 
 
 def parameter_slots(module: nn.Module) -> dict[str, Any]:

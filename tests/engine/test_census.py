@@ -6,7 +6,8 @@ a cold engine on B gives the reference census (:mod:`tests.harness.census`: para
 buffers, tensors in module attributes and in kernel closures, found without weightroll's own
 index). A warm engine started on A — its boot census *is* a cold engine on A — is updated A->B
 and back B->A; after each update its census must equal the cold one byte for byte, and no
-tensor may have moved (graph-captured addresses stay valid).
+tensor may have moved (graph-captured addresses stay valid). A third update, A->B prefetched
+(post-load on shadow modules before the drain, installed inside it), must give the same census.
 
 Packed CPU GEMM copies (dense, tied) and MLA's private ``W_UK_T``/``W_UV`` copies (mla) are
 switched on as in tests/engine/test_oracle.py, so the derived copies a real AVX-512/AMX or FP8
@@ -66,9 +67,14 @@ def test_update_equals_cold_engine_byte_for_byte(
             after_b = _census(warm)
             _committed(warm.update("to-a", "a", a))
             after_a = _census(warm)
+            # prefetched (issue 30): post-load on shadows before the drain, installed inside it
+            _committed(warm.prefetched_update("prefetched-to-b", "b-again", b))
+            prefetched_b = _census(warm)
         finally:
             warm.close()
     assert differences(after_b, cold_b) == []
     assert differences(after_a, cold_a) == []
+    assert differences(prefetched_b, cold_b) == []
     assert moved(cold_a, after_b) == []
     assert moved(cold_a, after_a) == []
+    assert moved(cold_a, prefetched_b) == []

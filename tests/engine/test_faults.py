@@ -58,6 +58,8 @@ TABLE = [
     ("prefetched", "prefetch", "clean"),
     ("apply", "prefetch", "clean"),
     ("load.staged", "prefetch", "clean"),
+    ("prefetch.post_load", "prefetch", "clean"),
+    ("copy.before", "prefetch", "poisoned"),
     ("copy.after", "prefetch", "poisoned"),
 ]
 

@@ -95,3 +95,21 @@ def test_describe_names_a_bounded_number_of_tensors() -> None:
     assert line.startswith("still_true_violated: t0: content changed")
     assert line.endswith("(and 2 more)")
     assert "t3" not in line
+
+
+def test_a_seal_with_known_digests_reads_only_the_others_and_catches_a_wrong_copy(
+    model: torch.nn.Module,
+) -> None:
+    """A prefetched update seals the digests of the bytes it meant to copy (issue 30): right
+    ones stay true, and a live byte that is not what was meant is found at the first check."""
+    from engine_agent.reload.digest import tensor_digest
+
+    clock = Clock()
+    guard = _guard(model, clock)
+    meant = model[0].weight.detach().clone()
+    guard.seal(known={"0.weight": tensor_digest(meant)})
+    assert guard.violations(force_content=True) == []
+    wrong = meant.clone()
+    wrong[0, 0] += 1  # the copy was meant to write other bytes than the live ones hold
+    guard.seal(known={"0.weight": tensor_digest(wrong)})
+    assert guard.violations(force_content=True) == ["0.weight: content changed since the commit"]

@@ -246,3 +246,47 @@ def test_prefetch_waiting_names_every_rank_not_ready() -> None:
     assert prefetch_waiting([report(0, "ready"), report(1, "ready")]) == []
     waiting = [report(2, "reading"), report(0, "ready"), report(1, "")]
     assert prefetch_waiting(waiting) == ["dp0:pp0:tp1:ep0", "dp0:pp0:tp2:ep0"]
+
+
+def test_the_preparation_takes_what_was_read_once_and_counts_what_waits() -> None:
+    """A poll takes the tensors read so far (issue 30: prepared while the read goes on); each
+    is handed out once, and what waits is counted in bytes."""
+    import threading
+    import time
+    from collections.abc import Callable
+
+    import torch
+
+    from engine_agent.reload.prefetch import Prefetch
+
+    go = threading.Event()
+    tensors = [(f"t{i}", torch.full((4,), float(i))) for i in range(3)]
+
+    class Checkpoint:
+        def tensors(self) -> object:
+            yield tensors[0]
+            go.wait(5)
+            yield from tensors[1:]
+
+        def complete(self) -> None:
+            pass
+
+    def until(condition: Callable[[], bool]) -> None:
+        for _ in range(10_000):  # a bound, not a timing: the read thread is a few steps long
+            if condition():
+                return
+            time.sleep(0.001)
+        raise AssertionError("the read thread never got there")
+
+    staging = Prefetch(spec(), Checkpoint(), stage_bytes=48)
+    staging.start()
+    until(lambda: staging.pending_bytes >= 16)
+    assert [n for n, _ in staging.take()] == ["t0"] and staging.status == "reading"
+    assert staging.pending_bytes == 0
+    go.set()
+    until(lambda: staging.status != "reading")
+    assert staging.status == "ready" and staging.pending_bytes == 32
+    assert [n for n, _ in staging.take(max_bytes=16)] == ["t1"]  # bounded per poll
+    assert staging.pending_bytes == 16
+    assert [n for n, _ in staging.take()] == ["t2"]
+    assert staging.take() == [] and staging.pending_bytes == 0
