@@ -143,10 +143,15 @@ class RealFleet:
         out = self.kubectl("get", WEIGHTUPDATE, name, "-n", self.namespace, "-o", "json")
         return dict(json.loads(out))
 
-    def wait_succeeded(self, name: str, version: str, timeout: float = 600) -> None:
-        """Until WeightUpdate ``name`` is ``Succeeded`` at ``version``; a halt fails at once."""
+    def wait_succeeded(
+        self, name: str, version: str, sampler: Sampling | None = None, timeout: float = 600
+    ) -> None:
+        """Until WeightUpdate ``name`` is ``Succeeded`` at ``version``; a halt fails at once, and
+        so does what the ``sampler``'s guard finds meanwhile."""
 
         def done() -> bool:
+            if sampler is not None:
+                sampler.check()
             body = self.weightupdate(name)
             phase = body.get("status", {}).get("phase", "")
             assert phase not in TERMINAL_BAD, json.dumps(body.get("status"), indent=1)
@@ -176,6 +181,9 @@ class Sampling:
     argv: list[str]
     out: Path
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    #: Judges the rounds so far; what it returns fails the next wait at once, so a broken gate
+    #: fails on the slice it shows in, not later on a rollout that stalls because of it.
+    guard: Callable[[list[dict[str, Any]]], list[str]] | None = field(default=None, init=False)
 
     def __enter__(self) -> Sampling:
         env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
@@ -215,9 +223,16 @@ class Sampling:
 
         def first() -> dict[str, Any] | None:
             assert self.process is not None and self.process.poll() is None, "sampler exited"
+            self.check()
             return next((r for r in self.since(began) if check(r)), None)
 
         return poll(what, first, timeout, interval=0.2)
+
+    def check(self) -> None:
+        """Fail now if :attr:`guard` finds a problem in the rounds so far."""
+        if self.guard is not None:
+            problems = self.guard(self.rounds())
+            assert not problems, problems[:5]
 
     def since(self, began: float) -> list[dict[str, Any]]:
         """The rounds begun after ``began`` (``time.time()``)."""

@@ -17,9 +17,11 @@ the scenario does not accept, ready and outside an update:
    times out); the pod leaves the endpoints with the gate True, the operator takes no second
    pod out while it is out, and the fleet converges once it answers again.
 
-Scenarios 2 and 3 accept only the target for the pod that booted during the rollout: the
-agent's own readiness cannot keep boot weights out of traffic (a fresh agent is ready on
-them), only the operator's gate does. Root, the node binaries and vLLM needed; else skipped.
+Scenario 2 accepts only the target for the pod that booted during the rollout: the agent's own
+readiness cannot keep boot weights out of traffic (a fresh agent is ready on them), only the
+operator's gate does. The rounds are judged while the scenario waits too (``_guard``), so a
+broken gate fails on the slice that shows it, not on a rollout stalled by it. Root, the node
+binaries and vLLM needed; else skipped.
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def _first(sampler: Sampling, what: str, pick: Callable[[Round], str | None]) ->
     return name
 
 
+def _guard(sampler: Sampling, accepted: tuple[str, ...], known: set[str] | None = None) -> None:
+    """Fail every wait at the first unverified ready endpoint; with ``known``, a pod not in it
+    (booted during the scenario) is accepted at :data:`TARGET` only."""
+
+    def unverified(rounds: list[Round]) -> list[str]:
+        names = {name for r in rounds for name in r["pods"]}
+        newcomers = {n: (TARGET,) for n in names - known} if known is not None else {}
+        return judge(rounds, accepted, newcomers).unverified
+
+    sampler.guard = unverified
+
+
 def _judge(
     rounds: list[Round], accepted: tuple[str, ...], accepted_for: dict[str, tuple[str, ...]]
 ) -> list[str]:
@@ -99,11 +113,12 @@ def _judge(
 
 def test_flip_back_mid_rollout(real_fleet: RealFleet, base: str, tmp_path: Path) -> None:
     with real_fleet.sampling(tmp_path / "samples.jsonl") as sampler:
+        _guard(sampler, (base, TARGET))
         sampler.wait("every pod a ready endpoint", ready_at(PODS, base))
         real_fleet.apply_weightupdate(UPDATE, TARGET)
         loading = _first(sampler, f"a pod loading {TARGET}", _loading)
         real_fleet.apply_weightupdate(UPDATE, base)
-        real_fleet.wait_succeeded(UPDATE, base)
+        real_fleet.wait_succeeded(UPDATE, base, sampler)
         sampler.wait(f"every pod a ready endpoint at {base}", ready_at(PODS, base), timeout=180)
     rounds = sampler.rounds()
     assert _judge(rounds, (base, TARGET), {}) == []
@@ -114,11 +129,12 @@ def test_deleting_a_pod_mid_rollout(real_fleet: RealFleet, base: str, tmp_path: 
     with real_fleet.sampling(tmp_path / "samples.jsonl") as sampler:
         sampler.wait("every pod a ready endpoint", ready_at(PODS, base))
         before = set(real_fleet.pods())
+        _guard(sampler, (base, TARGET), known=before)
         real_fleet.apply_weightupdate(UPDATE, TARGET)
         loading = _first(sampler, f"a pod loading {TARGET}", _loading)
         real_fleet.kubectl("delete", "pod", loading, "-n", real_fleet.namespace, "--wait=false")
         poll("the ReplicaSet's replacement", lambda: set(real_fleet.pods()) - before, 60)
-        real_fleet.wait_succeeded(UPDATE, TARGET)
+        real_fleet.wait_succeeded(UPDATE, TARGET, sampler)
         final = sampler.wait(
             f"the replacement a ready endpoint at {TARGET}", ready_at(PODS, TARGET), timeout=300
         )
@@ -145,6 +161,7 @@ def test_vllm_crash_after_success(real_fleet: RealFleet, tmp_path: Path) -> None
         return int(status["restartCount"])
 
     with real_fleet.sampling(tmp_path / "samples.jsonl") as sampler:
+        _guard(sampler, (TARGET,))
         sampler.wait("every pod a ready endpoint", ready_at(PODS, TARGET))
         restarts = vllm_restarts()
         real_fleet.ctr("tasks", "kill", "--signal", "SIGKILL",
@@ -153,7 +170,7 @@ def test_vllm_crash_after_success(real_fleet: RealFleet, tmp_path: Path) -> None
         sampler.wait(
             f"{victim} back as a ready endpoint at {TARGET}", ready_at(PODS, TARGET), timeout=300
         )
-        real_fleet.wait_succeeded(UPDATE, TARGET)
+        real_fleet.wait_succeeded(UPDATE, TARGET, sampler)
     rounds = sampler.rounds()
     # Boot weights (v1) after the restart: never in traffic, for any pod. Until the agent's
     # probe failed twice the victim stays a ready endpoint serving nothing (vLLM is down).
@@ -170,6 +187,7 @@ def test_probe_failure_with_the_gate_true(real_fleet: RealFleet, base: str, tmp_
     frozen, other = sorted(real_fleet.pods())
     agent = real_fleet.container_id(frozen, "weightroll-agent")
     with real_fleet.sampling(tmp_path / "samples.jsonl") as sampler:
+        _guard(sampler, (TARGET, base))
         sampler.wait("every pod a ready endpoint", ready_at(PODS, TARGET))
         real_fleet.ctr("tasks", "pause", agent)  # the agent's /readyz probe now times out
         try:
@@ -192,7 +210,7 @@ def test_probe_failure_with_the_gate_true(real_fleet: RealFleet, base: str, tmp_
             poll("three rounds with the agent frozen", lambda: len(sampler.since(began)) >= 3, 120)
         finally:
             real_fleet.ctr("tasks", "resume", agent)
-        real_fleet.wait_succeeded(UPDATE, base)
+        real_fleet.wait_succeeded(UPDATE, base, sampler)
         sampler.wait(f"every pod a ready endpoint at {base}", ready_at(PODS, base), timeout=180)
     rounds = sampler.rounds()
     assert _judge(rounds, (TARGET, base), {}) == []
