@@ -12,13 +12,15 @@ venv:
 ## first when run as root), the chart, the operator and three real vLLM CPU pods; a WeightUpdate
 ## rolls v1 -> v2 live. SCENARIO=fail: one pod's checkpoint copy is corrupt; ON_FAILURE=Rollback;
 ## PREFETCH=Host: each pod stages and verifies v2 while it serves, out of traffic for the swap only.
+## NODE=real: the same rollout on a real kubelet, containerd and controllers (root; docs/real-node.md).
 SCENARIO ?= ok
+NODE ?= stand-in
 ON_FAILURE ?= Halt
 PREFETCH ?= None
 demo:
 	@bash scripts/demo-prereqs.sh
 	PYTHONPATH=devtools $(PY) -m weightroll_dev demo --scenario $(SCENARIO) --on-failure $(ON_FAILURE) \
-	  --prefetch $(PREFETCH)
+	  --prefetch $(PREFETCH) --node $(NODE)
 
 ## The single-engine demo (no cluster): a verified update on one vLLM engine and the failure modes.
 demo-engine: venv

@@ -46,6 +46,7 @@ from weightroll_operator.k8s.client import KubeApi, KubeConfig
 from weightroll_dev.demo_view import Asker, Console, condition, serving
 from weightroll_dev.demomodels import PROMPT, answer
 from weightroll_dev.devcluster.bringup import ClusterInfo, DevError, Options, down, up
+from weightroll_dev.realnode.demo import DemoNode
 
 __all__ = ["main"]
 
@@ -86,9 +87,17 @@ class ClusterDemo:
     """Everything the demo starts, and the steps; :meth:`close` stops all of it."""
 
     def __init__(
-        self, work: Path, console: Console, scenario: str, on_failure: str, prefetch: str = "None"
+        self,
+        work: Path,
+        console: Console,
+        scenario: str,
+        on_failure: str,
+        prefetch: str = "None",
+        node: str = "stand-in",
     ) -> None:
         self.work = work
+        #: ``real``: the cluster runs on the real node (:mod:`weightroll_dev.realnode.demo`).
+        self.real = DemoNode(work / "dev") if node == "real" else None
         self.out = console
         self.scenario = scenario
         self.on_failure = on_failure
@@ -96,11 +105,13 @@ class ClusterDemo:
         self.prefetch = prefetch
         #: The dev cluster (``weightroll_dev dev up``) the demo runs on, once it is up.
         self.info: ClusterInfo | None = None
+        #: The demo's pods: named by the stand-in, by the ReplicaSet on the real node.
+        self.names: tuple[str, ...] = PODS
         self.bad = PODS[1] if scenario == "fail" else None
         self.before: dict[str, str | None] = {}
         self.after: dict[str, str | None] = {}
         #: pod -> answers seen during the rollout: (version label at the time, text)
-        self.seen: dict[str, list[tuple[str, str]]] = {p: [] for p in PODS}
+        self.seen: dict[str, list[tuple[str, str]]] = {p: [] for p in self.names}
         #: Most pods out of traffic at once during the rollout (maxUnavailable is 1).
         self.most_out = 0
         #: Reads for the live view go through the operator's own API client on one private loop
@@ -175,18 +186,29 @@ class ClusterDemo:
 
     def bring_up(self) -> None:
         """``weightroll_dev dev up --pods 3`` in the work directory (pod IPs 127.0.0.100 and up,
-        away from the e2e tier's, so a concurrent test fleet never answers for a demo pod)."""
-        self.out.step(
-            "Dev cluster (weightroll_dev dev up): kube-apiserver, chart, operator, 3 vLLM pods",
-            "checkpoints v1, v2, v3 are tiny llamas trained to answer the prompt (cached)",
-        )
-        self.info = up(
-            Options(self.work / "dev", pods=len(PODS), first_ip=DEMO_FIRST_IP),
-            say=lambda line: self.out.line(line),
-        )
+        away from the e2e tier's, so a concurrent test fleet never answers for a demo pod); with
+        ``--node real``, ``dev up --node real --pods 3`` and the demo inside its namespace."""
+        say = self.out.line
+        if self.real is None:
+            self.out.step(
+                "Dev cluster (weightroll_dev dev up): kube-apiserver, chart, operator, 3 vLLM pods",
+                "checkpoints v1, v2, v3 are tiny llamas trained to answer the prompt (cached)",
+            )
+            self.info = up(Options(self.work / "dev", pods=len(PODS), first_ip=DEMO_FIRST_IP), say)
+            kubectl = "kubectl"
+        else:
+            self.out.step(
+                "Dev cluster on the real node (weightroll_dev dev up --node real): kubelet, "
+                "containerd, controllers, chart, operator, 3 vLLM pods",
+                "checkpoints v1, v2, v3 are tiny llamas trained to answer the prompt (cached)",
+            )
+            self.info = self.real.up(len(PODS), say)
+            self.names = tuple(sorted(self.info.pods))
+            self.seen = {p: [] for p in self.names}
+            kubectl = f"nsenter --net=/run/netns/{self.real.netns} -- kubectl"
         self.out.line(f"cluster up: {Path(self.cluster.dir) / 'cluster.json'}")
         self.out.line(
-            f"kubectl --kubeconfig {self.cluster.kubeconfig} get pods -n {self.cluster.namespace}"
+            f"{kubectl} --kubeconfig {self.cluster.kubeconfig} get pods -n {self.cluster.namespace}"
         )
         for version in (OLD, NEW):
             self.out.line(f"{version} is trained to answer {PROMPT!r} with {answer(version)!r}")
@@ -198,7 +220,7 @@ class ClusterDemo:
         self.out.step(f"Same prompt to every pod ({label})", repr(PROMPT))
         out: dict[str, str | None] = {}
         pods = self.pods()
-        for pod in PODS:
+        for pod in self.names:
             if not serving(pods[pod]):
                 out[pod] = None
                 self.out.line(f"{pod:<16} is drained (out of traffic): not asked")
@@ -264,7 +286,7 @@ class ClusterDemo:
         deadline = time.monotonic() + ROLLOUT_TIMEOUT
         status: dict[str, Any] = {}
         settle: float | None = None  # once terminal: until no pod is mid-operation (<= 15 s)
-        asker = Asker(PODS, self.ask, self.pods, default_version=OLD)
+        asker = Asker(self.names, self.ask, self.pods, default_version=OLD)
         try:
             while True:
                 read_at = time.monotonic()
@@ -275,14 +297,16 @@ class ClusterDemo:
                 for name, label, text in asker.take():
                     self._record(name, label, text)
                 rows = {}
-                for name in PODS:
+                for name in self.names:
                     stage, version = self._stage(name, pods[name])
                     rows[name] = f"{stage:<22} {version}"
-                self.most_out = max(self.most_out, sum(1 for n in PODS if not serving(pods[n])))
+                self.most_out = max(
+                    self.most_out, sum(1 for n in self.names if not serving(pods[n]))
+                )
                 counts = status.get("replicas") or {}
                 header = (
                     f"WeightUpdate {UPDATE}: phase {status.get('phase', 'Pending')}, "
-                    f"updated {counts.get('updated', 0)}/{len(PODS)}"
+                    f"updated {counts.get('updated', 0)}/{len(self.names)}"
                 )
                 self.out.view(rows, header)
                 if status.get("phase") in TERMINAL:  # read before the pods: rows are final
@@ -319,7 +343,7 @@ class ClusterDemo:
         each version was trained to say, :mod:`weightroll_dev.demomodels`)."""
         self.out.step("Outputs against commits")
         ok = True
-        for pod in PODS:
+        for pod in self.names:
             after = self.after.get(pod)
             at = self._version(pod)
             answers = [
@@ -350,7 +374,7 @@ class ClusterDemo:
 
     def explain_failure(self) -> None:
         pods = self.pods()
-        for name in PODS:
+        for name in self.names:
             pod = pods[name]
             raw = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_WEIGHT_STATE)
             ws = json.loads(raw) if raw else {}
@@ -410,7 +434,10 @@ class ClusterDemo:
             with contextlib.suppress(Exception):
                 self._loop.run_until_complete(self._api.close())
         self._loop.close()
-        down(self.work / "dev", say=self.out.line)
+        if self.real is not None:
+            self.real.down(self.out.line)
+        else:
+            down(self.work / "dev", say=self.out.line)
         self.out.line("everything started by the demo is stopped")
 
 
@@ -448,6 +475,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default None)",
     )
     p.add_argument(
+        "--node",
+        choices=("stand-in", "real"),
+        default="stand-in",
+        help="real: the same rollout on a real kubelet, containerd and controllers in a network "
+        "namespace (root; docs/real-node.md); default: the kubelet stand-in",
+    )
+    p.add_argument(
         "--workdir",
         type=Path,
         help="where models, pod roots and logs go (default: a temp dir, removed at the end)",
@@ -468,6 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.node == "real" and args.scenario == "fail":
+        print(
+            "weightroll_dev demo: --scenario fail corrupts one pod's own checkpoint copy; the "
+            "real node's pods share one volume (run it without --node real)",
+            file=sys.stderr,
+        )
+        return 2
     if importlib.util.find_spec("vllm") is None:
         print(
             "weightroll_dev demo: vLLM is not installed; run `make demo` (it installs it)",
@@ -479,7 +520,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="weightroll-demo-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
     console = Console(tty=sys.stdout.isatty())
-    demo = ClusterDemo(work.resolve(), console, args.scenario, args.on_failure, args.prefetch)
+    demo = ClusterDemo(
+        work.resolve(), console, args.scenario, args.on_failure, args.prefetch, args.node
+    )
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     # Ctrl-C always stops the demo cleanly, even when started with SIGINT ignored (`cmd &`).
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from weightroll_dev.realnode.images import TINY_IMAGE
-from weightroll_dev.realnode.sampler import budget_breaches, serving_accepted, violations
+from weightroll_dev.realnode.sampler import budget_breaches, judge, serving_accepted
 from weightroll_dev.realnode.workload import host_python_patch, real_node_values
 
 from engine_agent.protocol import AgentState, EngineState
@@ -47,6 +47,7 @@ def test_values_use_the_tiny_image_a_hostpath_and_no_operator_pods() -> None:
     assert example["replicas"] == 2
     assert example["vllm"]["image"] == example["agent"]["image"] == TINY_IMAGE
     assert example["vllm"]["resources"] == example["agent"]["resources"] == {}
+    assert example["vllm"]["host"] == "0.0.0.0"  # the Service's endpoints carry traffic
     assert example["models"]["volume"] == {
         "persistentVolumeClaim": None,
         "hostPath": {"path": "/pv", "type": "Directory"},
@@ -110,9 +111,55 @@ def test_a_ready_endpoint_is_blamed_only_when_both_agent_reads_say_not_serving()
         "endpoints": {"10.0.0.1": True, "10.0.0.2": False},
         "agents_after": {"10.0.0.1": updating, "10.0.0.2": updating},
     }
-    assert len(violations(sample, ("v1", "v2"))) == 1  # b is not ready: not blamed
+    assert len(judge([sample], ("v1", "v2")).unverified) == 1  # b is not ready: not blamed
     sample["agents_after"] = {"10.0.0.1": serving, "10.0.0.2": updating}
-    assert violations(sample, ("v1", "v2")) == []  # a finished between the reads
+    assert judge([sample], ("v1", "v2")).unverified == []  # a finished between the reads
+
+
+def test_a_pod_named_in_accepted_for_is_judged_by_its_own_versions() -> None:
+    """A replacement (or restarted) pod in traffic on its boot weights is blamed though the
+    other pods may still serve that version."""
+    serving = SERVING_V1.to_wire()
+    sample: dict[str, Any] = {
+        "pods": {"old": "10.0.0.1", "new": "10.0.0.2"},
+        "agents_before": {"10.0.0.1": serving, "10.0.0.2": serving},
+        "endpoints": {"10.0.0.1": True, "10.0.0.2": True},
+        "agents_after": {"10.0.0.1": serving, "10.0.0.2": serving},
+    }
+    assert judge([sample], ("v1", "v2")).unverified == []
+    (blamed,) = judge([sample], ("v1", "v2"), accepted_for={"new": ("v2",)}).unverified
+    assert blamed.startswith("new (10.0.0.2) is a ready endpoint; accepted ['v2']")
+
+
+def test_an_engine_that_answers_nothing_is_dead_not_unverified() -> None:
+    """vLLM killed, the probe not failed twice yet: the endpoint serves no weights."""
+    down = {**SERVING_V1.to_wire(), "version": "", "ready": False, "ranks": []}
+    sample: dict[str, Any] = {
+        "pods": {"a": "10.0.0.1"},
+        "agents_before": {"10.0.0.1": down},
+        "endpoints": {"10.0.0.1": True},
+        "agents_after": {"10.0.0.1": down},
+    }
+    verdict = judge([sample], ("v2",))
+    assert verdict.unverified == [] and len(verdict.dead) == 1
+    # The ranks answer on boot weights: that is serving, and blamed.
+    sample["agents_after"] = {"10.0.0.1": SERVING_V1.to_wire()}
+    assert len(judge([sample], ("v2",)).unverified) == 1
+
+
+def test_an_agent_that_does_not_answer_is_judged_by_its_last_answer() -> None:
+    """A frozen agent: its pod still serves what it served; one never heard from is blamed."""
+    serving = SERVING_V1.to_wire()
+    heard = {
+        "pods": {"a": "10.0.0.1"},
+        "endpoints": {"10.0.0.1": True},
+        "agents_before": {"10.0.0.1": serving},
+        "agents_after": {"10.0.0.1": serving},
+    }
+    silent = {**heard, "agents_before": {"10.0.0.1": None}, "agents_after": {"10.0.0.1": None}}
+    assert judge([heard, silent], ("v1",)).unverified == []
+    assert len(judge([silent], ("v1",)).unverified) == 1
+    assert len(judge([heard, silent], ("v2",)).unverified) == 2
 
 
 def test_budget_counts_selected_pods_missing_or_unready_in_the_slice() -> None:

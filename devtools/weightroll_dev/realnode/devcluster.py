@@ -147,6 +147,7 @@ def install(directory: Path, pods: int, timeout: float, say: Say) -> dict[str, A
         },
         "pods": {p["metadata"]["name"]: p["status"]["podIP"] for p in live},
         "operatorPid": running.process.pid,
+        "operatorMetricsUrl": running.metrics_url,
         "operatorLog": str(directory / "operator.log"),
     }
     tmp = directory / f".{CLUSTER_JSON}.tmp"

@@ -9,10 +9,12 @@ until SIGTERM:
 ``{"pods": {name: ip}, "agents_before": {ip: state}, "endpoints": {ip: ready},
 "agents_after": {ip: state}}``
 
-Each round reads every selected pod's agent ``GET /v1/state``, then the EndpointSlices, then
-the agents again: an endpoint counts against an agent only when *both* reads around the slice
-say the pod was not serving an accepted version (:func:`violations`), so a pod that finished
-its update between two reads is never blamed for the slice's lag.
+Each round reads every selected pod's agent ``GET /v1/state`` (all at once), then the
+EndpointSlices, then the agents again: an endpoint counts against an agent only when *both*
+reads around the slice say the pod was not serving an accepted version (:func:`judge`), so a
+pod that finished its update between two reads is never blamed for the slice's lag. A ready
+endpoint whose engine answers nothing (vLLM down, the probe not yet failed twice) serves no
+weights: :func:`judge` lists it apart, as ``dead``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["budget_breaches", "serving_accepted", "violations"]
+__all__ = ["Verdict", "budget_breaches", "judge", "serves_nothing", "serving_accepted"]
 
 
 def serving_accepted(state: Mapping[str, Any] | None, accepted: Collection[str]) -> bool:
@@ -43,19 +47,57 @@ def serving_accepted(state: Mapping[str, Any] | None, accepted: Collection[str])
     )
 
 
-def violations(sample: Mapping[str, Any], accepted: Collection[str]) -> list[str]:
-    """Ready endpoints whose agent, read before and after the slice, served no accepted version."""
-    found = []
-    for ip, ready in sample["endpoints"].items():
-        before = sample["agents_before"].get(ip)
-        after = sample["agents_after"].get(ip)
-        if (
-            ready
-            and not serving_accepted(before, accepted)
-            and not serving_accepted(after, accepted)
-        ):
-            found.append(f"{ip} is a ready endpoint; agent said {before} then {after}")
-    return found
+def serves_nothing(state: Mapping[str, Any] | None) -> bool:
+    """Whether an agent answered that no rank of its engine did (vLLM down or still booting):
+    the pod serves no weights at all, and a request sent to it fails."""
+    return state is not None and not state.get("version") and not state.get("ranks")
+
+
+@dataclass
+class Verdict:
+    """Ready endpoints over a run of rounds, by what their agents said."""
+
+    #: Serving weights the scenario does not accept (or inside an update): the promise broken.
+    unverified: list[str] = field(default_factory=list)
+    #: Serving nothing (the engine did not answer) while still a ready endpoint: the kubelet's
+    #: readiness probe has not failed often enough yet (the chart's: every 5 s, twice).
+    dead: list[str] = field(default_factory=list)
+
+
+def judge(
+    rounds: Iterable[Mapping[str, Any]],
+    accepted: Collection[str],
+    accepted_for: Mapping[str, Collection[str]] | None = None,
+) -> Verdict:
+    """Every ready endpoint of every round, judged by its agent's reads around the slice.
+
+    An endpoint passes when either read says it serves an accepted version (the pod may have
+    finished its update between the reads, so the slice's lag is never blamed). When neither
+    read answered (a frozen agent), its last answer stands in: an agent that never answered is
+    blamed. ``accepted_for`` narrows what a named pod may serve in traffic (a pod that booted
+    during a rollout: its target only, never its boot weights); the others are judged by
+    ``accepted``.
+    """
+    verdict = Verdict()
+    last: dict[str, Mapping[str, Any]] = {}
+    for sample in rounds:
+        names = {ip: name for name, ip in sample["pods"].items()}
+        for ip, ready in sample["endpoints"].items():
+            name = names.get(ip, "?")
+            allowed = (accepted_for or {}).get(name, accepted)
+            reads = [sample["agents_before"].get(ip), sample["agents_after"].get(ip)]
+            answered = [r for r in reads if r is not None] or ([last[ip]] if ip in last else [])
+            if answered:
+                last[ip] = answered[-1]
+            if not ready or any(serving_accepted(r, allowed) for r in answered):
+                continue
+            line = f"{name} ({ip}) is a ready endpoint; accepted {sorted(allowed)}, agent said "
+            line += " then ".join(str(r) for r in answered) if answered else "nothing"
+            if answered and all(serves_nothing(r) for r in answered):
+                verdict.dead.append(line)
+            else:
+                verdict.unverified.append(line)
+    return verdict
 
 
 def budget_breaches(sample: Mapping[str, Any], max_unavailable: int) -> list[str]:
@@ -80,6 +122,15 @@ def _agent_state(ip: str, token: str) -> dict[str, Any] | None:
         return None
 
 
+def _agent_states(ips: Sequence[str], token: str) -> dict[str, dict[str, Any] | None]:
+    """Every agent read at once: an agent that does not answer (a frozen container) costs a
+    round one timeout, not one per pod, so the other pods are still read often."""
+    if not ips:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(ips)) as pool:
+        return dict(zip(ips, pool.map(lambda ip: _agent_state(ip, token), ips), strict=True))
+
+
 def _kubectl_json(kubeconfig: str, *args: str) -> dict[str, Any]:
     out = subprocess.run(
         ["kubectl", f"--kubeconfig={kubeconfig}", *args, "-o", "json"],
@@ -100,7 +151,7 @@ def sample_once(
         for p in pods
         if not p["metadata"].get("deletionTimestamp")
     }
-    before = {ip: _agent_state(ip, token) for ip in ips.values() if ip}
+    before = _agent_states([ip for ip in ips.values() if ip], token)
     slices = _kubectl_json(
         kubeconfig, "get", "endpointslices", "-n", namespace,
         "-l", f"kubernetes.io/service-name={service}",
@@ -111,7 +162,7 @@ def sample_once(
         for e in s.get("endpoints") or []
         for address in e["addresses"]
     }
-    after = {ip: _agent_state(ip, token) for ip in ips.values() if ip}
+    after = _agent_states([ip for ip in ips.values() if ip], token)
     return {
         "time": time.time(),
         "pods": ips,

@@ -6,7 +6,11 @@ differ, all pure functions of their arguments here:
 
 * **Values.** Both containers use the tiny image (no registry is reachable); the checkpoints are
   a ``hostPath`` volume (the node has no volume provisioner); no resources (BestEffort: two vLLM
-  CPU servers on a 2-core machine shared with other work would not fit the chart's requests).
+  CPU servers on a 2-core machine shared with other work would not fit the chart's requests);
+  vLLM listens on ``0.0.0.0``, not the chart's ``127.0.0.1``, so the Service's endpoints carry
+  traffic (the demo's prompts, a test's requests) as the stand-in's vLLM does on its pod IP
+  (``devcluster/podspec.py`` rewrites loopback to it); the pod network exists only inside the
+  node's namespace.
 * **Host Python.** The tiny image holds no Python: the containers run the checkout's virtualenv
   through read-only hostPath mounts (:func:`~weightroll_dev.realnode.pods.host_python_mounts`),
   with the stand-in's engine environment (OpenMP threads unbound, 1 GiB KV cache, offline hub).
@@ -49,7 +53,7 @@ def real_node_values(boot_version: str, token: str, replicas: int, models: Path)
     # null drops the chart's default claim (Helm merges maps).
     hostpath = {"path": str(models), "type": "Directory"}
     example["models"] = {"volume": {"persistentVolumeClaim": None, "hostPath": hostpath}}
-    example["vllm"] = {**example["vllm"], "image": TINY_IMAGE, "resources": {}}
+    example["vllm"] = {**example["vllm"], "image": TINY_IMAGE, "resources": {}, "host": "0.0.0.0"}
     example["agent"] = {**example["agent"], "image": TINY_IMAGE, "resources": {}}
     return values
 
