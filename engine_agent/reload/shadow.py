@@ -180,7 +180,27 @@ class Prepared:
 def _copy_into_live(
     module: str, live: dict[str, torch.Tensor], processed: dict[str, torch.Tensor]
 ) -> None:
+    """Copy, then prove the live bytes are the shadow's: the commit's seal records the
+    shadows' digests (taken before the drain), not a hash of the live bytes, so the copy itself
+    is checked here, inside the drain, before anything is committed. A compare reads both
+    tensors once, cheaper than hashing the live bytes again."""
     ModuleProcessor._copy_into_live(module, live, processed)
+    for name, target in live.items():
+        new = processed.get(name)
+        if new is None or new is target or new.numel() == 0:
+            continue
+        if not _same_bytes(target, new):
+            raise IdentityChanged(
+                f"{module}.{name}: the live bytes differ from the prefetched ones after the copy",
+                field=f"{module}.{name}",
+            )
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (a NaN equals the same NaN; ``torch.equal`` alone says it does not)."""
+    if a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return bool(torch.equal(a, b))
 
 
 class ShadowProcessor(ModuleProcessor):
