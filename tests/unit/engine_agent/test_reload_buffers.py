@@ -22,8 +22,10 @@ from torch import nn
 
 pytest.importorskip("vllm", reason="the module and the loader are vLLM's")
 
-from engine_agent.reload.index import build_index
+from engine_agent.reload.coverage import CoverageLedger
+from engine_agent.reload.index import ModelIndex, build_index
 from engine_agent.reload.inventory import CHECKPOINT, DERIVED, RUNTIME
+from engine_agent.reload.modelwise import LoadRouter
 
 
 class _Mlp(nn.Module):
@@ -64,6 +66,13 @@ def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
     return tensors | {"layer.layer_scalar": torch.randn([1], generator=g)}
 
 
+def _router(index: ModelIndex) -> LoadRouter:
+    """A load router over ``index`` for a full update (every indexed module required)."""
+    return LoadRouter(
+        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
+    )
+
+
 def test_persistent_buffers_of_a_module_with_checkpoint_parameters_are_checkpoint_tensors() -> None:
     index = build_index(_model())
     assert set(index.entries["act_fn"].templates) == {"alpha_p", "alpha_n", "beta", "eps"}
@@ -76,16 +85,11 @@ def test_persistent_buffers_of_a_module_with_checkpoint_parameters_are_checkpoin
 
 
 def test_an_update_writes_the_buffers_in_place_and_equals_a_cold_load() -> None:
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
-
     model = _model()
     model.load_weights(_checkpoint(0).items())  # the engine's first (cold) load: A
     index = build_index(model)
     addresses = {n: t.data_ptr() for n, t in index.entries["act_fn"].live_tensors().items()}
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     b = _checkpoint(1)
     router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
     assert model.act_fn.beta.device.type == "cpu"  # the dry run wrote nothing, and left no proxy
@@ -103,16 +107,11 @@ def test_an_update_writes_the_buffers_in_place_and_equals_a_cold_load() -> None:
 
 
 def test_a_full_update_without_the_buffers_is_incomplete() -> None:
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
-
     model = _model()
     model.load_weights(_checkpoint(0).items())
     before = model.act_fn.beta.clone()
     index = build_index(model)
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     router.load((n, t) for n, t in _checkpoint(1).items() if not n.endswith(("beta", "eps")))
     assert router.processed == {"layer"}
     assert not router.ledger.is_complete("act_fn")
@@ -138,16 +137,11 @@ def test_a_persistent_buffer_of_a_module_without_parameters_is_a_checkpoint_tens
 def test_an_update_of_a_parameterless_module_buffer_equals_a_cold_load() -> None:
     """Gemma 4's ``layer_scalar``: before the fix the check run copied a meta tensor into the
     live buffer and the update was refused (``Cannot copy out of meta tensor``)."""
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
-
     model = _model()
     model.load_weights(_checkpoint(0).items())
     index = build_index(model)
     address = model.layer.layer_scalar.data_ptr()
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     b = _checkpoint(1)
     router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
     router.load(b.items())
@@ -161,16 +155,11 @@ def test_an_update_of_a_parameterless_module_buffer_equals_a_cold_load() -> None
 def test_a_full_update_without_a_parameterless_module_buffer_is_incomplete() -> None:
     """The live value came from the earlier checkpoint; an update that does not write it
     cannot equal a cold load of its own checkpoint, so it must not commit."""
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
-
     model = _model()
     model.load_weights(_checkpoint(0).items())
     before = model.layer.layer_scalar.clone()
     index = build_index(model)
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     router.load((n, t) for n, t in _checkpoint(1).items() if n != "layer.layer_scalar")
     assert router.processed == {"act_fn"}
     assert not router.ledger.is_complete("layer")
@@ -182,16 +171,12 @@ def test_a_checkpoint_tensor_reaching_an_unindexed_live_buffer_is_named_as_such(
     check run the meta tensor reaches the live buffer. That is an unaccounted write, not a
     shape mismatch, and the refusal says so and names the tensor."""
     from engine_agent.errors import LoaderUnsupported
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
 
     model = _model()
     model.load_weights(_checkpoint(0).items())
     model.act_fn.register_buffer("zero_bias", torch.zeros(1))  # after the record
     index = build_index(model)
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     b = _checkpoint(1) | {"act_fn.zero_bias": torch.ones(1)}
     with pytest.raises(LoaderUnsupported, match="never materialised") as refused:
         router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
