@@ -15,9 +15,9 @@ Invariants:
       templates only; the router (:mod:`.modelwise`) swaps the templates in for a load.
     * A checkpoint parameter is a parameter the model had when it was built (vLLM's build-time
       record, with its deliberate omissions undone, :func:`_templates`); parameters created
-      later by post-load processing are derived state. The persistent buffers of a module
-      with checkpoint parameters are checkpoint tensors too: vLLM's ``AutoWeightsLoader``
-      loads them by name (:func:`_checkpoint_buffers`).
+      later by post-load processing are derived state. The persistent buffers the model had
+      when it was built are checkpoint tensors too, on any module: vLLM's ``AutoWeightsLoader``
+      loads them by name as ``state_dict`` saves them (:func:`_checkpoint_buffers`).
 
 Limitations:
     1. A parameter held by several modules (tied embeddings; the routing bias of MiniMax-M2's
@@ -264,24 +264,27 @@ def _templates(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         if name in unrecorded or hasattr(live, "weight_loader"):
             templates[name] = to_meta_tensor(live)
-    if templates:
-        templates |= _checkpoint_buffers(module)
-    return templates
+    return templates | _checkpoint_buffers(module)
 
 
 def _checkpoint_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent buffers of a module with checkpoint parameters: checkpoint tensors too.
+    """The persistent buffers of ``module`` a cold load writes from the checkpoint.
 
-    vLLM's ``AutoWeightsLoader`` loads a module's persistent buffers by name, as
-    ``state_dict`` saves them (``_add_loadable_non_param_tensors``): Apertus's XIELU activation
-    keeps its ``beta`` and ``eps`` as buffers next to its ``alpha_p``/``alpha_n`` parameters, and
-    the checkpoint writes all four. Taken for derived state, they refused every update of the
-    module (issue 26). Only modules that already hold checkpoint parameters are considered:
-    elsewhere a persistent buffer is runtime state no checkpoint writes, and requiring it would
-    refuse updates that a cold load serves. As for parameters, only buffers the module had when
-    it was built count (vLLM's build-time record): one a post-load step registers (a quant
-    method's gather copies, ``zero_bias``) is derived state. A non-persistent buffer is never
-    in a checkpoint (mamba's ``conv_weights`` is a non-persistent view of ``conv1d.weight``).
+    A cold load writes what the checkpoint holds, and a checkpoint holds what ``state_dict``
+    saves: every persistent buffer, on whichever module it sits. vLLM's ``AutoWeightsLoader``
+    walks the module tree the same way and offers every module's persistent buffers by name
+    (``_add_loadable_non_param_tensors``), whether or not the module has parameters: Apertus's
+    XIELU keeps ``beta``/``eps`` beside its ``alpha_p``/``alpha_n`` parameters, and Gemma 4's
+    decoder layer, a module with no parameter of its own, keeps its ``layer_scalar``. Counting
+    only the buffers of modules with parameters left ``layer_scalar`` outside the index, so the
+    check run's meta tensor reached the live buffer and every full and partial Gemma 4 update
+    was refused (issue 26). A buffer that is a checkpoint tensor is required like a parameter:
+    an update whose checkpoint does not write it is incomplete and refused, as it must be when
+    the live value came from an earlier checkpoint. As for parameters, only buffers the module
+    had when it was built count (vLLM's build-time record): one a post-load step registers (a
+    quant method's gather copies, ``zero_bias``) is derived state. A non-persistent buffer is
+    never in a checkpoint (mamba's ``conv_weights`` is a non-persistent view of
+    ``conv1d.weight``; Gemma's ``normalizer``).
     """
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import to_meta_tensor

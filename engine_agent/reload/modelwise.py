@@ -221,6 +221,16 @@ class LoadRouter:
             if not current:
                 raise ShapeMismatch(f"the model's weight loader rejected a tensor: {e}") from e
             name, tensor = current[0]
+            if "Cannot copy out of meta tensor" in str(e):
+                # The copy's source was never materialised: in the check run every tensor is
+                # a meta tensor and only indexed slots hold proxies, so the loader copied this
+                # tensor into a live tensor the update does not account for.
+                raise LoaderUnsupported(
+                    f"{name}: the model's loader copies it into a live tensor this update does "
+                    "not account for (in the check run the tensor is never materialised: "
+                    f"{e}); the live tensor is not indexed as a checkpoint tensor",
+                    field=name,
+                ) from e
             raise ShapeMismatch(
                 f"{name}: the model's weight loader rejected it ({tensor.dtype} "
                 f"{list(tensor.shape)}): {str(e) or type(e).__name__}",

@@ -19,6 +19,10 @@ the families already tested do not cover (DeepSeek-V3, GPT-2 and MiniMax-M2 are 
   ``eps`` as persistent buffers beside its parameters, loaded by name by vLLM's
   ``AutoWeightsLoader`` (``engine_agent/reload/index.py`` ``_checkpoint_buffers``); every full
   and partial update of it was refused as derived state with no refresher;
+* ``Gemma4ForCausalLM``: a checkpoint buffer on a module without parameters — the decoder
+  layer's ``layer_scalar``; counted only on modules with parameters, it was outside the index,
+  the check run's meta tensor reached the live buffer, and every full and partial update was
+  refused;
 * ``FalconH1ForCausalLM``: a mamba mixer (``MambaMixer2``) whose ``conv_weights`` view of its
   conv1d weight is left holding the old storage once vLLM's CPU conv prepack replaces the
   weight's (``engine_agent/reload/derived.py`` ``CpuConvPrepackRefresher``; GraniteMoeHybrid
@@ -47,6 +51,7 @@ SUBSET = (
     "MixtralForCausalLM",
     "GptOssForCausalLM",
     "ApertusForCausalLM",
+    "Gemma4ForCausalLM",
     "FalconH1ForCausalLM",
     "Qwen3NextForCausalLM",
 )

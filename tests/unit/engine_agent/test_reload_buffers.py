@@ -4,8 +4,12 @@
 Apertus's XIELU activation keeps ``alpha_p``/``alpha_n`` as parameters and ``beta``/``eps`` as
 persistent buffers; the checkpoint writes all four, and a cold engine reads the checkpoint's
 ``beta`` and ``eps`` in every forward. Taken for derived state with no refresher, they refused
-every full and partial update of Apertus at ``begin`` (issue 26). The module under test is
-vLLM's own ``XIELU``, loaded by vLLM's own ``AutoWeightsLoader`` (no engine).
+every full and partial update of Apertus at ``begin`` (issue 26). Gemma 4's decoder layer, a
+module with no parameter of its own, keeps a persistent ``layer_scalar`` the checkpoint writes;
+left out of the index, the check run's meta tensor reached the live buffer and every full and
+partial Gemma 4 update was refused. The modules under test are vLLM's own ``XIELU`` and a
+parameterless layer with a persistent buffer, loaded by vLLM's own ``AutoWeightsLoader`` (no
+engine).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from torch import nn
 
 pytest.importorskip("vllm", reason="the module and the loader are vLLM's")
 
-from engine_agent.reload.index import build_index
+from engine_agent.reload.coverage import CoverageLedger
+from engine_agent.reload.index import ModelIndex, build_index
 from engine_agent.reload.inventory import CHECKPOINT, DERIVED, RUNTIME
+from engine_agent.reload.modelwise import LoadRouter
 
 
 class _Mlp(nn.Module):
@@ -30,9 +36,13 @@ class _Mlp(nn.Module):
         super().__init__()
         with set_current_vllm_config(VllmConfig()):  # a CustomOp reads it when built
             self.act_fn = XIELU(dtype=torch.float32)
-        # a module with no checkpoint parameter: its persistent buffer is runtime state
+        # a module with no parameter of its own whose persistent buffer the checkpoint writes
+        # (Gemma 4's decoder layer and its ``layer_scalar``)
+        self.layer = nn.Module()
+        self.layer.register_buffer("layer_scalar", torch.ones(1))
+        # a non-persistent buffer is never in a checkpoint: runtime state
         self.table = nn.Module()
-        self.table.register_buffer("cache", torch.arange(4.0))
+        self.table.register_buffer("cache", torch.arange(4.0), persistent=False)
 
 
 def _model() -> nn.Module:
@@ -52,7 +62,15 @@ def _model() -> nn.Module:
 def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"alpha_p": [1], "alpha_n": [1], "beta": [], "eps": []}
-    return {f"act_fn.{n}": torch.randn(s, generator=g) for n, s in shapes.items()}
+    tensors = {f"act_fn.{n}": torch.randn(s, generator=g) for n, s in shapes.items()}
+    return tensors | {"layer.layer_scalar": torch.randn([1], generator=g)}
+
+
+def _router(index: ModelIndex) -> LoadRouter:
+    """A load router over ``index`` for a full update (every indexed module required)."""
+    return LoadRouter(
+        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
+    )
 
 
 def test_persistent_buffers_of_a_module_with_checkpoint_parameters_are_checkpoint_tensors() -> None:
@@ -67,21 +85,16 @@ def test_persistent_buffers_of_a_module_with_checkpoint_parameters_are_checkpoin
 
 
 def test_an_update_writes_the_buffers_in_place_and_equals_a_cold_load() -> None:
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
-
     model = _model()
     model.load_weights(_checkpoint(0).items())  # the engine's first (cold) load: A
     index = build_index(model)
     addresses = {n: t.data_ptr() for n, t in index.entries["act_fn"].live_tensors().items()}
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     b = _checkpoint(1)
     router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
     assert model.act_fn.beta.device.type == "cpu"  # the dry run wrote nothing, and left no proxy
     router.load(b.items())
-    assert router.processed == {"act_fn"}
+    assert router.processed == {"act_fn", "layer"}
     assert router.ledger.is_complete("act_fn")
 
     cold = _model()
@@ -94,18 +107,13 @@ def test_an_update_writes_the_buffers_in_place_and_equals_a_cold_load() -> None:
 
 
 def test_a_full_update_without_the_buffers_is_incomplete() -> None:
-    from engine_agent.reload.coverage import CoverageLedger
-    from engine_agent.reload.modelwise import LoadRouter
-
     model = _model()
     model.load_weights(_checkpoint(0).items())
     before = model.act_fn.beta.clone()
     index = build_index(model)
-    router = LoadRouter(
-        index, CoverageLedger(index.required()), torch.device("cpu"), torch.float32, lambda: None
-    )
+    router = _router(index)
     router.load((n, t) for n, t in _checkpoint(1).items() if not n.endswith(("beta", "eps")))
-    assert router.processed == set()
+    assert router.processed == {"layer"}
     assert not router.ledger.is_complete("act_fn")
     assert torch.equal(model.act_fn.beta, before)
 
@@ -118,3 +126,59 @@ def test_a_buffer_registered_after_the_build_is_derived_state() -> None:
     index = build_index(model)
     assert "zero_bias" not in index.entries["act_fn"].templates
     assert index.inventory().items["act_fn.zero_bias"].kind == DERIVED
+
+
+def test_a_persistent_buffer_of_a_module_without_parameters_is_a_checkpoint_tensor() -> None:
+    index = build_index(_model())
+    assert set(index.entries["layer"].templates) == {"layer_scalar"}
+    assert index.inventory().items["layer.layer_scalar"].kind == CHECKPOINT
+
+
+def test_an_update_of_a_parameterless_module_buffer_equals_a_cold_load() -> None:
+    """Gemma 4's ``layer_scalar``: before the fix the check run copied a meta tensor into the
+    live buffer and the update was refused (``Cannot copy out of meta tensor``)."""
+    model = _model()
+    model.load_weights(_checkpoint(0).items())
+    index = build_index(model)
+    address = model.layer.layer_scalar.data_ptr()
+    router = _router(index)
+    b = _checkpoint(1)
+    router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
+    router.load(b.items())
+    assert router.processed == {"act_fn", "layer"}
+    cold = _model()
+    cold.load_weights(b.items())
+    assert torch.equal(model.layer.layer_scalar, cold.layer.layer_scalar)
+    assert model.layer.layer_scalar.data_ptr() == address
+
+
+def test_a_full_update_without_a_parameterless_module_buffer_is_incomplete() -> None:
+    """The live value came from the earlier checkpoint; an update that does not write it
+    cannot equal a cold load of its own checkpoint, so it must not commit."""
+    model = _model()
+    model.load_weights(_checkpoint(0).items())
+    before = model.layer.layer_scalar.clone()
+    index = build_index(model)
+    router = _router(index)
+    router.load((n, t) for n, t in _checkpoint(1).items() if n != "layer.layer_scalar")
+    assert router.processed == {"act_fn"}
+    assert not router.ledger.is_complete("layer")
+    assert torch.equal(model.layer.layer_scalar, before)
+
+
+def test_a_checkpoint_tensor_reaching_an_unindexed_live_buffer_is_named_as_such() -> None:
+    """The loader offers a buffer registered after the build (derived state) by name; in the
+    check run the meta tensor reaches the live buffer. That is an unaccounted write, not a
+    shape mismatch, and the refusal says so and names the tensor."""
+    from engine_agent.errors import LoaderUnsupported
+
+    model = _model()
+    model.load_weights(_checkpoint(0).items())
+    model.act_fn.register_buffer("zero_bias", torch.zeros(1))  # after the record
+    index = build_index(model)
+    router = _router(index)
+    b = _checkpoint(1) | {"act_fn.zero_bias": torch.ones(1)}
+    with pytest.raises(LoaderUnsupported, match="never materialised") as refused:
+        router.dry_run((n, t.shape, t.dtype) for n, t in b.items())
+    assert refused.value.field == "act_fn.zero_bias"
+    assert torch.equal(model.act_fn.zero_bias, torch.zeros(1))
