@@ -12,6 +12,10 @@ Parts, pure first:
     * :mod:`.processing` — post-load processing of a complete module, copied into live storage.
     * :mod:`.sources`, :mod:`.sparse` — reading checkpoints and sparse patches.
     * :mod:`.sparse_plan` — where a sparse patch lands on this rank, planned before any write.
+    * :mod:`.session_record` — what one open update keeps on a rank; its progress and report.
+    * :mod:`.prefetch`, :mod:`.shadow` — reading an update into host staging while the rank
+      serves, and preparing it on shadow modules.
+    * :mod:`.rank_prefetch` — the prefetch half of :class:`RankEngine` (start, poll, apply).
     * :mod:`.engine` — :class:`RankEngine`, one rank's begin/load/finish/abort/state.
     * :mod:`.registry` — the one :class:`RankEngine` per model in the process, shared by the
       worker extension's RPCs and the weight-transfer backends.

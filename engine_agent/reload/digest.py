@@ -19,6 +19,9 @@ Three tools, one per question:
   can write the ranks' memory. On CPU tensors :func:`tensor_digest` uses BLAKE3 instead, which is
   faster there and needs no copy.
 
+:func:`load_hashing` applies the pool to pushed tensors (the trainer path): host tensors are
+hashed while the loaders consume them, accelerator tensors fingerprinted afterwards.
+
 :func:`rank_digest` (also from :mod:`engine_agent.manifest`) folds per-tensor hashes into one
 (sorted ``name:hash;`` list, SHA-256): a rank's ``digest`` (``engine_agent/protocol/``).
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
@@ -50,6 +53,7 @@ __all__ = [
     "content_hash",
     "fingerprint",
     "host_bytes",
+    "load_hashing",
     "new_hasher",
     "rank_digest",
     "tensor_digest",
@@ -200,3 +204,52 @@ class VerifyPool:
             future.cancel()
         self._executor.shutdown(wait=True)
         self._pending = []
+
+
+def load_hashing(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    load: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+    timings: dict[str, float],
+) -> dict[str, str]:
+    """Hand ``weights`` to ``load`` and return each one's content hash (name -> digest).
+
+    Pushed tensors enter the rank digest like checkpoint tensors do (their content hash). Host
+    tensors are hashed by worker threads while the loaders consume them, as file loads are
+    (BLAKE3 releases the GIL); a tensor on an accelerator is fingerprinted on its own device,
+    in this thread, after ``load`` (its stream order is the loaders'). The seconds spent are
+    added to ``timings`` under ``load``, ``hash_wait`` and ``hash_overlapped``.
+    """
+    hashes: dict[str, str] = {}
+    pool = VerifyPool("blake3")
+
+    def record(name: str, digest: str) -> None:
+        hashes[name] = "blake3:" + digest
+
+    def handed_out() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if tensor.device.type == "cpu":
+                pool.submit(name, tensor, record)
+            yield name, tensor
+
+    try:
+        started = time.perf_counter()
+        try:
+            load(handed_out())
+        finally:
+            _add_seconds(timings, "load", time.perf_counter() - started)
+        started = time.perf_counter()
+        try:
+            pool.drain()
+            for name, tensor in weights:
+                if tensor.device.type != "cpu":
+                    hashes[name] = tensor_digest(tensor)
+        finally:
+            _add_seconds(timings, "hash_wait", time.perf_counter() - started)
+    finally:
+        pool.close()
+    _add_seconds(timings, "hash_overlapped", pool.hash_seconds)
+    return hashes
+
+
+def _add_seconds(timings: dict[str, float], step: str, seconds: float) -> None:
+    timings[step] = round(timings.get(step, 0.0) + seconds, 6)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from engine_agent.errors import ManifestMismatch, SourceUnavailable, UnknownTensor
+from engine_agent.protocol import LoadSource, UpdateMode, UpdateSpec
 from engine_agent.reload.owned_reads import (
     TensorInfo,
     byte_ranges,
@@ -51,7 +52,7 @@ from engine_agent.reload.owned_reads import (
     torch_dtype,
 )
 
-__all__ = ["CheckpointSource", "open_source"]
+__all__ = ["CheckpointSource", "open_checkpoint", "open_source"]
 
 
 class CheckpointSource:
@@ -278,3 +279,49 @@ def open_source(
     if manifest is not None:
         check_headers(infos, manifest)
     return CheckpointSource(files, infos, metadata, manifest)
+
+
+def open_checkpoint(source: LoadSource, spec: UpdateSpec) -> CheckpointSource:
+    """Read ``source``'s manifest (checked against the pin and ``spec``) and open its files:
+    headers are checked against the manifest here; content hashes on the very bytes the
+    loaders consume, while they consume them: one read, no window.
+
+    Raises:
+        ManifestMismatch: the manifest is unreadable, not the pinned one, or names another
+            version (:func:`_check_manifest_versions`).
+        SourceUnavailable: as :func:`open_source`.
+    """
+    manifest = None
+    if source.manifest is not None:
+        from engine_agent.manifest import ManifestError, load_manifest
+
+        try:
+            manifest = load_manifest(source.manifest, pinned=source.manifest_digest)
+        except (ManifestError, OSError) as e:
+            raise ManifestMismatch(f"manifest {source.manifest}: {e}", field="manifest") from e
+        _check_manifest_versions(manifest, spec, source.manifest)
+    return open_source(source.path, source.names, manifest)
+
+
+def _check_manifest_versions(manifest: Any, spec: UpdateSpec, path: str) -> None:
+    """Refuse a manifest written for another version (or, for a sparse patch, another base).
+
+    The agent checks this too; the rank checks it again on the manifest it read itself, so a
+    caller that skips the agent (or a manifest replaced after the agent read it, when no digest
+    pins it) cannot commit bytes under a version their manifest does not name.
+
+    Raises:
+        ManifestMismatch: naming both versions.
+    """
+    if manifest.version is not None and manifest.version != spec.version:
+        raise ManifestMismatch(
+            f"manifest {path} is for version {manifest.version!r} but this update commits "
+            f"{spec.version!r}; nothing was loaded",
+            field="manifest",
+        )
+    if spec.mode is UpdateMode.SPARSE and manifest.base_version != spec.base_version:
+        raise ManifestMismatch(
+            f"manifest {path} applies to base version {manifest.base_version!r} but this "
+            f"update declares baseVersion {spec.base_version!r}; nothing was loaded",
+            field="manifest",
+        )

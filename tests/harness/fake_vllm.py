@@ -224,8 +224,9 @@ class FakeRank:
         return self._report("load")
 
     def _prefetch(self, arg: str) -> dict[str, Any]:
-        """As ``RankEngine._prefetch_start``: the session checks (``session.prefetch``), then
-        the read and its manifest check; the rank stays clean at its version, serving."""
+        """As ``RankPrefetch._prefetch_start`` (``reload/rank_prefetch.py``): the session checks
+        (``session.prefetch``), then the read and its manifest check; the rank stays clean at its
+        version, serving."""
         args = PrefetchArgs.model_validate_json(arg)
         if self.staged is not None and self.staged[0] == args.spec:
             return self._staging_report("prefetch")  # a retried call
