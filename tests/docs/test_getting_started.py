@@ -67,8 +67,8 @@ from weightroll_dev import checkout_pythonpath
 
 from tests.charts.helpers import FAST_RULES, find, objects, render, rule_groups
 from tests.e2e.conftest import GATE, INJECTED_PODS, NAMESPACE, Fleet
+from tests.e2e.shared_fleet import repair_copy
 from tests.harness.helm_cli import set_values
-from tests.harness.polling import poll
 from tests.harness.prometheus import Prometheus, Target, prometheus_binary
 
 pytestmark = [pytest.mark.cluster, pytest.mark.server, pytest.mark.timeout(1800)]
@@ -276,19 +276,9 @@ def _firing(prom: Prometheus, alert: str, **labels: str) -> list[dict[str, Any]]
 
 
 def _repair(fleet: Fleet, pod: str, version: str) -> None:
-    """Give ``pod`` back the shared copy of ``version``: remove its own (corrupt) files, which the
-    dev cluster's volume sync links back in from the persistent volume within a second."""
-    shared = Path(fleet.info.persistentVolume) / version
-    mine = Path(fleet.info.podVolumes[pod]) / version
-    differs = [f for f in sorted(shared.glob("*.safetensors")) if not (mine / f.name).samefile(f)]
-    assert differs, f"{pod}'s copy of {version} is not corrupt: nothing to repair"
-    for f in differs:
-        (mine / f.name).unlink()
-    poll(
-        f"{pod}'s copy of {version} linked back to the shared one",
-        lambda: all((mine / f.name).exists() and (mine / f.name).samefile(f) for f in differs),
-        timeout=30,
-    )
+    """Give ``pod`` back the shared copy of ``version`` (its own is corrupt)."""
+    repaired = repair_copy(fleet, pod, version)
+    assert repaired, f"{pod}'s copy of {version} is not corrupt: nothing to repair"
 
 
 def test_page_blocks_all_carry_a_directive() -> None:

@@ -1,13 +1,15 @@
 """Fixtures of the e2e tier: a dev cluster (``weightroll_dev dev up``) and its access helpers.
 
-One fleet per module (``fleet``) is exactly what ``make demo`` runs on: ``weightroll_dev dev up
+The fleet (``fleet``) is exactly what ``make demo`` runs on: ``weightroll_dev dev up
 --pods 3 --reference v2`` (:mod:`weightroll_dev.devcluster.bringup`) starts the local
 kube-apiserver, installs the chart as release ``weightroll`` with its example workload
 (readiness gate, agent sidecar, worker extension, token Secret), runs the operator as the
 chart's ServiceAccount, and three pods (real vLLM CPU servers with their agents) played by the
 kubelet stand-in, plus a reference pod ``vllm-cold`` that boots v2 cold (the independent oracle
 of "serves like a fresh engine"). The fixture reads ``cluster.json`` (:class:`ClusterInfo`) and
-stops everything with ``weightroll_dev dev down`` afterwards.
+stops everything with ``weightroll_dev dev down`` afterwards. The modules that use one share it
+(:mod:`tests.e2e.shared_fleet`): each starts from that state, and the cluster goes down after
+the last of them.
 
 Checkpoints v1 (boot), v2 and v3 come with the cluster; :meth:`Fleet.publish` adds more. Each
 pod sees a node-local copy of the checkpoint volume, so one pod's copy can be corrupted alone
@@ -455,27 +457,21 @@ def _operator_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
     """``weightroll_dev dev up`` with three pods Ready on v1 and a reference pod on v2 (see the
-    module doc); ``weightroll_dev dev down`` afterwards, which must leave no process behind."""
-    skip_without_dev_cluster()
-    directory = tmp_path_factory.mktemp("e2e") / "dev"
-    began = time.monotonic()
-    info, _ = dev_up(directory, "--pods", str(len(PODS)), "--reference", FIRST_UPDATE)
-    fl = Fleet(info=info)
-    try:
-        # The reference pod boots (≈1-2 min of both cores) while `dev up` already returned:
-        # the tests start once it serves, not beside its boot (a 12-token completion of a pod
-        # then took over a minute on a loaded 2-core machine, and the rollout's timing with it).
-        fl.wait_serving(COLD)
-        fl.timings["dev_up_s"] = time.monotonic() - began
-        yield fl
-        logger.info("e2e timings: %s", json.dumps({k: round(v, 1) for k, v in fl.timings.items()}))
-    finally:
-        _tear_down(directory)
+    module doc), shared with the other modules that use it (:mod:`tests.e2e.shared_fleet`):
+    each module starts from that state; ``weightroll_dev dev down``, which must leave no process
+    behind, after the last one."""
+    from tests.e2e.shared_fleet import POOL
+
+    args = ("--pods", str(len(PODS)), "--reference", FIRST_UPDATE)
+    yield POOL.acquire("fleet", request, tmp_path_factory, args, PODS)
+    POOL.release("fleet", request)
 
 
-def _tear_down(directory: Path) -> None:
+def tear_down(directory: Path) -> None:
     """``dev down``, nothing left running, and the bulky pod copies removed."""
     dev_down(directory)
     assert leftovers(directory) == [], "dev down left processes behind"
@@ -487,14 +483,35 @@ def _tear_down(directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def injected(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def injected(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
     """``weightroll_dev dev up --pods 2 --inject``: the chart's example workload carries only the
     ``weightroll.io/inject`` label and the operator's webhook (the chart's configurations pointed
-    at the local operator) prepares its pods, as on a real cluster; ``dev down`` afterwards."""
-    skip_without_dev_cluster()
-    directory = tmp_path_factory.mktemp("inject") / "dev"
-    info, _ = dev_up(directory, "--pods", str(len(INJECTED_PODS)), "--inject")
-    try:
-        yield Fleet(info=info, pods=INJECTED_PODS)
-    finally:
-        _tear_down(directory)
+    at the local operator) prepares its pods, as on a real cluster. Shared like :func:`fleet`
+    (docs/getting-started.md runs on it too)."""
+    from tests.e2e.shared_fleet import POOL
+
+    args = ("--pods", str(len(INJECTED_PODS)), "--inject")
+    yield POOL.acquire("injected", request, tmp_path_factory, args, INJECTED_PODS)
+    POOL.release("injected", request)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that share a dev cluster (:mod:`tests.e2e.shared_fleet`) run one after
+    another, where the first of them was, so the cluster is up only while they run (it goes down
+    after the last); a module that ends its cluster (it stops the operator) runs last of them."""
+    from tests.e2e.shared_fleet import ENDS_CLUSTER
+
+    for kind in ("fleet", "injected"):
+        users = [i for i in items if kind in i.fixturenames]
+        modules = list(dict.fromkeys(i.parent for i in users))
+        if len(modules) < 2:
+            continue
+        modules.sort(key=lambda m: m.get_closest_marker(ENDS_CLUSTER) is not None)  # stable
+        group = [i for m in modules for i in items if i.parent is m]
+        moved = {id(i) for i in group}
+        first = next(k for k, i in enumerate(items) if id(i) in moved)
+        before = [i for i in items[:first] if id(i) not in moved]
+        after = [i for i in items[first:] if id(i) not in moved]
+        items[:] = [*before, *group, *after]

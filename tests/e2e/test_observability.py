@@ -48,6 +48,8 @@ from tests.harness.prometheus import Prometheus, Target, prometheus_binary
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.server,
+    # the last test stops the operator: the shared fleet's other modules run first
+    pytest.mark.ends_shared_cluster,
     pytest.mark.timeout(1500),
     pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"),
 ]
@@ -122,7 +124,20 @@ def _all_up(prom: Prometheus) -> bool:
     return len(health) == 1 + len(PODS) and all(h == "up" for h in health.values())
 
 
-def _pod_events(fleet: Fleet, pod: str) -> list[dict[str, Any]]:
+def _event_names(fleet: Fleet) -> set[str]:
+    out = fleet.kubectl("get", "events", "-n", NAMESPACE, "-o", "json")
+    return {e["metadata"]["name"] for e in json.loads(out)["items"]}
+
+
+@pytest.fixture(scope="module")
+def earlier(fleet: Fleet) -> set[str]:
+    """The Events that were there before this module's first rollout: the shared fleet may have
+    served other modules (and been reset to v1) before; this module judges only its own."""
+    return _event_names(fleet)
+
+
+def _pod_events(fleet: Fleet, pod: str, earlier: set[str]) -> list[dict[str, Any]]:
+    """The operator's Events about ``pod`` since the module began, oldest first."""
     out = fleet.kubectl(
         "get",
         "events",
@@ -133,7 +148,11 @@ def _pod_events(fleet: Fleet, pod: str) -> list[dict[str, Any]]:
         "-o",
         "json",
     )
-    events = [e for e in json.loads(out)["items"] if e.get("source", {}).get("component")]
+    events = [
+        e
+        for e in json.loads(out)["items"]
+        if e.get("source", {}).get("component") and e["metadata"]["name"] not in earlier
+    ]
     mine = [e for e in events if e["source"]["component"] == "weightroll-operator"]
     return sorted(mine, key=lambda e: (e["firstTimestamp"], e["metadata"]["name"]))
 
@@ -142,7 +161,9 @@ def _firing(prom: Prometheus, alert: str, **labels: str) -> list[dict[str, str]]
     return [a for a in prom.alerts(alert) if all(a.get(k) == v for k, v in labels.items())]
 
 
-def test_rollout_tells_each_pod_its_story(fleet: Fleet, prom: Prometheus) -> None:
+def test_rollout_tells_each_pod_its_story(
+    fleet: Fleet, prom: Prometheus, earlier: set[str]
+) -> None:
     """v1 -> v2: Succeeded; each pod's Events, as ``kubectl describe pod`` shows them."""
     # the reference pod (a cold vLLM on v2) is not needed here: free its CPU
     cold = getattr(e2e, "COLD", getattr(e2e, "REFERENCE_POD", "vllm-cold"))
@@ -151,7 +172,7 @@ def test_rollout_tells_each_pod_its_story(fleet: Fleet, prom: Prometheus) -> Non
     status = fleet.wait_phase("obs-v2", "Succeeded", "Failed", timeout=300)
     assert status["phase"] == "Succeeded", status
     for pod in PODS:
-        events = _pod_events(fleet, pod)
+        events = _pod_events(fleet, pod, earlier)
         assert [e["reason"] for e in events] == [
             "WeightsDrained",
             "WeightsUpdating",
@@ -183,7 +204,7 @@ def test_rollout_tells_each_pod_its_story(fleet: Fleet, prom: Prometheus) -> Non
     DONE.add("v2")
 
 
-def test_failed_rollout_fires_its_alerts(fleet: Fleet, prom: Prometheus) -> None:
+def test_failed_rollout_fires_its_alerts(fleet: Fleet, prom: Prometheus, earlier: set[str]) -> None:
     """v2 -> v4 with one pod's v4 corrupt, Halt: WeightrollUpdateFailed and
     WeightrollReplicaLeftDrained fire; the drained pod's Events say why."""
     if "v2" not in DONE:
@@ -208,7 +229,7 @@ def test_failed_rollout_fires_its_alerts(fleet: Fleet, prom: Prometheus) -> None
     )
     assert drained[0]["name"] == "obs-v4"
     assert not _firing(prom, "WeightrollUpdateFailed", name="obs-v2")
-    events = _pod_events(fleet, bad)
+    events = _pod_events(fleet, bad, earlier)
     assert events[-1]["reason"] == "WeightsUpdateFailed", events
     assert events[-1]["type"] == "Warning"
     assert "failed:" in events[-1]["message"] and "stays drained" in events[-1]["message"]
@@ -229,7 +250,9 @@ def test_every_dashboard_query_returns_data(fleet: Fleet, prom: Prometheus) -> N
     assert empty == []
 
 
-def test_retry_succeeds_and_the_alerts_resolve(fleet: Fleet, prom: Prometheus) -> None:
+def test_retry_succeeds_and_the_alerts_resolve(
+    fleet: Fleet, prom: Prometheus, earlier: set[str]
+) -> None:
     """The halted obs-v4 pointed at a good v5: Succeeded, every pod Ready, both alerts gone."""
     if "failed" not in DONE:
         pytest.skip("needs the failed rollout (test_failed_rollout_fires_its_alerts)")
@@ -246,7 +269,7 @@ def test_retry_succeeds_and_the_alerts_resolve(fleet: Fleet, prom: Prometheus) -
         ),
         timeout=ALERT_SLACK,
     )
-    assert [e["reason"] for e in _pod_events(fleet, PODS[1])][-1] == "WeightsVerified"
+    assert [e["reason"] for e in _pod_events(fleet, PODS[1], earlier)][-1] == "WeightsVerified"
     DONE.add("retried")
 
 

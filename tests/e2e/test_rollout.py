@@ -25,6 +25,7 @@ from tests.e2e.conftest import COLD, FIRST_UPDATE, GATE, NAMESPACE, PODS, Fleet,
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.server,
+    pytest.mark.needs_reference_pod,
     pytest.mark.timeout(900),
     pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"),
 ]
