@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 from torch import nn
@@ -133,6 +133,8 @@ class Prepared:
     keys: list[ShardKey]
     processor: ShadowProcessor
     bytes_loaded: int
+    #: Of ``bytes_loaded``, those staged in the read buffers themselves (:mod:`.adopt`).
+    bytes_adopted: int = 0
     #: What the commit's seal must record for the tensors and kernels the shadows hand over
     #: (:meth:`StillTrueGuard.seal`), digested before the drain; empty where modules are left
     #: to the drain (their processing may write any live tensor).
@@ -201,7 +203,11 @@ class ShadowProcessor(ModuleProcessor):
 
     Used by a router that loads the prefetched tensors into staging between two engine steps;
     it never marks the rank dirty (the router's ``before_live_write`` must not be reached).
+    Its staging adopts the prefetch's read buffers where a loader copies one whole
+    (:mod:`.adopt`): they are the rank's own, hashed while they are routed.
     """
+
+    adopts_reads: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -437,7 +443,12 @@ def prepare(staging: Prefetch, open_session: Callable[[], Any]) -> Prepared | No
         probe.ledger.require_complete()
         processor = probe.router.processing
         assert isinstance(processor, ShadowProcessor)
-        prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
+        prepared = Prepared(
+            probe.ledger.received(),
+            processor,
+            probe.router.bytes_loaded,
+            probe.router.bytes_adopted,
+        )
         digests_started = time.perf_counter()
         prepared.digest_shadows()
         # the wait for the digest thread (its own seconds: ``prefetch_seal_digests_overlapped``)
@@ -450,6 +461,12 @@ def prepare(staging: Prefetch, open_session: Callable[[], Any]) -> Prepared | No
         spent = staging.timings.get("prefetch_prepare", 0.0) + time.perf_counter() - started
         staging.timings["prefetch_prepare"] = round(spent, 6)
     staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
+    logger.info(
+        "Prefetch of %s prepared: %d bytes staged, %d of them in the read buffers (not copied)",
+        staging.spec.update_id,
+        prepared.bytes_loaded,
+        prepared.bytes_adopted,
+    )
     for name, reason in prepared.in_window.items():
         logger.info(
             "Prefetch of %s: %s is processed in the drain: %s", staging.spec.update_id, name, reason
