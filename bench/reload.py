@@ -15,9 +15,11 @@ engine with weightroll's extension, and times, in the same run and on the same e
   pause and resume around it are the agent's and not timed here). In
   ``prefetched_breakdown_seconds`` the ``prefetch_*`` steps ran before the drain:
   ``prefetch_prepare`` is the time the polls spent routing and post-processing (the engine
-  does not step meanwhile), ``prefetch_post_load`` the post-load steps in it and
-  ``prefetch_seal_digests`` the digests the commit's seal takes as known; the rest (``apply``:
-  the shadows' copy into live storage and kernel hand-over; ``begin``; ``identity``) ran inside.
+  does not step meanwhile), ``prefetch_post_load`` the post-load steps in it,
+  ``prefetch_seal_digests`` the wait for the digests the commit's seal takes as known (taken on
+  a thread of their own as each shadow is done: ``prefetch_seal_digests_overlapped``); the rest
+  (``apply``: the shadows' copy into live storage and kernel hand-over; ``begin``;
+  ``identity``) ran inside.
 
 Each is repeated ``--rounds`` times alternating between two checkpoints; medians are reported
 and compared as ratios (machines here are noisy, absolute seconds are not comparable across

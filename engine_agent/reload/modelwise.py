@@ -58,6 +58,7 @@ from engine_agent.errors import (
     ShapeMismatch,
     UnknownTensor,
 )
+from engine_agent.reload.adopt import Adoptions
 from engine_agent.reload.coverage import WHOLE, CoverageLedger, ShardKey
 from engine_agent.reload.direct import DirectWrites
 from engine_agent.reload.index import ModelIndex, ModuleEntry, live_tensor
@@ -137,6 +138,12 @@ class LoadRouter:
             self._originals,
             self._buffer_originals,
         )
+        #: The prefetch's read buffers its staging adopted instead of copying (:mod:`.adopt`).
+        self._adoptions = (
+            Adoptions(lambda name: name in self.processing.processed)
+            if self.processing.adopts_reads
+            else None
+        )
 
     # What the session reports, kept by the processor.
 
@@ -186,6 +193,11 @@ class LoadRouter:
             self._dry_keys = None
         self.ledger.check(keys)
         return keys
+
+    @property
+    def bytes_adopted(self) -> int:
+        """Bytes whose staging adopted the read buffer instead of copying it (:mod:`.adopt`)."""
+        return 0 if self._adoptions is None else self._adoptions.bytes_adopted
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write ``weights`` into staging; modules that become complete are processed."""
@@ -340,7 +352,12 @@ class LoadRouter:
             self.ledger.check(keys)
             staging = self._staging_tensor(entry, pname, template)
             bound.arguments["param"] = staging
-            result = self._accounted(original, bound)
+            if self._adoptions is None:
+                result = self._accounted(original, bound)
+            else:
+                self._adoptions.reading(loaded)
+                with self._adoptions.during(entry.name, pname, staging):
+                    result = self._accounted(original, bound)
             if result is False:  # an expert this rank does not own: nothing was written
                 return result
             self._staged(entry, keys, loaded)
@@ -400,6 +417,8 @@ class LoadRouter:
             self._dry_keys.extend(keys)
             return
         self.ledger.check(keys)
+        if self._adoptions is not None:
+            self._adoptions.reading(tensor)
         self._staging_tensor(entry, pname, template).copy_(tensor)
         self._staged(entry, keys, tensor)
 
@@ -491,6 +510,8 @@ class LoadRouter:
     def discard(self) -> None:
         """Drop every staging tensor (abort or failure): live storage is left as it is."""
         self._staging.clear()
+        if self._adoptions is not None:
+            self._adoptions.clear()
         self.processing.discard()
 
 

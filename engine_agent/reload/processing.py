@@ -32,7 +32,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -65,6 +65,10 @@ class ModuleProcessor:
         DerivedStateUnsupported: the update reloads a parameter that an indexed module it does
             not reload also holds.
     """
+
+    #: Whether the router's staging may adopt the read buffers a loader copies whole
+    #: (:mod:`.adopt`): only where the buffers are the rank's own and hashed (a prefetch).
+    adopts_reads: ClassVar[bool] = False
 
     def __init__(
         self,

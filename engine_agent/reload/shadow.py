@@ -39,8 +39,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 from torch import nn
@@ -132,27 +133,21 @@ class Prepared:
     keys: list[ShardKey]
     processor: ShadowProcessor
     bytes_loaded: int
+    #: Of ``bytes_loaded``, those staged in the read buffers themselves (:mod:`.adopt`).
+    bytes_adopted: int = 0
     #: What the commit's seal must record for the tensors and kernels the shadows hand over
     #: (:meth:`StillTrueGuard.seal`), digested before the drain; empty where modules are left
     #: to the drain (their processing may write any live tensor).
     digests: dict[str, str] = field(default_factory=dict)
 
     def digest_shadows(self) -> None:
-        """Digest, before the drain, what each shadow will put in live storage: its tensors
-        (the bytes the install copies) and what its kernel computes on the guard's probe."""
-        from engine_agent.reload.digest import tensor_digest
-        from engine_agent.reload.guard import PROBED, kernel_probe
-
+        """Collect, before the drain, the digests of what each shadow will put in live storage
+        (:meth:`ShadowProcessor.seal_digests`): its tensors (the bytes the install copies) and
+        what its kernel computes on the guard's probe."""
         if self.processor.in_window:
+            self.processor.stop_digests()
             return
-        for shadow in self.processor.shadows:
-            for slots in ("_parameters", "_buffers"):
-                for pname, tensor in shadow.shadow.__dict__[slots].items():
-                    if tensor is not None and not tensor.is_meta and tensor.numel():
-                        self.digests[f"{shadow.name}.{pname}"] = tensor_digest(tensor)
-            observed = kernel_probe(shadow.shadow)
-            if observed is not None:
-                self.digests[f"{shadow.name}{PROBED}"] = tensor_digest(observed)
+        self.digests = self.processor.seal_digests()
 
     @property
     def in_window(self) -> dict[str, str]:
@@ -208,7 +203,11 @@ class ShadowProcessor(ModuleProcessor):
 
     Used by a router that loads the prefetched tensors into staging between two engine steps;
     it never marks the rank dirty (the router's ``before_live_write`` must not be reached).
+    Its staging adopts the prefetch's read buffers where a loader copies one whole
+    (:mod:`.adopt`): they are the rank's own, hashed while they are routed.
     """
+
+    adopts_reads: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -216,6 +215,10 @@ class ShadowProcessor(ModuleProcessor):
         self.shadows: list[ShadowModule] = []
         #: Modules left to the drain: name -> (entry, its staging, why no shadow).
         self.in_window: dict[str, tuple[ModuleEntry, dict[str, torch.Tensor], str]] = {}
+        #: The seal's digests of each finished shadow, taken on a thread of their own while
+        #: the next modules are routed and post-processed (:meth:`seal_digests`).
+        self._digesting: ThreadPoolExecutor | None = None
+        self._digests: list[Future[tuple[dict[str, str], float]]] = []
 
     def process(self, entry: ModuleEntry) -> None:
         reason = self._window_reason(entry)
@@ -223,8 +226,12 @@ class ShadowProcessor(ModuleProcessor):
         self.processed.add(entry.name)
         if reason is not None:
             self.in_window[entry.name] = (entry, staged, reason)
+            self.stop_digests()  # the seal digests live bytes then (:attr:`Prepared.digests`)
         else:
+            finished = len(self.shadows)
             self._process_on_shadow(entry, staged)
+            if not self.in_window:
+                self._digest_later(self.shadows[finished:])
         # Reloaded modules holding one of its parameters waited for it (:meth:`complete`);
         # they hold another's parameter, so they go to the drain, after this one.
         for holder_name, _holder, _pname in self.index.sharers.get(entry.name, []):
@@ -323,13 +330,68 @@ class ShadowProcessor(ModuleProcessor):
                 )
             )
 
+    def _digest_later(self, shadows: list[ShadowModule]) -> None:
+        """Digest ``shadows`` on the digest thread: their post-load steps (the owner's and
+        its sharers') are done, and nothing writes a shadow's tensors or kernel after them
+        (a later duplicate shard is refused before it is written), so the bytes digested now
+        are the bytes the install copies; the install then proves the copy (``_copy_into_live``).
+        On two cores this fills the core the read and hash threads leave idle once the read
+        ended, instead of digesting every shadow after the last post-load step."""
+        if self._digesting is None:
+            self._digesting = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="weightroll-seal-digest"
+            )
+        for shadow in shadows:
+            self._digests.append(self._digesting.submit(_shadow_digests, shadow))
+
+    def seal_digests(self) -> dict[str, str]:
+        """Every shadow's seal digests (waits for the digest thread; re-raises its failure)."""
+        try:
+            digests: dict[str, str] = {}
+            spent = 0.0
+            for future in self._digests:
+                done, seconds = future.result()
+                digests |= done
+                spent += seconds
+            self.timings["seal_digests_overlapped"] = spent
+            return digests
+        finally:
+            self.stop_digests()
+
+    def stop_digests(self) -> None:
+        """Stop the digest thread (what it has not started is dropped)."""
+        executor, self._digesting, futures, self._digests = self._digesting, None, self._digests, []
+        for future in futures:
+            future.cancel()
+        if executor is not None:
+            executor.shutdown(wait=True)
+
     def mark_dirty(self) -> None:
         raise AgentError("a prefetch reached a live write; refused (a bug, reported)")
 
     def discard(self) -> None:
         super().discard()
+        self.stop_digests()
         self.shadows.clear()
         self.in_window.clear()
+
+
+def _shadow_digests(shadow: ShadowModule) -> tuple[dict[str, str], float]:
+    """What the commit's seal must record for ``shadow`` once installed: a digest of each of
+    its tensors and of what its kernel computes on the guard's probe (and the seconds taken)."""
+    from engine_agent.reload.digest import tensor_digest
+    from engine_agent.reload.guard import PROBED, kernel_probe
+
+    started = time.perf_counter()
+    digests: dict[str, str] = {}
+    for slots in ("_parameters", "_buffers"):
+        for pname, tensor in shadow.shadow.__dict__[slots].items():
+            if tensor is not None and not tensor.is_meta and tensor.numel():
+                digests[f"{shadow.name}.{pname}"] = tensor_digest(tensor)
+    observed = kernel_probe(shadow.shadow)
+    if observed is not None:
+        digests[f"{shadow.name}{PROBED}"] = tensor_digest(observed)
+    return digests, time.perf_counter() - started
 
 
 def _unsafe_method(module: nn.Module) -> str | None:
@@ -381,15 +443,30 @@ def prepare(staging: Prefetch, open_session: Callable[[], Any]) -> Prepared | No
         probe.ledger.require_complete()
         processor = probe.router.processing
         assert isinstance(processor, ShadowProcessor)
-        prepared = Prepared(probe.ledger.received(), processor, probe.router.bytes_loaded)
+        prepared = Prepared(
+            probe.ledger.received(),
+            processor,
+            probe.router.bytes_loaded,
+            probe.router.bytes_adopted,
+        )
         digests_started = time.perf_counter()
         prepared.digest_shadows()
+        # the wait for the digest thread (its own seconds: ``prefetch_seal_digests_overlapped``)
         staging.timings["prefetch_seal_digests"] = round(time.perf_counter() - digests_started, 6)
+        staging.timings["prefetch_seal_digests_overlapped"] = round(
+            processor.timings.get("seal_digests_overlapped", 0.0), 6
+        )
         staging.prepared, staging.preparing = prepared, None
     finally:
         spent = staging.timings.get("prefetch_prepare", 0.0) + time.perf_counter() - started
         staging.timings["prefetch_prepare"] = round(spent, 6)
     staging.timings["prefetch_post_load"] = round(processor.timings.get("post_load", 0.0), 6)
+    logger.info(
+        "Prefetch of %s prepared: %d bytes staged, %d of them in the read buffers (not copied)",
+        staging.spec.update_id,
+        prepared.bytes_loaded,
+        prepared.bytes_adopted,
+    )
     for name, reason in prepared.in_window.items():
         logger.info(
             "Prefetch of %s: %s is processed in the drain: %s", staging.spec.update_id, name, reason

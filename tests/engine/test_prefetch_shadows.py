@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.harness.engines import Engine, environ, start_engine
+from tests.harness.engines import Engine, cold_outputs, environ, start_engine
 from tests.harness.probe_extension import PACKED_GEMM_ENV
 
 
@@ -57,6 +57,7 @@ def test_the_drain_installs_kernels_built_before_it_and_holds_no_staging(
 ) -> None:
     a, b = checkpoints("llama", 0), checkpoints("llama", 1)
     with environ({PACKED_GEMM_ENV: "1"}):
+        cold_b = cold_outputs(b)
         engine = start_engine(a)
         try:
             boot = engine.outputs()
@@ -66,6 +67,9 @@ def test_the_drain_installs_kernels_built_before_it_and_holds_no_staging(
             assert polled["ok"], polled
             rank = _rank(engine)
             assert rank._prefetch.prepared.in_window == {}, "a dense Llama needs no module in it"
+            # the unfused tensors (embedding, o_proj, down_proj, norms, LM head) were staged in
+            # their read buffers; the census below and the seal judge the bytes
+            assert 0 < rank._prefetch.prepared.bytes_adopted < rank._prefetch.prepared.bytes_loaded
             refs, linears = _weak_staging(rank)
             assert linears, "the linears were processed on shadows"
             kernels = {n: modules[n].__dict__["cpu_linear"] for n in linears}
@@ -92,7 +96,8 @@ def test_the_drain_installs_kernels_built_before_it_and_holds_no_staging(
             gc.collect()
             assert [r for r in refs if r() is not None] == [], "staging still held"
             assert [r for r in old_kernels if r() is not None] == [], "replaced kernels held"
-            assert engine.outputs() != boot
+            # what a cold engine on b serves, adopted read buffers and shadow kernels included
+            assert engine.outputs() == cold_b != boot
             # the seal took the digests computed on the shadows: the live bytes match them
             assert _rank(engine).guard.violations(force_content=True) == []
         finally:
