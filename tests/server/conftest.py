@@ -275,11 +275,13 @@ async def scenarios(
     *,
     cold: Sequence[str] = (),
     agent_args: Sequence[str] = AGENT_ARGS,
+    keep: bool = True,
 ) -> AsyncIterator[list[Scenario]]:
     """``count`` pooled replicas of ``flavour``, each reset with its own agent (``root/r<i>``).
 
     ``cold`` names checkpoints (``"b"``, ``"c"``) whose fresh-engine outputs the module compares
-    against; they are recorded while the replicas start.
+    against; they are recorded while the replicas start. ``keep=False``: no other module uses
+    this flavour, stop its server on release.
     """
     models = pool.checkpoints(flavour)
     replicas = await pool.acquire(flavour, count, cold=[getattr(models, name) for name in cold])
@@ -292,7 +294,7 @@ async def scenarios(
     finally:
         for scenario in attached:
             await detach(scenario)
-        await pool.release(replicas)
+        await pool.release(replicas, keep=keep)
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="session")

@@ -11,8 +11,9 @@ about one core busy).
 * A :class:`Flavour` is what a server boots: a model family and a TP size. Every pooled server
   runs the same flags (:data:`POOL_ARGS`, :data:`POOL_ENV`: the Gloo weight-transfer backend and
   the trainer network), so one server takes file updates and trainer pushes alike.
-* Slot 0 of each flavour lives for the session; a module that needs more replicas at once (the
-  fleet) gets further slots, stopped again when it releases them.
+* Slot 0 of each flavour lives for the session (unless its only module releases it with
+  ``keep=False``); a module that needs more replicas at once (the fleet) gets further slots,
+  stopped again when it releases them.
 * A module's server may be one that an earlier module restarted, or restarted onto another
   checkpoint with the same flags (``test_agent_tp1`` boots B under its agent): what it boots is
   never relied on. :meth:`Replica.restart` always boots the flavour's checkpoint A labelled v0.
@@ -222,12 +223,14 @@ class ServerPool:
         its outputs as that checkpoint's oracle, unless one is kept already."""
         self._cold.setdefault((flavour, checkpoint), outputs)
 
-    async def release(self, replicas: Sequence[Replica]) -> None:
-        """Slot 0 stays (running or not: the next acquire checks); further slots stop."""
+    async def release(self, replicas: Sequence[Replica], *, keep: bool = True) -> None:
+        """Slot 0 stays (running or not: the next acquire checks) unless ``keep`` is false
+        (a flavour no later module uses: ~2.7 GiB of RSS for a TP=1 server); further slots
+        stop."""
         for replica in replicas:
             replica.failpoints.write_text("")
             pool = self._replicas[replica.flavour]
-            if pool.index(replica) > 0:
+            if pool.index(replica) > 0 or not keep:
                 await replica.server.stop()
 
     async def close(self) -> None:

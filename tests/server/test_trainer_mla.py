@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="session")]
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
     root = tmp_path_factory.mktemp("trainer-mla")
-    async with trainer_scenarios(pool, root, MLA_TP1, cold=("b",)) as (scenario,):
+    async with trainer_scenarios(pool, root, MLA_TP1, cold=("b",), keep=False) as (scenario,):
         yield scenario
 
 

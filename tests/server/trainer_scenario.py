@@ -36,14 +36,20 @@ AGENT_ARGS = (
 
 
 def trainer_scenarios(
-    pool: ServerPool, root: Path, flavour: Flavour, count: int = 1, *, cold: Sequence[str] = ()
+    pool: ServerPool,
+    root: Path,
+    flavour: Flavour,
+    count: int = 1,
+    *,
+    cold: Sequence[str] = (),
+    keep: bool = True,
 ) -> AbstractAsyncContextManager[list[Scenario]]:
     """Pooled replicas (every pooled server has the Gloo backend) whose agents take pushes."""
     root.mkdir(parents=True, exist_ok=True)
     trainer_token = root / "trainer-token"
     trainer_token.write_text(TRAINER_TOKEN)
     args = (*AGENT_ARGS, "--trainer-token-file", str(trainer_token))
-    return scenarios(pool, root, flavour, count, cold=cold, agent_args=args)
+    return scenarios(pool, root, flavour, count, cold=cold, agent_args=args, keep=keep)
 
 
 def token_file(sc: Scenario) -> Path:
