@@ -1,8 +1,9 @@
 """Server tier, TP=1: the agent drives a real vLLM server through updates, drains and faults.
 
-One server (model A, boot version v0) for the whole module; tests run in file order and each
-leaves the replica committed and ready. The last test restarts vLLM underneath the agent on
-checkpoint B and uses that cold engine as the differential oracle for the warm update A->B.
+One pooled server (reset to model A labelled v0, tests/server/pool.py) for the whole module; tests
+run in file order and each leaves the replica committed and ready. The last test restarts vLLM
+underneath the agent on checkpoint B and uses that cold engine as the differential oracle for the
+warm update A->B (and leaves it to the pool, which resets it for the next module).
 """
 
 from __future__ import annotations
@@ -16,21 +17,18 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.server.conftest import MANIFEST, Scenario, start_scenario, stop_scenario
-from tests.server.vllm_server import VllmServer, complete
+from tests.server.conftest import LLAMA_TP1, MANIFEST, Scenario, ServerPool, scenarios
+from tests.server.vllm_server import complete
 
-pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="session")]
 
 LONG = 200  # tokens of an in-flight request (max_model_len is 256)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
-    scenario = await start_scenario(tmp_path_factory.mktemp("tp1"), tp=1)
-    try:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+    async with scenarios(pool, tmp_path_factory.mktemp("tp1"), LLAMA_TP1) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def _long(sc: Scenario, prompt: str) -> dict[str, Any]:
@@ -40,7 +38,6 @@ async def _long(sc: Scenario, prompt: str) -> dict[str, Any]:
 
 
 async def test_happy_path_commits_and_serves_the_new_weights(sc: Scenario) -> None:
-    sc.notes["cold_a"] = await sc.outputs()
     accepted = await sc.post_update("tp1-b", "v1", sc.models.b)
     assert accepted["phase"] in ("Pending", "Draining", "Loading", "Verifying", "Committed")
 
@@ -62,7 +59,7 @@ async def test_happy_path_commits_and_serves_the_new_weights(sc: Scenario) -> No
     # the live ranks serve the commit of this update (issue 11: what GateOn is judged on)
     assert (state["committedVersion"], state["committedUpdateId"]) == ("v1", "tp1-b"), state
     warm_b = await sc.outputs()
-    assert warm_b != sc.notes["cold_a"], "the update must change the completions"
+    assert warm_b != sc.cold_a, "the update must change the completions"
     sc.notes["warm_b"] = warm_b
     sc.notes["timings_tp1"] = status["timings"]
 
@@ -70,7 +67,7 @@ async def test_happy_path_commits_and_serves_the_new_weights(sc: Scenario) -> No
 async def test_round_trip_to_a_equals_the_cold_boot_engine(sc: Scenario) -> None:
     await sc.post_update("tp1-a", "v0b", sc.models.a)
     assert (await sc.wait_phase("tp1-a"))["phase"] == "Committed"
-    assert await sc.outputs() == sc.notes["cold_a"]
+    assert await sc.outputs() == sc.cold_a
     await sc.recover("tp1-b2")
     assert await sc.outputs() == sc.notes["warm_b"]
 
@@ -277,8 +274,7 @@ async def test_rank_that_hangs_past_its_timeout(sc: Scenario) -> None:
     await sc.post_update("tp1-hang", "v2", sc.models.c)
     await _assert_failed_closed(sc, "tp1-hang", "engine_timeout", "weightroll_finish")
     sc.set_failpoints("")
-    await sc.server.stop()
-    await sc.server.start()
+    await sc.replica.restart()
     body = await sc.wait_ready(False)
     loop = asyncio.get_running_loop()
     end = loop.time() + 30
@@ -328,13 +324,7 @@ async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario)
     await sc.server.stop()
     body = await sc.wait_ready(False)
     assert body["reasons"]
-    cold = VllmServer(
-        model=sc.models.b,
-        log=sc.server.log,
-        boot_version="v1",
-        port=sc.server.port,
-        failpoints_file=sc.failpoints,
-    )
+    cold = sc.replica.booted_on(sc.models.b, "v1")
     await cold.start()
     model_a = sc.server.model
     sc.server = cold
@@ -360,3 +350,5 @@ async def test_vllm_restarted_underneath_the_agent_and_cold_oracle(sc: Scenario)
     cold_b = await sc.outputs()
     assert cold_b == sc.notes["warm_b"]
     assert model_a != cold.model
+    # a fresh engine on B with the pool's flags: test_trainer_tp1's oracle too
+    sc.pool.record_cold(sc.replica.flavour, sc.models.b, cold_b)

@@ -1,7 +1,7 @@
 """Server tier, TP=2: all-rank agreement on a real tensor-parallel vLLM server on CPU.
 
-One TP=2 server (model A, boot version v0; ``VLLM_CPU_OMP_THREADS_BIND="0|1"``), ~60 s to
-start on 2 cores. Tests run in file order and share it.
+The pooled TP=2 server (reset to model A labelled v0; ``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+Tests run in file order and share it.
 """
 
 from __future__ import annotations
@@ -11,22 +11,19 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.server.conftest import Scenario, start_scenario, stop_scenario
+from tests.server.conftest import LLAMA_TP2, Scenario, ServerPool, scenarios
 
-pytestmark = [pytest.mark.server, pytest.mark.tp2, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.tp2, pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
-    scenario = await start_scenario(tmp_path_factory.mktemp("tp2"), tp=2)
-    try:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+    async with scenarios(pool, tmp_path_factory.mktemp("tp2"), LLAMA_TP2) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def test_happy_path_tp2_every_rank_commits(sc: Scenario) -> None:
-    cold_a = await sc.outputs()
+    cold_a = sc.cold_a
     await sc.post_update("tp2-b", "v1", sc.models.b)
     status = await sc.wait_phase("tp2-b")
     assert status["phase"] == "Committed", status

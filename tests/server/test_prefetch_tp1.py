@@ -1,8 +1,8 @@
 """Server tier, TP=1: prefetch before the drain (issue 30) on a real vLLM server.
 
-One server (model A, boot version v0) for the module; tests run in file order. A prefetched
-update reads and verifies its checkpoint while the replica serves its old weights (the read is
-held on the rank's prefetch thread by a ``wait:`` failpoint while the test asks for
+One pooled server (reset to model A labelled v0) for the module; tests run in file order. A
+prefetched update reads and verifies its checkpoint while the replica serves its old weights (the
+read is held on the rank's prefetch thread by a ``wait:`` failpoint while the test asks for
 completions), then drains only to apply; a checkpoint that does not match its manifest is caught
 before the drain and leaves the replica serving, unpaused and Ready. With ``awaitSwap`` the
 update parks in Prefetched, the replica serving, until ``POST /v1/updates/{id}/swap``; an abort
@@ -17,20 +17,17 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.server.conftest import Scenario, start_scenario, stop_scenario
+from tests.server.conftest import LLAMA_TP1, Scenario, ServerPool, scenarios
 
-pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="session")]
 
 PREFETCH = {"prefetch": {"mode": "Host"}}
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
-    scenario = await start_scenario(tmp_path_factory.mktemp("prefetch"), tp=1)
-    try:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+    async with scenarios(pool, tmp_path_factory.mktemp("prefetch"), LLAMA_TP1) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def _serving(sc: Scenario, version: str, update_id: str | None) -> None:
@@ -43,7 +40,7 @@ async def _serving(sc: Scenario, version: str, update_id: str | None) -> None:
 
 
 async def test_the_replica_serves_while_every_rank_prefetches(sc: Scenario) -> None:
-    cold_a = await sc.outputs()
+    cold_a = sc.cold_a
     sc.notes["cold_a"] = cold_a
     gate = sc.models.root / "prefetch-go"
     sc.set_failpoints(f"prefetch.read=wait:{gate}")

@@ -9,7 +9,7 @@ report the same source digest (engine_agent/sidecar/agreement.py, rule 5).
 
 The swap is ordered by failpoints, not timing: rank 0 signals once its loaders consumed the whole
 checkpoint (``load.read``), rank 1 waits at the start of its load until the test has swapped the
-directory. One TP=2 server (~60 s to start on 2 cores), one test.
+directory. The pooled TP=2 server, one test.
 """
 
 from __future__ import annotations
@@ -23,20 +23,17 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from tests.server.conftest import Scenario, start_scenario, stop_scenario
+from tests.server.conftest import LLAMA_TP2, Scenario, ServerPool, scenarios
 
-pytestmark = [pytest.mark.server, pytest.mark.tp2, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.tp2, pytest.mark.asyncio(loop_scope="session")]
 
 RANKS = ("dp0:pp0:tp0:ep0", "dp0:pp0:tp1:ep0")
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
-    scenario = await start_scenario(tmp_path_factory.mktemp("swap"), tp=2)
-    try:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+    async with scenarios(pool, tmp_path_factory.mktemp("swap"), LLAMA_TP2) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def _until_exists(path: Path, sc: Scenario, update_id: str) -> None:

@@ -10,37 +10,32 @@ fenced and drained while the others serve the new version.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 
-from tests.server.conftest import Models, Scenario, build_models, stop_scenario
+from tests.server.conftest import LLAMA_TP1, Scenario, ServerPool
 from tests.server.trainer_scenario import (
     metrics,
     push,
     run_trainer,
-    start_replica,
     token_file,
+    trainer_scenarios,
     weight_version,
 )
 from tests.server.vllm_server import free_port
 
-pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[list[Scenario]]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def fleet(
+    pool: ServerPool, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[list[Scenario]]:
     root = tmp_path_factory.mktemp("trainer-fleet")
-    models: Models = build_models(root / "models")
-    replicas: list[Scenario] = []
-    try:
-        for i in range(3):
-            replicas.append(await start_replica(root / f"r{i}", models))
+    async with trainer_scenarios(pool, root, LLAMA_TP1, 3) as replicas:
         yield replicas
-    finally:
-        await asyncio.gather(*(stop_scenario(r) for r in replicas))
 
 
 async def test_fan_out_returns_one_result_per_replica_and_fences_the_failed_one(

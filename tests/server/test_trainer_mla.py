@@ -11,24 +11,17 @@ import pytest
 import pytest_asyncio
 
 from tests.harness.mla import absorbed_weights
-from tests.harness.models import build_tiny_model, random_checkpoint
-from tests.server.conftest import Models, Scenario, stop_scenario
-from tests.server.trainer_scenario import push, start_replica
-from tests.server.vllm_server import VllmServer
+from tests.server.conftest import MLA_TP1, Scenario, ServerPool
+from tests.server.trainer_scenario import push, trainer_scenarios
 
-pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
     root = tmp_path_factory.mktemp("trainer-mla")
-    a = build_tiny_model("deepseek_v2", root / "models" / "a", seed=0)
-    b = random_checkpoint(a, root / "models" / "b", seed=1)
-    scenario = await start_replica(root, Models(root / "models", a, b, b))
-    try:
+    async with trainer_scenarios(pool, root, MLA_TP1, cold=("b",), keep=False) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def test_mla_push_refreshes_derived_state_and_equals_a_cold_engine(sc: Scenario) -> None:
@@ -41,9 +34,5 @@ async def test_mla_push_refreshes_derived_state_and_equals_a_cold_engine(sc: Sce
     await sc.wait_ready()
     warm = await sc.outputs()
     assert warm != boot
-    await sc.agent.stop()
-    await sc.server.stop()
-    cold = VllmServer(model=sc.models.b, log=sc.server.log, boot_version="cold")
-    sc.server = cold
-    await cold.start()
-    assert await sc.outputs() == warm
+    # a fresh engine booted on B (the pool started it beside this replica)
+    assert sc.cold(sc.models.b) == warm

@@ -1,8 +1,9 @@
 """Server tier, trainer path, TP=1: a real trainer pushes over ``weightroll_gloo`` via the agent.
 
-One replica (vLLM on model A, boot version v0, backend ``weightroll_gloo``, plus the agent) for
-the whole module; tests run in file order and each leaves the replica committed and ready. The
-last test restarts vLLM on checkpoint B cold: the differential oracle for the warm push A->B.
+One pooled replica (vLLM with backend ``weightroll_gloo``, reset to model A labelled v0, plus the
+module's agent); tests run in file order and each leaves the replica committed and ready. The
+last test compares with a cold engine booted on checkpoint B (tests/server/pool.py): the
+differential oracle for the warm push A->B.
 
 The gap replays need the backend: with the same transport feeding vLLM's stock layerwise reload
 the half push, the q-only push and the duplicate all finish without an error (checked with
@@ -24,28 +25,25 @@ import pytest
 import pytest_asyncio
 
 from engine_agent.sidecar.transfer_routes import ROUTES
-from tests.server.conftest import Scenario, build_models, stop_scenario
+from tests.server.conftest import LLAMA_TP1, Scenario, ServerPool
 from tests.server.trainer_scenario import (
     call,
     metrics,
     push,
-    start_replica,
     token_file,
+    trainer_scenarios,
     weight_version,
 )
-from tests.server.vllm_server import ROOT, VllmServer
+from tests.server.vllm_server import ROOT
 
-pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
     root = tmp_path_factory.mktemp("trainer-tp1")
-    scenario = await start_replica(root, build_models(root / "models"))
-    try:
+    async with trainer_scenarios(pool, root, LLAMA_TP1, cold=("b",)) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def recover(sc: Scenario, version: str) -> None:
@@ -63,7 +61,6 @@ async def test_wrong_token_is_401_on_every_route(sc: Scenario) -> None:
 
 
 async def test_full_push_commits_and_serves_the_new_weights(sc: Scenario) -> None:
-    sc.notes["cold_a"] = await sc.outputs()
     result = await push(sc, "step-1", sc.models.b)
     assert (result["outcome"], result["version"], result["code"]) == ("committed", "step-1", None)
     (rank,) = result["ranks"]
@@ -76,7 +73,7 @@ async def test_full_push_commits_and_serves_the_new_weights(sc: Scenario) -> Non
     ranks = (await sc.state())["ranks"]
     assert [(r["state"], r["version"]) for r in ranks] == [("clean", "step-1")]
     warm_b = await sc.outputs()
-    assert warm_b != sc.notes["cold_a"], "the push must change the completions"
+    assert warm_b != sc.cold_a, "the push must change the completions"
     sc.notes["warm_b"] = warm_b
     text = await metrics(sc)
     assert 'weightroll_agent_trainer_pushes_total{outcome="committed"} 1.0' in text
@@ -227,7 +224,7 @@ async def test_vllm_restarted_mid_push(sc: Scenario) -> None:
     # trainer's broadcast breaks first, and the agent's answer is what it must act on.
     assert result["outcome"] == "failed" and result["code"] is not None, result
     assert "Connection closed" not in result["reason"], result
-    await sc.server.start()
+    await sc.replica.restart()  # on A labelled v0, as the kubelet restarts the container
     end = loop.time() + 60
     body = await sc.wait_ready(False)
     while not any("engine_restarted" in reason for reason in body["reasons"]):
@@ -259,9 +256,5 @@ async def test_a_push_of_the_same_label_is_not_attributed_to_the_earlier_update(
 
 
 async def test_cold_engine_on_the_same_weights_equals_the_warm_push(sc: Scenario) -> None:
-    await sc.agent.stop()
-    await sc.server.stop()
-    cold = VllmServer(model=sc.models.b, log=sc.server.log, boot_version="cold-b")
-    await cold.start()
-    sc.server = cold
-    assert await sc.outputs() == sc.notes["warm_b"]
+    # a fresh engine booted on B with the same flags (pool.py, "cold outputs")
+    assert sc.cold(sc.models.b) == sc.notes["warm_b"]

@@ -10,25 +10,20 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.server.conftest import Scenario, build_models, stop_scenario
-from tests.server.trainer_scenario import call, push, start_replica, weight_version
-from tests.server.vllm_server import VllmServer
+from tests.server.conftest import LLAMA_TP2, Scenario, ServerPool
+from tests.server.trainer_scenario import call, push, trainer_scenarios, weight_version
 
-pytestmark = [pytest.mark.server, pytest.mark.tp2, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.server, pytest.mark.tp2, pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def sc(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def sc(pool: ServerPool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Scenario]:
     root = tmp_path_factory.mktemp("trainer-tp2")
-    scenario = await start_replica(root, build_models(root / "models"), tp=2)
-    try:
+    async with trainer_scenarios(pool, root, LLAMA_TP2, cold=("b",)) as (scenario,):
         yield scenario
-    finally:
-        await stop_scenario(scenario)
 
 
 async def test_tp2_push_commits_on_both_ranks(sc: Scenario) -> None:
-    sc.notes["cold_a"] = await sc.outputs()
     result = await push(sc, "tp2-1", sc.models.b)
     assert result["outcome"] == "committed", result
     ranks = result["ranks"]
@@ -38,7 +33,7 @@ async def test_tp2_push_commits_on_both_ranks(sc: Scenario) -> None:
     await sc.wait_ready()
     assert (await call(sc, "/weight_info"))[1] == {"weight_version": "tp2-1", "world_size": 2}
     sc.notes["warm_b"] = await sc.outputs()
-    assert sc.notes["warm_b"] != sc.notes["cold_a"]
+    assert sc.notes["warm_b"] != sc.cold_a
 
 
 async def test_tp2_one_rank_refusing_fences_the_replica(sc: Scenario) -> None:
@@ -58,9 +53,5 @@ async def test_tp2_one_rank_refusing_fences_the_replica(sc: Scenario) -> None:
 
 
 async def test_tp2_cold_engine_on_the_pushed_weights_equals_the_warm_one(sc: Scenario) -> None:
-    await sc.agent.stop()
-    await sc.server.stop()
-    cold = VllmServer(model=sc.models.b, log=sc.server.log, tp=2, boot_version="cold-b")
-    sc.server = cold
-    await cold.start()
-    assert await sc.outputs() == sc.notes["warm_b"]
+    # a fresh TP=2 engine booted on B with the same flags (pool.py, "cold outputs")
+    assert sc.cold(sc.models.b) == sc.notes["warm_b"]

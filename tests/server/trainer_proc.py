@@ -5,6 +5,11 @@ Used by ``tests/server/test_trainer*.py``. Prints one JSON list of per-replica r
 finish), ``no-kv`` (everything but layer 0's k_proj/v_proj), ``duplicate`` (layer 0's q_proj
 twice in one update), ``full`` (everything). ``--hold-file`` makes the trainer wait, after
 start, until that file disappears (so a test can act mid-push).
+
+The tests fork each push from a fork server that imported this module once
+(``trainer_scenario.run_trainer``): every push still runs in a process of its own, with no state
+left from earlier pushes, but without the ~9 s (idle 2-core machine) of importing torch and vLLM
+again each time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -57,7 +63,8 @@ class Shaped(WeightSource):
             yield name, tensors[name]
 
 
-def main() -> int:
+def push(argv: list[str]) -> list[dict[str, object]]:
+    """One push as the command line ``argv`` describes it; the per-replica results."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--agent", action="append", required=True)
     parser.add_argument("--token-file", required=True)
@@ -65,7 +72,7 @@ def main() -> int:
     parser.add_argument("--version", required=True)
     parser.add_argument("--shape", default="full", choices=["full", "half", "no-kv", "duplicate"])
     parser.add_argument("--hold-file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     source = Shaped(CheckpointSource(args.checkpoint), args.shape)
     clients = [AgentSyncClient(url, token_file=args.token_file, timeout=120) for url in args.agent]
     if args.hold_file:
@@ -79,7 +86,18 @@ def main() -> int:
 
             client.start_weight_update = held  # type: ignore[method-assign]
     results = push_fleet(clients, source, weight_version=args.version)
-    json.dump([dataclasses.asdict(r) for r in results], sys.stdout)
+    return [dataclasses.asdict(r) for r in results]
+
+
+def push_in_child(argv: list[str], answer: Connection) -> None:
+    """The target of a process forked from the tier's trainer fork server: one push, its
+    results sent back (as JSON, as the command line prints them)."""
+    answer.send(json.dumps(push(argv)))
+    answer.close()
+
+
+def main() -> int:
+    json.dump(push(sys.argv[1:]), sys.stdout)
     return 0
 
 

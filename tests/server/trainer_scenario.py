@@ -1,26 +1,30 @@
 """Shared pieces of the trainer-path server tests: replicas with ``weightroll_gloo``, a trainer.
 
-A replica is a :class:`~tests.server.conftest.Scenario` (a real vLLM server started with
-``--weight-transfer-config '{"backend":"weightroll_gloo"}'`` plus a real ``weightroll-agent``);
-the trainer is ``tests/server/trainer_proc.py`` in its own process.
+A replica is a :class:`~tests.server.conftest.Scenario`: a pooled vLLM server (every one runs
+``--weight-transfer-config '{"backend":"weightroll_gloo"}'``) plus a real ``weightroll-agent``;
+the trainer is ``tests/server/trainer_proc.py``, each push in a process of its own forked from a
+fork server that imported it (and torch and vLLM) once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
+import multiprocessing
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from tests.server.conftest import Models, Scenario, start_scenario
-from tests.server.vllm_server import ROOT
+from tests.server import trainer_proc
+from tests.server.conftest import Flavour, Scenario, ServerPool, scenarios
+from tests.server.pool import TRAINER_NETWORKS
 
-GLOO = ("--weight-transfer-config", json.dumps({"backend": "weightroll_gloo"}))
-#: The trainer runs on this machine: its rendezvous (loopback) is the one trainer network,
-#: for the agent (``--trainer-networks``) and for every worker (the vLLM container's variable).
-TRAINER_NETWORKS = "127.0.0.1/32"
+#: Each push forks from a server process that imported the trainer once (its stderr is the test's).
+_TRAINERS = multiprocessing.get_context("forkserver")
+_TRAINERS.set_forkserver_preload(["tests.server.trainer_proc"])
 #: The trainers' own bearer token (``--trainer-token-file``); the operator's never opens the
 #: trainer routes.
 TRAINER_TOKEN = "server-test-trainer-token"
@@ -31,24 +35,27 @@ AGENT_ARGS = (
 )
 
 
-async def start_replica(root: Path, models: Models, *, tp: int = 1) -> Scenario:
-    """A replica on ``models.a`` (boot version v0) with the Gloo backend, ready."""
+def trainer_scenarios(
+    pool: ServerPool,
+    root: Path,
+    flavour: Flavour,
+    count: int = 1,
+    *,
+    cold: Sequence[str] = (),
+    keep: bool = True,
+) -> AbstractAsyncContextManager[list[Scenario]]:
+    """Pooled replicas (every pooled server has the Gloo backend) whose agents take pushes."""
     root.mkdir(parents=True, exist_ok=True)
     trainer_token = root / "trainer-token"
     trainer_token.write_text(TRAINER_TOKEN)
-    return await start_scenario(
-        root,
-        tp,
-        models=models,
-        server_args=GLOO,
-        agent_args=(*AGENT_ARGS, "--trainer-token-file", str(trainer_token)),
-        server_env={"WEIGHTROLL_TRAINER_NETWORKS": TRAINER_NETWORKS},
-    )
+    args = (*AGENT_ARGS, "--trainer-token-file", str(trainer_token))
+    return scenarios(pool, root, flavour, count, cold=cold, agent_args=args, keep=keep)
 
 
 def token_file(sc: Scenario) -> Path:
     """The trainers' token file of ``sc``'s agent."""
-    return sc.agent.token_file.parent / "trainer-token"
+    args = sc.agent.extra
+    return Path(args[args.index("--trainer-token-file") + 1])
 
 
 async def run_trainer(
@@ -60,10 +67,9 @@ async def run_trainer(
     hold_file: Path | None = None,
     timeout: float = 300,
 ) -> list[dict[str, Any]]:
-    """Run the trainer process; return its per-replica results (``ReplicaResult`` dicts)."""
+    """Run one push in a trainer process of its own; its per-replica results
+    (``ReplicaResult`` dicts)."""
     argv = [
-        sys.executable,
-        str(ROOT / "tests" / "server" / "trainer_proc.py"),
         *("--token-file", str(token), "--checkpoint", str(checkpoint)),
         *("--version", version, "--shape", shape),
     ]
@@ -71,16 +77,33 @@ async def run_trainer(
         argv += ["--agent", agent]
     if hold_file is not None:
         argv += ["--hold-file", str(hold_file)]
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout)
-    assert process.returncode == 0, err.decode()[-3000:]
+    answer, sender = _TRAINERS.Pipe(duplex=False)
+    process = _TRAINERS.Process(target=trainer_proc.push_in_child, args=(argv, sender))
+    process.start()
+    sender.close()
+    try:
+        out = await asyncio.to_thread(_answer, answer, process, timeout)
+    finally:
+        answer.close()
     results: list[dict[str, Any]] = json.loads(out)
     return results
+
+
+def _answer(answer: Connection, process: BaseProcess, timeout: float) -> str:
+    """The push's JSON answer; fails if the process ended without one or overran ``timeout``."""
+    try:
+        if not answer.poll(timeout):
+            raise AssertionError(f"the trainer did not answer in {timeout} s")
+        out: str = answer.recv()
+    except EOFError:
+        out = ""
+    finally:
+        process.join(10)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    assert process.exitcode == 0 and out, f"the trainer failed (exit code {process.exitcode})"
+    return out
 
 
 async def push(sc: Scenario, version: str, checkpoint: Path, **kw: Any) -> dict[str, Any]:
