@@ -1290,3 +1290,23 @@ def test_a_finished_rollout_whose_failed_straggler_holds_the_budget_halts(on_fai
         p0_serves = sim.pods["p0"].serving()[0] == {"v2"} and sim.server.ready("p0")
         if status.get("abortReason") != "FailureBudgetExceeded" or not p0_serves:
             raise Broken(f"no halt, or the finished fleet rolled back:\n{sim.describe()}")
+
+
+def test_a_gate_set_for_a_verdict_is_judged_after_its_record_moved_to_a_prefetch() -> None:
+    """Found by ``make soak`` (seed 4242; shrunk by greedy step deletion from 23 steps): with
+    ``prefetch: Host``, p0 is verified at v2 when its containers restart without the agent's
+    state onto the boot weights v1. The pass that sees it claims p0 to prefetch v2 again: the
+    claim rewrote the record (``Prefetching``), the withdrawal skipped a pod acted on, and no
+    step judged a gate under a record that is no verdict: p0 served v1 in traffic under the gate
+    set for v2 until its swap. What the gate vouches for is kept with the record whatever its
+    state and judged every pass (``domain.gate_vouch``). Fails on faff808."""
+    with replay("b", "but its gate was set True at ['v2']") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1, prefetch="Host")
+        for seconds in (30.0, 5.0, 30.0, 0.0, 5.0):
+            sim.progress(seconds)
+            sim.safety()
+        sim.restart_pod("p0", keep_state=False)
+        sim.safety()
+        sim.clock_step(120.0)
+        sim.safety()
+        sim.quiesce()  # the passes that follow claim p0 to prefetch, its gate still True
