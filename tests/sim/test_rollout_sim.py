@@ -613,14 +613,19 @@ class RolloutMachine(RuleBasedStateMachine):
         self.after()
 
     @precondition(lambda self: self._fault("kubelet_late"))
-    @rule(pod=st.sampled_from(POD_NAMES), steps=st.integers(1, 3))
+    @rule(
+        pods=st.frozensets(st.sampled_from(POD_NAMES), min_size=1, max_size=6),
+        steps=st.integers(1, 3),
+    )
     @recorded
-    def kubelet_late(self, pod: str, steps: int) -> None:
-        """``pod``'s kubelet neither syncs nor looks at it for ``steps`` step ends (this one's
-        among them): its next sync writes ``Ready`` from its look before, whatever our gate and
-        the agent's ``/readyz`` said since (the window of the flip-back race on a real node)."""
-        if pod in self.pods:
-            self.kubelet_busy[pod] = steps
+    def kubelet_late(self, pods: frozenset[str], steps: int) -> None:
+        """The kubelet of ``pods`` neither syncs nor looks at them for ``steps`` step ends (this
+        one's among them): its next sync writes ``Ready`` from its look before, whatever our
+        gate and the agent's ``/readyz`` said since (the window of the flip-back race on a real
+        node)."""
+        for pod in sorted(pods):
+            if pod in self.pods:
+                self.kubelet_busy[pod] = steps
         self.after()
 
     @rule(seconds=st.sampled_from([1.0, 5.0, 30.0, 120.0, 700.0, 2000.0]))
@@ -1361,7 +1366,7 @@ def test_a_pod_claimed_before_the_kubelet_acted_on_its_gate_on_is_not_put_back_i
         sim.reconcile("wu-a", None)
         sim.load_ends("p0", True)
         sim.reconcile("wu-a", None)  # verified at v1: GateOn; the kubelet saw it, not synced
-        sim.kubelet_late("p0", 3)
+        sim.kubelet_late(frozenset({"p0"}), 3)
         sim.edit_version("wu-a", "v2")
         for _ in range(3):
             sim.reconcile("wu-a", None)
