@@ -39,6 +39,10 @@ and in traffic. The planner once asked a verified, Ready pod nothing again, so t
   for as long as a partition lasts, beyond ``maxUnavailable``. Only replaced containers
   (:attr:`Outlived.replaced`) need our gate to keep them out.
 
+The *gate* is judged apart from the verdict (:func:`gate_breach`, ``domain.gate_vouch``): what a
+GateOn of ours vouched for is kept with the record whatever state it moves to, so a gate under a
+record that is no verdict (a verified pod claimed to prefetch, serving on) is judged too.
+
 A commit id the agent no longer reports (``None``: ranks that booted at the version after a
 restart report no commit) is not a contradiction: the label and files are checked instead.
 
