@@ -200,6 +200,13 @@ class RolloutMachine(RuleBasedStateMachine):
         #: Pods Ready at least once since they were created (a pod that never served is not
         #: capacity a rollout can take away).
         self.served: set[str] = set()
+        #: Each pod's last readiness probe: what the kubelet's next sync reports its containers
+        #: as (a probe runs every step, its answer is acted on at the next: the real kubelet's
+        #: probe period, with its watch lag the window of the flip-back race).
+        self.probed: dict[str, bool] = {}
+        #: Pods whose kubelet neither syncs nor looks again for this many more step ends (its
+        #: pod worker is busy): its next ``Ready`` comes from an older look (``kubelet_late``).
+        self.kubelet_busy: dict[str, int] = {}
         self.states: dict[str, AgentState | None] = {}
         self.healthy = True
         #: Replays: violations are collected in :attr:`found` and judged by the replay.
@@ -251,22 +258,40 @@ class RolloutMachine(RuleBasedStateMachine):
             if self.full_passes - passes < GRACE_PASSES or self.clock.seconds - at < GRACE_SECONDS
         }
 
+    def _excused_ready(self) -> set[str]:
+        """Pods a Ready that contradicts their gate's fingerprint is excused for (b): those of
+        :meth:`_excused`, and those whose weights the cluster changed and whose gate the operator
+        has withdrawn since (its answer is written; the kubelet's ``Ready`` follows it late)."""
+        withdrawn = {
+            n for n in self.drift if n in self.server.pods and self.server.gate(n) is False
+        }
+        return self._excused() | withdrawn
+
     async def _settle(self) -> None:
         """Let every agent task run to its next wait (no time passes)."""
         for _ in range(30):
             await asyncio.sleep(0)
 
     async def _sync(self) -> None:
-        """After a step: loads past their bound time out, kubelet probes every pod, and the
-        agents' answers are taken for the invariants."""
+        """After a step: loads past their bound time out; kubelet syncs every pod from what
+        it saw at the step before (its last probe, the conditions its watch delivered), then
+        probes every pod and its watch delivers the pods as they are now (``cluster``: the
+        kubelet acts on a gate write late); the agents' answers are taken for the invariants."""
         await self._settle()
         for sim in self.pods.values():
             sim.vllm.expire()
         await self._settle()
-        for name in sorted(self.pods):
-            sim = self.pods[name]
+        late = {name for name, steps in self.kubelet_busy.items() if steps > 0}
+        for name in sorted(set(self.pods) - late):
             if name in self.server.pods:
-                self.server.kubelet_sync(name, await sim.probe())
+                self.server.kubelet_sync(name, self.probed.get(name, False))
+        for name in sorted(self.pods):
+            probe = await self.pods[name].probe()  # the agent observes at every probe
+            if name not in late:
+                self.probed[name] = probe
+        self.server.kubelet_watch(sorted(set(self.pods) - late))
+        for name in late:
+            self.kubelet_busy[name] -= 1
         states: dict[str, AgentState | None] = {}
         for name, sim in self.pods.items():
             states[name] = await sim.agent.state() if sim.agent is not None else None
@@ -325,6 +350,7 @@ class RolloutMachine(RuleBasedStateMachine):
         labels = {"app": "llm", "tier": "a" if int(name[1:]) % 2 == 0 else "b"}
         self.server.create_pod(name, sim.uid, ip, labels, admitted=admitted)
         self.run(sim.boot())
+        self.probed[name] = self.run(sim.probe())  # the kubelet's first probe, at its start
         if admitted:
             self.at_gate_on[name] = sim.serving()
 
@@ -479,6 +505,7 @@ class RolloutMachine(RuleBasedStateMachine):
         keep_state = keep_state or not self._fault("restart_without_state")
         self.run(sim.restart(keep_state=keep_state))
         self.server.kubelet_sync(pod, False, restarted=True)
+        self.probed[pod] = False  # the restarted containers are probed afresh
         self.drift[pod] = (self.full_passes, self.clock.seconds)
         self.after()
 
@@ -509,6 +536,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.drift.pop(pod, None)
         self.regated.discard(pod)
         self.served.discard(pod)
+        self.kubelet_busy.pop(pod, None)
         if recreate:
             self._new_pod(pod, admitted=False, tp=len(sim.ranks))
         self.after()
@@ -576,6 +604,30 @@ class RolloutMachine(RuleBasedStateMachine):
         self._wu("wu-b", version, {"app": "llm", "tier": "b"}, budget, "Halt")
         self.after()
 
+    @rule()
+    @recorded
+    def kubelet_acts(self) -> None:
+        """Nothing but the kubelet's next pod sync, at once: it writes ``Ready`` from what its
+        last probe and watch saw (every step ends so; this one lets it act between two steps
+        that would otherwise follow each other directly, as a pass right after a blip)."""
+        self.after()
+
+    @precondition(lambda self: self._fault("kubelet_late"))
+    @rule(
+        pods=st.frozensets(st.sampled_from(POD_NAMES), min_size=1, max_size=6),
+        steps=st.integers(1, 3),
+    )
+    @recorded
+    def kubelet_late(self, pods: frozenset[str], steps: int) -> None:
+        """The kubelet of ``pods`` neither syncs nor looks at them for ``steps`` step ends (this
+        one's among them): its next sync writes ``Ready`` from its look before, whatever our
+        gate and the agent's ``/readyz`` said since (the window of the flip-back race on a real
+        node)."""
+        for pod in sorted(pods):
+            if pod in self.pods:
+                self.kubelet_busy[pod] = steps
+        self.after()
+
     @rule(seconds=st.sampled_from([1.0, 5.0, 30.0, 120.0, 700.0, 2000.0]))
     @recorded
     def clock_step(self, seconds: float) -> None:
@@ -640,7 +692,9 @@ class RolloutMachine(RuleBasedStateMachine):
                 self.latch,
                 exempt=(set(self.server.pods) - self.served) | set(self.drift),
             )
-            + inv.verified(self.server, self.pods, self.states, self.at_gate_on, self._excused())
+            + inv.verified(
+                self.server, self.pods, self.states, self.at_gate_on, self._excused_ready()
+            )
             + inv.claims(self.server, self.states)
             + inv.finished_stays_finished(self.server, self.finished)
         )
@@ -651,6 +705,7 @@ class RolloutMachine(RuleBasedStateMachine):
         for sim in self.pods.values():
             sim.blip = sim.partitioned = False
         self.server.unavailable_once.clear()
+        self.kubelet_busy.clear()
         for round_ in range(QUIESCE_ROUNDS):
             for sim in self.pods.values():
                 sim.finish_load(True)
@@ -765,6 +820,7 @@ def test_item_2_pods_unready_at_a_pass_are_claimed_without_budget() -> None:
     with replay("a", "out of traffic by a rollout") as sim:
         sim.start(pods=4, budget=1, on_failure="Halt", tp=1)
         sim.blip(frozenset({"p1", "p2", "p3"}), True)
+        sim.kubelet_acts()  # on the probes the blip failed: NotReady at the pass
         sim.reconcile("wu-a", None)
         sim.blip(frozenset({"p1", "p2", "p3"}), False)
         sim.safety()
@@ -821,6 +877,7 @@ def test_item_1_a_finished_rollout_past_its_deadline_converges_an_added_pod() ->
         sim.scale_up()
         for _ in range(3):
             sim.reconcile("wu-a", None)
+            sim.safety()
             sim.clock_step(5.0)
         sim.safety()
 
@@ -953,6 +1010,7 @@ def test_a_budget_lowered_while_a_blip_hides_a_drained_pod_binds_once_the_count_
     with replay("a", "out of traffic by a rollout") as sim:
         sim.start(pods=3, budget=2, on_failure="Halt", tp=1)
         sim.blip(frozenset({"p0"}), True)
+        sim.kubelet_acts()  # on the probe the blip failed: NotReady at the pass
         sim.reconcile("wu-a", None, True)
         sim.safety()
         sim.edit_budget("wu-a", 1)
@@ -1290,3 +1348,46 @@ def test_a_finished_rollout_whose_failed_straggler_holds_the_budget_halts(on_fai
         p0_serves = sim.pods["p0"].serving()[0] == {"v2"} and sim.server.ready("p0")
         if status.get("abortReason") != "FailureBudgetExceeded" or not p0_serves:
             raise Broken(f"no halt, or the finished fleet rolled back:\n{sim.describe()}")
+
+
+def test_a_gate_set_for_a_verdict_is_judged_after_its_record_moved_to_a_prefetch() -> None:
+    """Found by ``make soak`` (seed 4242; shrunk by greedy step deletion from 23 steps): with
+    ``prefetch: Host``, p0 is verified at v2 when its containers restart without the agent's
+    state onto the boot weights v1. The pass that sees it claims p0 to prefetch v2 again: the
+    claim rewrote the record (``Prefetching``), the withdrawal skipped a pod acted on, and no
+    step judged a gate under a record that is no verdict: p0 served v1 in traffic under the gate
+    set for v2 until its swap. What the gate vouches for is kept with the record whatever its
+    state and judged every pass (``domain.gate_vouch``). Fails on faff808."""
+    with replay("b", "but its gate was set True at ['v2']") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1, prefetch="Host")
+        for seconds in (30.0, 5.0, 30.0, 0.0, 5.0):
+            sim.progress(seconds)
+            sim.safety()
+        sim.restart_pod("p0", keep_state=False)
+        sim.safety()
+        sim.clock_step(120.0)
+        sim.safety()
+        sim.quiesce()  # the passes that follow claim p0 to prefetch, its gate still True
+
+
+def test_a_pod_claimed_before_the_kubelet_acted_on_its_gate_on_is_not_put_back_in_traffic() -> None:
+    """The flip-back race found on the real node (``plan.start.kubelet_caught_up``): p0 is
+    restored at v1 (``GateOn``) and its kubelet is slow to act on it (``Ready`` still False
+    from the drain), while it already saw the gate True; the spec flips back to v2. A claim
+    that read that stale False as the drain started the update, and the kubelet's ``Ready``
+    True for the gate it had seen then landed: p0 in traffic inside its update. Fails with
+    ``kubelet_caught_up`` returning True."""
+    with replay("b", "is Ready serving") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
+        sim.reconcile("wu-a", None)  # p0 claimed for v2
+        sim.reconcile("wu-a", None)
+        sim.edit_version("wu-a", "v1")
+        sim.reconcile("wu-a", None)  # p0 retargeted to v1
+        sim.reconcile("wu-a", None)
+        sim.load_ends("p0", True)
+        sim.reconcile("wu-a", None)  # verified at v1: GateOn; the kubelet saw it, not synced
+        sim.kubelet_late(frozenset({"p0"}), 3)
+        sim.edit_version("wu-a", "v2")
+        for _ in range(3):
+            sim.reconcile("wu-a", None)
+            sim.safety()

@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, NewType
 
 from engine_agent.protocol import UpdatePhase
+from weightroll_operator.domain.gate_vouch import GateVouch
 
 __all__ = [
     "ANNOTATION_OWNER",
@@ -192,6 +193,10 @@ class WeightState:
     #: (:attr:`PodView.incarnation`): it vouches for them only (``domain.standing``). ``None``
     #: on records older than the field, and on every other state.
     incarnation: str | None = None
+    #: What the pod's gate was set True for (``domain.gate_vouch``), kept whatever state the
+    #: record moves to. ``None`` on records older than the field (``standing.vouch_of`` reads
+    #: theirs from the verdict), and where the gate is not ours to judge.
+    gate: GateVouch | None = None
 
     def __post_init__(self) -> None:
         if not self.version or not self.update_id or not self.by:
@@ -215,6 +220,7 @@ class WeightState:
             "rollbackOf": self.rollback_of,
             "attempt": self.attempt or None,
             "incarnation": self.incarnation,
+            "gate": self.gate.to_json() if self.gate is not None else None,
         }
         return json.dumps({k: v for k, v in data.items() if v is not None}, sort_keys=True)
 
@@ -237,6 +243,7 @@ class WeightState:
                 rollback_of=data.get("rollbackOf"),
                 attempt=int(data.get("attempt") or 0),
                 incarnation=data.get("incarnation"),
+                gate=GateVouch.from_json(data["gate"]) if data.get("gate") else None,
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None

@@ -39,6 +39,10 @@ and in traffic. The planner once asked a verified, Ready pod nothing again, so t
   for as long as a partition lasts, beyond ``maxUnavailable``. Only replaced containers
   (:attr:`Outlived.replaced`) need our gate to keep them out.
 
+The *gate* is judged apart from the verdict (:func:`gate_breach`, ``domain.gate_vouch``): what a
+GateOn of ours vouched for is kept with the record whatever state it moves to, so a gate under a
+record that is no verdict (a verified pod claimed to prefetch, serving on) is judged too.
+
 A commit id the agent no longer reports (``None``: ranks that booted at the version after a
 restart report no commit) is not a contradiction: the label and files are checked instead.
 
@@ -58,9 +62,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weightroll_operator.domain.gate_vouch import Breach, GateVouch, breach
 from weightroll_operator.domain.model import AgentView, OwnerKey, PodView, UnitState, WeightState
 
-__all__ = ["Outlived", "contradicts", "outlived", "withdrawal"]
+__all__ = [
+    "Outlived",
+    "contradicts",
+    "gate_breach",
+    "outlived",
+    "vouch_now",
+    "vouch_of",
+    "withdrawal",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +134,46 @@ def withdrawal(st: WeightState | None, agent: AgentView | None, owner: OwnerKey)
     if agent.committed_update_id not in (None, st.update_id):
         return f"the agent serves {st.version} committed by {agent.committed_update_id}"
     return None
+
+
+def gate_breach(st: WeightState | None, pod: PodView, agent: AgentView | None) -> Breach | None:
+    """Why the gate of ``pod``, True, no longer vouches for what it serves, judged on its
+    record's vouch (``st.gate``, ``domain.gate_vouch``) whatever the record's state; ``None``
+    while it stands, or when the record holds no vouch (the gate is not ours to judge)."""
+    vouch = vouch_of(st)
+    if vouch is None or pod.gate is not True:
+        return None
+    if agent is None:
+        agent = _SILENT
+    return breach(
+        vouch,
+        pod.incarnation,
+        reachable=agent.reachable,
+        ready=agent.ready,
+        version=agent.version,
+        committed_update_id=agent.committed_update_id,
+    )
+
+
+def vouch_of(st: WeightState | None) -> GateVouch | None:
+    """What the gate under record ``st`` vouches for: its ``gate`` field; on a record older
+    than the field, what its own GateOn vouched for: a verdict's version, update id and
+    incarnation, or a prefetch's previous version on unknown containers (fail closed while
+    its agent is silent, ``domain.gate_vouch``)."""
+    if st is None or st.gate is not None:
+        return None if st is None else st.gate
+    if st.state in (UnitState.VERIFIED, UnitState.ROLLED_BACK):
+        return GateVouch(st.version, st.update_id, st.incarnation)
+    if st.state is UnitState.PREFETCHING and st.previous_version:
+        return GateVouch(st.previous_version)
+    return None
+
+
+def vouch_now(pod: PodView, agent: AgentView, version: str) -> GateVouch:
+    """What a gate set True now for ``version`` vouches for: ``agent``'s commit on these
+    containers."""
+    committed = agent.committed_update_id if agent.version == version else None
+    return GateVouch(version, committed, pod.incarnation or None)
+
+
+_SILENT = AgentView(reachable=False)

@@ -211,7 +211,11 @@ class SimPod:
         return AgentConfig(
             observe_ttl=0.0,  # the probe observes every step; the guard loop is parked
             watch_interval=1e6,
-            abort_wait=0.05,
+            # The abort answers at once (callers poll the status, as the operator does): a
+            # wait bounded in wall-clock seconds let the machine's load decide whether an
+            # aborted update had wound down when the pass read its answer, so one seed could
+            # give two outcomes.
+            abort_wait=0.0,
             initial_version=self.boot_version,
             initial_source=SourceSpec(uri=source_of(self.boot_version)),
         )

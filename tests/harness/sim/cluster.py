@@ -6,9 +6,8 @@ the way the real API server behaves for the calls the operator makes:
 * one cluster-wide ``resourceVersion`` counter (etcd's revision): every accepted write to a pod
   bumps the pod to the next revision; a write conditional on another version than the pod's is
   refused with 409 (``KubeConflict``), a write to a pod that is gone with 404 (``KubeNotFound``);
-* ``pods/status`` patches merge ``status.conditions`` by ``type`` (strategic merge) and ``Ready``
-  is recomputed by kubelet's rule (``tests.harness.kube_fleet.kubelet_ready``: containers ready
-  AND every readiness-gate condition True);
+* ``pods/status`` patches merge ``status.conditions`` by ``type`` (strategic merge); a write of
+  our gate changes the gate only, never ``Ready`` (the kubelet writes that, late: below);
 * a write never mutates a pod object: it replaces it (copy on write), as a watch delivers a new
   object per change (the reconciler reuses views of the very same object);
 * WeightUpdate status patches are JSON merge patches (RFC 7386).
@@ -22,6 +21,14 @@ listed pod is replayed, but a pod deleted while the watch was down stays in the 
 (a **ghost**, :meth:`relist_after_410`) until a pod of its name is listed again; only a read of
 the pod itself (:meth:`find_pod`, the operator's ``PodReader``) tells it is gone.
 
+The kubelet acts on a gate write late, as the real one does (found on a real node): it learns of
+the write through its watch (:meth:`kubelet_watch` takes its snapshot of each pod's conditions)
+and, at its next pod sync, writes ``Ready`` by kubelet's rule (``tests.harness.kube_fleet.
+kubelet_ready``: containers ready AND every readiness-gate condition True) from the conditions of
+that snapshot, as a merge of ``ContainersReady``/``Ready`` only. A ``GateOn`` then a ``GateOff``
+between two watch deliveries can so leave ``Ready`` False for a moment and then land ``Ready``
+True from the gate True the kubelet saw, after the operator read the False as its drain.
+
 Limitations: one namespace; no ``deletionTimestamp`` grace period (a deleted pod is gone at once);
 no label selectors on lists; Events are counted, not kept.
 """
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -135,6 +142,9 @@ class SimApiServer:
     #: Writes the operator process may still make before it stops (it crashed, or lost the
     #: Lease and its fence stopped it); ``None``: no limit. Every later write fails unsent.
     writes_left: int | None = None
+    #: Each pod's conditions as the kubelet's watch last delivered them (its next sync computes
+    #: ``Ready`` from these, not from the pod as it is now): :meth:`kubelet_watch`.
+    kubelet_seen: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     #: Called after every accepted write of our gate: (pod, status) (the invariants' oracle).
     on_gate_write: Callable[[str, bool], None] = lambda name, status: None
 
@@ -230,9 +240,18 @@ class SimApiServer:
             },
         }
         self._commit(name, pod)
+        self.kubelet_seen[name] = _conditions(pod)  # the kubelet starts the pod it was given
 
     def delete_pod(self, name: str) -> None:
         self._commit(name, None)
+        self.kubelet_seen.pop(name, None)
+
+    def kubelet_watch(self, names: Iterable[str] | None = None) -> None:
+        """The kubelet's watch delivers ``names`` (``None``: every pod) as they are now: its
+        next sync of each computes ``Ready`` from these conditions."""
+        for name in self.pods if names is None else names:
+            if name in self.pods:
+                self.kubelet_seen[name] = _conditions(self.pods[name])
 
     def relabel_pod(self, name: str, labels: Mapping[str, str | None]) -> None:
         """Someone else (a user, another controller) changes the pod's labels."""
@@ -253,12 +272,15 @@ class SimApiServer:
         self._commit(name, pod)
 
     def kubelet_sync(self, name: str, containers_ready: bool, *, restarted: bool = False) -> None:
-        """Kubelet reports the pod's containers (ready or not; ``restarted`` bumps the restart
-        counts) and recomputes ``Ready``; written only when something changed."""
+        """A pod sync of the kubelet: it reports the pod's containers (ready or not;
+        ``restarted`` bumps the restart counts) and ``Ready`` by kubelet's rule over the
+        conditions its watch last delivered (:attr:`kubelet_seen`), merged into the pod as it is
+        now (our gate as written stays); written only when something changed."""
         current = self.pods[name]
         conds = _conditions(current)
+        seen = self.kubelet_seen.get(name, conds)
         was = conds.get("ContainersReady", {}).get("status") == "True"
-        ready = kubelet_ready(conds, _gates(current), containers_ready)
+        ready = kubelet_ready(seen, _gates(current), containers_ready)
         now_ready = conds.get("Ready", {}).get("status") == "True"
         if was == containers_ready and ready == now_ready and not restarted:
             return
@@ -310,11 +332,6 @@ class SimApiServer:
         self.writes["pod-status"] += 1
         conds = _conditions(pod)
         conds[condition["type"]] = {**conds.get(condition["type"], {}), **condition}
-        containers = conds.get("ContainersReady", {}).get("status") == "True"
-        conds["Ready"] = {
-            "type": "Ready",
-            "status": str(kubelet_ready(conds, _gates(pod), containers)),
-        }
         pod["status"]["conditions"] = list(conds.values())
         self._commit(name, pod)
         if condition["type"] == CONDITION_WEIGHTS_READY:

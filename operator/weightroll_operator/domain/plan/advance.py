@@ -24,6 +24,7 @@ from weightroll_operator.domain.actions import (
 from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
+from weightroll_operator.domain.gate_vouch import GateVouch
 from weightroll_operator.domain.model import (
     LABEL_WEIGHT_VERSION,
     AgentView,
@@ -271,7 +272,12 @@ def _advance_in_flight(ctx: PassContext, unit: Unit) -> bool:
             Settle(
                 pod,
                 # the verdict vouches for these containers only (``domain.standing``)
-                st.evolve(state=done, reason="", incarnation=pod.incarnation or None),
+                st.evolve(
+                    state=done,
+                    reason="",
+                    incarnation=pod.incarnation or None,
+                    gate=GateVouch(st.version, st.update_id, pod.incarnation or None),
+                ),
                 labels=labels,
             )
         )

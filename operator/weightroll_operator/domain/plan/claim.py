@@ -16,6 +16,7 @@ from __future__ import annotations
 from weightroll_operator.domain.actions import Claim, GateOff
 from weightroll_operator.domain.conditions import Reason, timestamp
 from weightroll_operator.domain.fleet import Unit
+from weightroll_operator.domain.gate_vouch import GateVouch
 from weightroll_operator.domain.model import (
     AgentView,
     OwnerKey,
@@ -25,6 +26,7 @@ from weightroll_operator.domain.model import (
     WeightState,
 )
 from weightroll_operator.domain.plan.context import PassContext, target_source, unit_label
+from weightroll_operator.domain.standing import vouch_now, vouch_of
 
 
 def idle(agent: AgentView | None) -> bool:
@@ -132,6 +134,9 @@ def claim(
                 if tl and tl in pod.labels
                 else (prior.traffic_label_value if again and prior is not None else None),
                 attempt=attempt,
+                # the gate keeps its vouch until a write of ours changes it: a prefetch keeps
+                # it True, and a drain may never land (an operator stopped between the writes)
+                gate=_kept_vouch(pod, agent),
             )
         if prefetch:
             ctx.actions.append(Claim(pod, owner, st))
@@ -152,6 +157,20 @@ def claim(
         message = f"Draining {unit_label(unit)} for weights {ctx.spec.version}"
         ctx.emit(Reason.UNIT_DRAINING, message, pods=unit.pods)
     ctx.progressed = True
+
+
+def _kept_vouch(pod: PodView, agent: AgentView | None) -> GateVouch | None:
+    """What the gate of a pod being claimed vouches for: what its record says (a prefetch keeps
+    the pod serving, and ``plan.restore.withdraw`` judges it in this pass), else what the
+    claim's fresh answer says it serves (``domain.gate_vouch``)."""
+    if pod.gate is not True:
+        return None
+    kept = vouch_of(pod.state)
+    if kept is not None:
+        return kept
+    if agent is None or not agent.version:
+        return None
+    return vouch_now(pod, agent, agent.version)
 
 
 def claim_prefetched(ctx: PassContext, unit: Unit) -> None:

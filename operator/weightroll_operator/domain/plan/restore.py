@@ -4,10 +4,13 @@ target, :func:`withdraw` takes back a verdict its agent contradicts (``domain.st
 
 from __future__ import annotations
 
-from weightroll_operator.domain.actions import Emit, GateOff, GateOn, Settle
+from dataclasses import replace
+
+from weightroll_operator.domain.actions import Claim, Emit, GateOff, GateOn, Settle
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.model import (
     LABEL_WEIGHT_VERSION,
+    AgentView,
     PodView,
     SourceRef,
     UnitState,
@@ -15,7 +18,7 @@ from weightroll_operator.domain.model import (
 )
 from weightroll_operator.domain.plan.classify import Seen, serves
 from weightroll_operator.domain.plan.context import PassContext, PodClass
-from weightroll_operator.domain.standing import Outlived, outlived, withdrawal
+from weightroll_operator.domain.standing import gate_breach, vouch_now, vouch_of, withdrawal
 
 
 def restore(ctx: PassContext, seen: Seen, back_to: tuple[str, SourceRef] | None = None) -> None:
@@ -67,26 +70,38 @@ def _restore_untouched(ctx: PassContext, seen: Seen, version: str, source: Sourc
 def withdraw(ctx: PassContext) -> None:
     """Step 7: a verdict of this WeightUpdate that a ready agent contradicts is withdrawn at
     once (``domain.standing``), unless this pass drains the pod already (its claim rewrites the
-    record). Judged on a fresh answer only, as a claim is (:attr:`Plan.refresh`)."""
+    record); and every gate of ours that stays True is judged on what it vouches for
+    (``domain.gate_vouch``), whatever its record's state. Judged on a fresh answer only, as a
+    claim is (:attr:`Plan.refresh`)."""
     owner = ctx.fleet.owner
     # A pod whose gate step 6 sets again is withdrawn too: its record still named the old
     # verdict after that pass, Ready (a pod restored at a reverted spec's version, found by the
     # simulation tier); the gate is attested already, so only the record follows.
     gated = {a.pod.name for a in ctx.actions if isinstance(a, GateOn)}
-    acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit | GateOn)}
+    drained = {a.pod.name for a in ctx.actions if isinstance(a, GateOff)}
+    # A claim to prefetch keeps the pod serving under its gate: the claim's record is judged.
+    claimed = {a.pod.name: a.state for a in ctx.actions if isinstance(a, Claim)}
+    acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit | GateOn | Claim)}
     for pod in ctx.fleet.pods:
         st = pod.state
         if pod.name in acted or pod.stale or st is None:
             continue
         agent = ctx.fleet.agents.get(pod.name)
-        gone = outlived(st, pod, agent, owner)
-        if gone is not None:
-            _fail_closed(ctx, pod, st, gone)
+        if pod.name in claimed:
+            if pod.name not in drained | gated:
+                _judge_gate(ctx, pod, claimed[pod.name], agent, rewrite=Claim)
             continue
         why = withdrawal(st, agent, owner)
-        if why is None and agent is not None and agent.reachable and agent.ready:
-            _reaffirm(ctx, pod, st)
-        if why is None or agent is None or agent.version is None:
+        if why is None:
+            judged = st.by == owner and not st.state.in_flight and pod.name not in gated
+            if judged and _judge_gate(ctx, pod, st, agent, rewrite=None):
+                continue
+            if pod.name in gated and agent is not None and st.by == owner:
+                _record_vouch(ctx, pod, st, agent)
+            elif agent is not None and agent.reachable and agent.ready:
+                _reaffirm(ctx, pod, st)
+            continue
+        if agent is None or agent.version is None:
             continue
         if pod.name in ctx.fleet.cached:
             ctx.refresh.add(pod.name)
@@ -97,14 +112,17 @@ def withdraw(ctx: PassContext) -> None:
         # leaves the verdict standing, so its successor withdraws it again, both writes. In
         # the other order it left `Withdrawn` with the gate still set for the old weights, and
         # nothing withdraws a verdict twice (found by the simulation tier with `leader_lost`).
+        gate = st.gate
         if pod.gate is True and pod.name not in gated:
             message = f"Serving {agent.version}: {why} (its verdict at {st.version} withdrawn)"
             ctx.actions.append(
                 GateOn(pod, version=agent.version, reason="Reattested", message=message[:1000])
             )
+        if pod.gate is True or pod.name in gated:
+            gate = vouch_now(pod, agent, agent.version)
         labels: dict[str, str | None] = {LABEL_WEIGHT_VERSION: agent.version}
         ctx.actions.append(
-            Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why), labels=labels)
+            Settle(pod, st.evolve(state=UnitState.WITHDRAWN, reason=why, gate=gate), labels=labels)
         )
         ctx.emit(
             Reason.UNIT_WITHDRAWN,
@@ -113,19 +131,50 @@ def withdraw(ctx: PassContext) -> None:
         )
 
 
-def _fail_closed(ctx: PassContext, pod: PodView, st: WeightState, gone: Outlived) -> None:
-    """A verdict that outlived its containers, with no answer to re-judge it
-    (``domain.standing``): nothing vouches for what the pod serves (it is ``Unknown``), so
-    replaced containers leave traffic (a drain never waits for the budget: it is what keeps
-    traffic safe). Containers that only turned NotReady are out of traffic already, and
-    their own agent's probe keeps them out if what they serve changed."""
-    if pod.gate is not True or not gone.replaced:
-        return
-    message = (
-        f"Draining {pod.name}: {gone.why} (its verdict at {st.version} vouches for nothing now)"
+def _judge_gate(
+    ctx: PassContext,
+    pod: PodView,
+    st: WeightState,
+    agent: AgentView | None,
+    rewrite: type[Claim] | None,
+) -> bool:
+    """The gate of ``pod``, True, judged on its record ``st``'s vouch (``domain.gate_vouch``):
+    attested again for what a ready agent serves now, or taken off when nothing answers for
+    the containers (a drain never waits for the budget: it is what keeps traffic safe).
+    ``rewrite``: the record is this pass's claim, written again with the new vouch. Whether
+    the pod was acted on."""
+    breach = gate_breach(st, pod, agent)
+    if breach is None:
+        return False
+    if breach.now is not None and pod.name in ctx.fleet.cached:
+        ctx.refresh.add(pod.name)
+        if not ctx.provisional:
+            return True
+    if breach.now is None:
+        vouched = vouch_of(st)
+        what = f"{vouched.version} on containers {vouched.incarnation}" if vouched else "?"
+        message = f"Draining {pod.name}: {breach.why} (its gate vouched for {what})"
+        ctx.actions.append(GateOff(pod, reason="VerdictOutlived", message=message[:1000]))
+        ctx.emit(Reason.UNIT_WITHDRAWN, message[:1000], warning=True, pods=(pod,))
+        return True
+    message = f"Serving {breach.now.version}: {breach.why}"
+    ctx.actions.append(
+        GateOn(pod, version=breach.now.version, reason="Reattested", message=message[:1000])
     )
-    ctx.actions.append(GateOff(pod, reason="VerdictOutlived", message=message[:1000]))
-    ctx.emit(Reason.UNIT_WITHDRAWN, message, warning=True, pods=(pod,))
+    again = st.evolve(gate=breach.now)
+    if rewrite is Claim or (st.state.running and pod.owner == ctx.fleet.owner):
+        ctx.actions.append(Claim(pod, ctx.fleet.owner, again))
+    else:
+        ctx.actions.append(Settle(pod, again, release=pod.owner != ctx.fleet.owner))
+    return True
+
+
+def _record_vouch(ctx: PassContext, pod: PodView, st: WeightState, agent: AgentView) -> None:
+    """Step 6 set the gate of ``pod`` again: its record keeps what the gate vouches for now
+    (only a released verdict or withdrawal: other records are rewritten by their own step)."""
+    if st.state not in (UnitState.VERIFIED, UnitState.WITHDRAWN) or not agent.version:
+        return
+    ctx.actions.append(Settle(pod, st.evolve(gate=vouch_now(pod, agent, agent.version))))
 
 
 def _reaffirm(ctx: PassContext, pod: PodView, st: WeightState) -> None:
@@ -136,4 +185,9 @@ def _reaffirm(ctx: PassContext, pod: PodView, st: WeightState) -> None:
         return
     if st.state not in (UnitState.VERIFIED, UnitState.ROLLED_BACK) or not pod.incarnation:
         return
-    ctx.actions.append(Settle(pod, st.evolve(incarnation=pod.incarnation), release=False))
+    gate = vouch_of(st)
+    if gate is not None and gate.incarnation == st.incarnation:
+        gate = replace(gate, incarnation=pod.incarnation)
+    ctx.actions.append(
+        Settle(pod, st.evolve(incarnation=pod.incarnation, gate=gate), release=False)
+    )
