@@ -54,7 +54,7 @@ def test_every_vllm_import_is_a_listed_contact() -> None:
 def test_every_vllm_route_called_is_a_listed_contact() -> None:
     routes = {c.name for c in CONTACTS if c.kind == "route"}
     called: set[str] = set()
-    # Every file of the sidecar and the trainer client, so a call moved to a new module is still seen.
+    # Every sidecar file and the trainer client: a call moved to a new module is still seen.
     for file in [*sorted((PACKAGE / "sidecar").rglob("*.py")), PACKAGE / "trainer.py"]:
         called |= set(re.findall(r'"(/[a-z_]+)"', file.read_text()))
     agent_own = {"/healthz", "/readyz", "/metrics"}  # the sidecar's own routes
