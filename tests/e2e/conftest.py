@@ -501,10 +501,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules that share a dev cluster (:mod:`tests.e2e.shared_fleet`) run one after
     another, where the first of them was, so the cluster is up only while they run (it goes down
     after the last); a module that ends its cluster (it stops the operator) runs last of them."""
-    from tests.e2e.shared_fleet import ENDS_CLUSTER
+    from tests.e2e.shared_fleet import ENDS_CLUSTER, uses_shared
 
     for kind in ("fleet", "injected"):
-        users = [i for i in items if kind in i.fixturenames]
+        users = [i for i in items if uses_shared(i, kind)]
         modules = list(dict.fromkeys(i.parent for i in users))
         if len(modules) < 2:
             continue

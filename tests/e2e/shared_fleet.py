@@ -195,7 +195,7 @@ class SharedFleets:
         items = request.session.items
         mine = [i for i, item in enumerate(items) if item.module is request.module]
         later = items[max(mine) + 1 :] if mine else []
-        if not any(kind in item.fixturenames for item in later):
+        if not any(uses_shared(item, kind) for item in later):
             self.close(kind)
 
     def close(self, kind: str) -> None:
@@ -203,6 +203,16 @@ class SharedFleets:
         shared = self._up.pop(kind, None)
         if shared is not None:
             e2e.tear_down(shared.directory)
+
+
+def uses_shared(item: pytest.Item, kind: str) -> bool:
+    """Whether ``item`` uses the shared cluster ``kind``: judged by where its fixture is defined
+    (``tests.e2e.conftest``, re-exported by tests/docs), not by the name alone: another tier's
+    fixture may be called ``fleet`` too (tests/server/test_trainer_fleet.py was once moved in
+    among these modules, beside a dev cluster it never used)."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest keeps the resolved fixtures here
+    definitions = info.name2fixturedefs.get(kind, ()) if info is not None else ()
+    return bool(definitions) and definitions[-1].func.__module__ == "tests.e2e.conftest"
 
 
 #: The clusters of this test run (one module object: ``tests.e2e.shared_fleet``).
