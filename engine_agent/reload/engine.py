@@ -23,11 +23,11 @@ run in :mod:`.rank_prefetch`, the base class that holds the staging outside the 
 session record, its progress and the wire report are :mod:`.session_record`.
 
 Failpoints (:mod:`.failpoints`) sit at every step boundary: ``prefetch.read`` (on the reading
-thread), ``begin``, ``begin.snapshot``,
-``load``, ``load.dry_run``, ``load.staged``, ``post_load.before``, ``post_load.after``,
-``refresh.after``, ``copy.before``, ``copy.after``, ``tied.before``, ``tied.after``,
-``sparse.before_write``, ``sparse.after_write``, ``finish``, ``finish.coverage``,
-``finish.identity``.
+thread), ``prefetch.post_load``, ``prefetch.seal_digest`` (on the seal's digest thread),
+``begin``, ``begin.snapshot``, ``load``, ``load.dry_run``, ``load.staged``,
+``post_load.before``, ``post_load.after``, ``refresh.after``, ``copy.before``, ``copy.after``,
+``tied.before``, ``tied.after``, ``sparse.before_write``, ``sparse.after_write``, ``finish``,
+``finish.coverage``, ``finish.identity``.
 """
 
 from __future__ import annotations

@@ -39,12 +39,14 @@ __all__ = ["POINTS", "check"]
 #: and hashed every tensor of the batch; only prefetched updates pass ``prefetch`` to
 #: ``prefetched`` — ``prefetch.read`` fires on the reading thread, before its first byte, and
 #: ``prefetch.post_load`` before each module's post-load step on its shadow, inside the
-#: ``prefetched`` call that finds the read done — and ``apply``, which replaces ``load``).
+#: ``prefetched`` call that finds the read done, ``prefetch.seal_digest`` on the seal's digest
+#: thread, before each processed shadow's digests — and ``apply``, which replaces ``load``).
 POINTS = (
     "prefetch",
     "prefetch.read",
     "prefetched",
     "prefetch.post_load",
+    "prefetch.seal_digest",
     "begin",
     "begin.snapshot",
     "load",

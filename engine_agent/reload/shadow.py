@@ -356,7 +356,7 @@ class ShadowProcessor(ModuleProcessor):
                 max_workers=1, thread_name_prefix="weightroll-seal-digest"
             )
         for shadow in shadows:
-            self._digests.append(self._digesting.submit(_shadow_digests, shadow))
+            self._digests.append(self._digesting.submit(_shadow_digests, shadow, self._failpoint))
 
     def seal_digests(self) -> dict[str, str]:
         """Every shadow's seal digests (waits for the digest thread; re-raises its failure)."""
@@ -390,12 +390,16 @@ class ShadowProcessor(ModuleProcessor):
         self.in_window.clear()
 
 
-def _shadow_digests(shadow: ShadowModule) -> tuple[dict[str, str], float]:
+def _shadow_digests(
+    shadow: ShadowModule, failpoint: Callable[[str], None]
+) -> tuple[dict[str, str], float]:
     """What the commit's seal must record for ``shadow`` once installed: a digest of each of
-    its tensors and of what its kernel computes on the guard's probe (and the seconds taken)."""
+    its tensors and of what its kernel computes on the guard's probe (and the seconds taken).
+    Runs on the digest thread; what it raises fails the prefetch (:meth:`seal_digests`)."""
     from engine_agent.reload.digest import tensor_digest
     from engine_agent.reload.guard import PROBED, kernel_probe
 
+    failpoint("prefetch.seal_digest")
     started = time.perf_counter()
     digests: dict[str, str] = {}
     for slots in ("_parameters", "_buffers"):

@@ -59,6 +59,7 @@ TABLE = [
     ("apply", "prefetch", "clean"),
     ("load.staged", "prefetch", "clean"),
     ("prefetch.post_load", "prefetch", "clean"),
+    ("prefetch.seal_digest", "prefetch", "clean"),
     ("copy.before", "prefetch", "poisoned"),
     ("copy.after", "prefetch", "poisoned"),
 ]
