@@ -74,8 +74,10 @@ CASES = [
         # while its agent did not answer), now answering at v2
         "a rollback's record at the target",
         spec(),
-        _at(pod("p1", ready=False, gate=False, st=state(UnitState.ROLLED_BACK, rollback_of="v3")),
-            HERE),  # fmt: skip
+        _at(
+            pod("p1", ready=False, gate=False, st=state(UnitState.ROLLED_BACK, rollback_of="v3")),
+            HERE,
+        ),
         V2,
         DONE,
         "ServingTarget",

@@ -173,9 +173,7 @@ def _judge_gate(
     return True
 
 
-def _record_vouch(
-    ctx: PassContext, pod: PodView, st: WeightState | None, agent: AgentView
-) -> None:
+def _record_vouch(ctx: PassContext, pod: PodView, st: WeightState | None, agent: AgentView) -> None:
     """Step 6 set the gate of ``pod`` True: its record keeps what the gate vouches for now,
     written with it as a verdict's is (``domain.gate_vouch``), whatever the record's state.
 
