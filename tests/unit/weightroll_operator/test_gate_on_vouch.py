@@ -18,6 +18,7 @@ from weightroll_operator.domain.conditions import timestamp
 from weightroll_operator.domain.gate_vouch import GateVouch
 from weightroll_operator.domain.model import AgentView, PodView, UnitState, WeightState
 from weightroll_operator.domain.plan import Persisted
+from weightroll_operator.domain.pod_events import pod_event
 
 from tests.unit.weightroll_operator.builders import (
     ME,
@@ -124,6 +125,8 @@ def test_a_gate_set_true_records_what_it_vouches_for(
     else:
         assert p1.state is not None
         assert record.state == p1.state.evolve(gate=vouch)
+        # a failure record keeping its state is no new failure: no Event, no failure counted
+        assert not record.transition and pod_event(record, ME) is None
     if reason == "ServingTarget":
         assert p.classes["p1"].value == "Updated"  # restored, whatever the record's state
 

@@ -146,14 +146,6 @@ def pod_step(
     return None
 
 
-def _transition(settled: Settle) -> bool:
-    """``settled`` moves the pod's record to another state; one that keeps the state records
-    what a gate vouches for, or the containers a verdict was made on, and leaves the pod's
-    class as step 1 saw it (a failure retried and restored stays ``Updated``)."""
-    before = settled.pod.state
-    return before is None or before.state is not settled.state.state
-
-
 def settle(
     ctx: PassContext,
     seen: Seen,
@@ -171,7 +163,7 @@ def settle(
         if isinstance(action, Claim):
             staged = action.state.state is UnitState.PREFETCHING
             classes[action.pod.name] = PodClass.PREFETCHING if staged else PodClass.IN_FLIGHT
-        elif isinstance(action, Settle) and _transition(action):
+        elif isinstance(action, Settle) and action.transition:
             done = {
                 # a verdict for other files or an earlier version (the spec changed after the
                 # agent accepted the update) is no verdict for this spec: wanted again
