@@ -22,7 +22,8 @@ Invariants:
     * **Partial and sparse build only on what was accepted.** They are refused (409) unless the
       agent holds an accepted version and no hold, and their ``baseVersion`` must be it.
 
-Time is injected (``now`` for timestamps, ``monotonic`` for durations) for tests.
+Time is injected (``now`` for timestamps, ``monotonic`` for durations and the swap deadline,
+``sleep`` for its wake-up) for tests and the simulation tier.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
@@ -98,12 +99,14 @@ class Agent:
         metrics: AgentMetrics | None = None,
         now: Callable[[], datetime] = _utc_now,
         monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.config = config
         self.client = client or VllmClient(config.vllm_url)
         self.metrics = metrics or AgentMetrics()
         self._now = now
         self._monotonic = monotonic
+        self._sleep = sleep
         self._task: asyncio.Task[None] | None = None
         #: The file update ``_task`` runs (its swap is given through it).
         self._update: FileUpdate | None = None
@@ -220,6 +223,7 @@ class Agent:
             record,
             now=self._now,
             monotonic=self._monotonic,
+            sleep=self._sleep,
             stopping=lambda: self._stopping,
         )
         self._update = update

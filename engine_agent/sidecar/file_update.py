@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Final
 
@@ -93,6 +93,17 @@ def _merge_ranks(record: UpdateRecord, reports: Sequence[RankReport]) -> None:
     record.ranks = [by_key[key] for key in sorted(by_key)]
 
 
+async def _first_of(*waits: Awaitable[object]) -> None:
+    """Wait until one of ``waits`` is done; the others are cancelled (so is every one when
+    this wait is)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class FileUpdate:
     """Runs one accepted file update to its verdict (module doc).
 
@@ -100,7 +111,9 @@ class FileUpdate:
         pipeline: the replica's commit sequence (claimed by the caller for this update).
         record: the accepted update; its phase, ranks, timings and verdict are written here.
         now: the wall clock for the record's stamps.
-        monotonic: duration clock (timings).
+        monotonic: duration clock (timings, and the swap deadline).
+        sleep: waits that many seconds of ``monotonic``'s time (the swap deadline's wake-up; a
+            simulation whose clock is virtual passes one that its clock ends).
         stopping: whether the agent is stopping (a cancel then ends ``agent_stopped``, not
             ``aborted``).
     """
@@ -112,6 +125,7 @@ class FileUpdate:
         *,
         now: Callable[[], datetime],
         monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.pipeline = pipeline
@@ -120,6 +134,7 @@ class FileUpdate:
         self.client: VllmClient = pipeline.client
         self._now = now
         self._monotonic = monotonic
+        self._sleep = sleep
         self._stopping = stopping
         #: :meth:`run` began (a task cancelled before its first step never does).
         self.started = False
@@ -347,9 +362,15 @@ class FileUpdate:
         deadline = request.prefetch.swap_deadline_seconds
         self.record.message += f"; waiting for POST /v1/updates/{request.id}/swap"
         self.pipeline.store.save()
-        try:
-            await asyncio.wait_for(self._swap.wait(), deadline)
-        except TimeoutError:
+        # Judged on the injected clock, not the event loop's: the simulation tier runs on
+        # virtual time, and a deadline kept in real seconds never passed there however far its
+        # clock went (nor could a schedule replay one that did).
+        end = self._monotonic() + deadline
+        while not self._swap.is_set():
+            left = end - self._monotonic()
+            if left > 0:
+                await _first_of(self._swap.wait(), self._sleep(left))
+                continue
             raise _Failed(
                 [
                     Problem(
@@ -358,7 +379,7 @@ class FileUpdate:
                         "Prefetched; the staging was freed and the replica serves on",
                     )
                 ]
-            ) from None
+            )
         _, waiting = await self._prefetched(world)
         if waiting:
             raise _Failed(

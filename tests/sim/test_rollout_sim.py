@@ -1391,3 +1391,26 @@ def test_a_pod_claimed_before_the_kubelet_acted_on_its_gate_on_is_not_put_back_i
         for _ in range(3):
             sim.reconcile("wu-a", None)
             sim.safety()
+
+
+def test_a_prefetched_unit_meets_its_swap_deadline_on_the_simulated_clock() -> None:
+    """With ``prefetch: Host`` p1 prefetches v2 while p0 holds the only slot, and waits for its
+    swap; 730 simulated seconds pass, past its swap deadline (600 s, ``updateTimeoutSeconds``).
+    The agent waited for the swap with ``asyncio.wait_for`` in real seconds, so in the
+    simulation the deadline never passed however far the clock went, and no schedule reached
+    what follows it. Now the agent judges it on its injected clock, which the simulation's
+    steps move (``SimClock.sleep``): p1's update ends ``swap_deadline`` and the rollout still
+    converges. Fails on 48cc234."""
+    with replay("d", "") as sim:
+        sim.start(pods=3, budget=1, on_failure="Halt", tp=1, prefetch="Host")
+        for _ in range(3):
+            sim.reconcile("wu-a", None)
+        sim.clock_step(30.0)
+        sim.reconcile("wu-a", None)
+        sim.clock_step(700.0)
+        agent = sim.pods["p1"].agent
+        assert agent is not None
+        ended = [r for r in agent.store.records.values() if "swap_deadline" in r.message]
+        if [r.phase.value for r in ended] != ["Failed"]:
+            raise Broken(f"no swap_deadline on simulated time:\n{sim.describe()}")
+        sim.quiesce()

@@ -96,6 +96,15 @@ class Settle:
     #: Labels to set (value) or remove (None).
     labels: dict[str, str | None] = field(default_factory=dict)
 
+    @property
+    def transition(self) -> bool:
+        """The record moves to another state (or to another WeightUpdate's name): a verdict, a
+        failure, a withdrawal. ``False``: it keeps both and records only what the gate vouches
+        for or which containers a verdict was made on, which is no new failure to count or
+        announce, and leaves the pod's class as the pass saw it."""
+        before = self.pod.state
+        return before is None or (before.state, before.by) != (self.state.state, self.state.by)
+
 
 @dataclass(frozen=True, slots=True)
 class Emit:

@@ -124,6 +124,12 @@ class UnitState(StrEnum):
     #: Traffic stays on what the agent serves; the pod wants the version again
     #: (``domain.standing``).
     WITHDRAWN = "Withdrawn"
+    #: Our gate set True on a pod that served the version without an attempt of this
+    #: WeightUpdate (its ranks booted on it, or another update committed it) and had no record
+    #: of ours: the record holds what the gate vouches for (``gate``), so later passes judge it
+    #: like any other (``domain.gate_vouch``). It records no attempt and no verdict
+    #: (:meth:`WeightState.attempted_by`); its ``update_id`` names attempt 0, never sent.
+    ATTESTED = "Attested"
 
     @property
     def in_flight(self) -> bool:
@@ -204,6 +210,12 @@ class WeightState:
 
     def evolve(self, **changes: Any) -> WeightState:
         return replace(self, **changes)
+
+    def attempted_by(self, owner: OwnerKey) -> bool:
+        """An attempt of ``owner`` wrote this record: every state but
+        :attr:`UnitState.ATTESTED`, which records only a gate set True (no rollback target,
+        no canary, not touched by the rollout)."""
+        return self.by == owner and self.state is not UnitState.ATTESTED
 
     def to_json(self) -> str:
         data: dict[str, Any] = {

@@ -92,7 +92,7 @@ def pod_event(action: PodAction, owner: OwnerKey) -> PodEvent | None:
             f"Serving weights {action.version}; traffic restored ({CONDITION_WEIGHTS_READY}=True) "
             f"by WeightUpdate {owner}",
         )
-    if isinstance(action, Settle) and action.state.state is UnitState.FAILED:
+    if isinstance(action, Settle) and action.transition and action.state.state is UnitState.FAILED:
         reason = action.state.reason or "unknown reason"
         return PodEvent(
             pod,

@@ -42,6 +42,7 @@ from weightroll_operator.domain.model import (
     WeightState,
 )
 from weightroll_operator.domain.plan import parse_time, serves_attempt
+from weightroll_operator.domain.standing import vouch_now
 
 __all__ = ["DELETED_SUFFIX", "Release", "deleted_owner", "release"]
 
@@ -140,8 +141,11 @@ def release(
                 else UnitState.VERIFIED
             )
             labels[LABEL_WEIGHT_VERSION] = served
+            gate = st.gate
             if pod.gate is not True:
+                # like every GateOn of ours, it records what it vouches for (domain.gate_vouch)
                 actions.append(GateOn(pod, version=served, reason="ReleasedServing"))
+                gate = vouch_now(pod, agent, served)
             actions.append(
                 Settle(
                     pod,
@@ -151,6 +155,7 @@ def release(
                         version=served,
                         source=agent.source,  # what it serves, not what the record aimed at
                         reason=f"Released on deletion, serving {served}",
+                        gate=gate,
                     ),
                     labels=labels,
                 )

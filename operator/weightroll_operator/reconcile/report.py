@@ -164,6 +164,7 @@ class Reporter:
             a.pod.name: a.state.reason
             for a in the_plan.actions
             if isinstance(a, Settle)
+            and a.transition
             and a.state.state is UnitState.FAILED
             and a.pod.name not in unwritten  # counted when it is written (a later pass)
         }

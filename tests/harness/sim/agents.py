@@ -228,6 +228,7 @@ class SimPod:
             client=self.vllm,  # type: ignore[arg-type]
             now=self.clock.now,
             monotonic=self.clock.monotonic,
+            sleep=self.clock.sleep,
         )
         if store is not None:
             agent.store = store

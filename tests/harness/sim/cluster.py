@@ -35,6 +35,7 @@ no label selectors on lists; Events are counted, not kept.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -57,9 +58,12 @@ _EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 @dataclass
 class SimClock:
     """Virtual time: ``now()`` for the reconciler and the agents, ``monotonic()`` for their
-    timers. Only :meth:`step` moves it; nothing sleeps."""
+    timers, :meth:`sleep` for an agent's wait on a deadline. Only :meth:`step` moves it;
+    nothing sleeps in real time."""
 
     seconds: float = 0.0
+    #: (wake-up time, its waiter) of each :meth:`sleep` not ended yet.
+    sleepers: list[tuple[float, asyncio.Future[None]]] = field(default_factory=list)
 
     def now(self) -> datetime:
         return _EPOCH + timedelta(seconds=self.seconds)
@@ -68,7 +72,19 @@ class SimClock:
         return self.seconds
 
     def step(self, seconds: float) -> None:
+        """Move time on; a sleep due by then ends (its waiter runs at the loop's next turn)."""
         self.seconds += seconds
+        due = [(at, f) for at, f in self.sleepers if at <= self.seconds]
+        self.sleepers = [(at, f) for at, f in self.sleepers if at > self.seconds]
+        for _, waiter in due:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait until :meth:`step` has moved time ``seconds`` on."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.sleepers.append((self.seconds + seconds, waiter))
+        await waiter
 
 
 def merge_patch(target: dict[str, Any], patch: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from weightroll_operator.domain.actions import AbortUpdate, Emit, GateOn, Settle
+from weightroll_operator.domain.gate_vouch import GateVouch
 from weightroll_operator.domain.model import AgentView, UnitState
 from weightroll_operator.domain.release import deleted_owner, release
 
@@ -65,6 +66,16 @@ def test_restored_pod_records_what_it_serves() -> None:
     r = release([p], {"p0": agent(phase=UpdatePhase.COMMITTED)}, ME)
     settle = next(a for a in r.actions if isinstance(a, Settle))
     assert (settle.state.state, settle.state.version) == (UnitState.VERIFIED, "v2")
+
+
+def test_a_restored_pod_records_what_its_gate_vouches_for() -> None:
+    """Like every GateOn of ours (``domain.gate_vouch``): the claim kept the vouch of the gate
+    it took off (v1), and the released record said the gate set for v2 vouched for v1."""
+    claimed = state(gate=GateVouch("v1", None, "uid|ip|0"))
+    p = pod("p0", gate=False, ready=False, st=claimed)
+    r = release([p], {"p0": agent(phase=UpdatePhase.COMMITTED)}, ME)
+    settle = next(a for a in r.actions if isinstance(a, Settle))
+    assert settle.state.gate == GateVouch("v2", "wu-v2", None)
 
 
 def test_a_failed_pod_whose_agent_is_held_stays_drained_and_only_owned_pods_are_touched() -> None:

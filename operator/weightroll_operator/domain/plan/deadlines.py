@@ -71,7 +71,7 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         p.unit
         for p in ctx.fleet.pods
         if (st := p.state) is not None
-        and st.by == owner
+        and st.attempted_by(owner)
         and st.version == version
         and st.rollback_of is None
         # touched for other files under this label is not touched for this spec (the canary

@@ -58,7 +58,7 @@ def _restore_untouched(ctx: PassContext, seen: Seen, version: str, source: Sourc
         st = pod.state
         if seen.classes[pod.name] is not PodClass.PENDING or pod.gate is True or pod.stale:
             continue
-        if st is not None and st.by == owner:
+        if st is not None and st.attempted_by(owner):
             continue  # touched: the rollback itself decides it
         if not serves(ctx.fleet.agents.get(pod.name), version, source) or not ctx.take_steps(1):
             continue
@@ -84,9 +84,13 @@ def withdraw(ctx: PassContext) -> None:
     acted = {a.pod.name for a in ctx.actions if not isinstance(a, Emit | GateOn | Claim)}
     for pod in ctx.fleet.pods:
         st = pod.state
-        if pod.name in acted or pod.stale or st is None:
+        if pod.name in acted or pod.stale:
             continue
         agent = ctx.fleet.agents.get(pod.name)
+        if st is None:
+            if pod.name in gated and agent is not None:
+                _record_vouch(ctx, pod, st, agent)
+            continue
         if pod.name in claimed:
             if pod.name not in drained | gated:
                 _judge_gate(ctx, pod, claimed[pod.name], agent, rewrite=Claim)
@@ -96,7 +100,7 @@ def withdraw(ctx: PassContext) -> None:
             judged = st.by == owner and not st.state.in_flight and pod.name not in gated
             if judged and _judge_gate(ctx, pod, st, agent, rewrite=None):
                 continue
-            if pod.name in gated and agent is not None and st.by == owner:
+            if pod.name in gated and agent is not None:
                 _record_vouch(ctx, pod, st, agent)
             elif agent is not None and agent.reachable and agent.ready:
                 _reaffirm(ctx, pod, st)
@@ -169,12 +173,30 @@ def _judge_gate(
     return True
 
 
-def _record_vouch(ctx: PassContext, pod: PodView, st: WeightState, agent: AgentView) -> None:
-    """Step 6 set the gate of ``pod`` again: its record keeps what the gate vouches for now
-    (only a released verdict or withdrawal: other records are rewritten by their own step)."""
-    if st.state not in (UnitState.VERIFIED, UnitState.WITHDRAWN) or not agent.version:
+def _record_vouch(ctx: PassContext, pod: PodView, st: WeightState | None, agent: AgentView) -> None:
+    """Step 6 set the gate of ``pod`` True: its record keeps what the gate vouches for now,
+    written with it as a verdict's is (``domain.gate_vouch``), whatever the record's state.
+
+    Only a verdict or a withdrawal once got it: a pod restored with a failure or rollback
+    record (retried), or with no record at all (it served the version already), kept none, so
+    no later pass judged its gate, and once its containers restarted onto other weights it
+    served them in traffic under the gate set for the version. A pod without a record of ours
+    gets one that holds only the vouch (``Attested``: no attempt, no verdict). A record of
+    another WeightUpdate is not ours to rewrite, nor is a running attempt's (its own step
+    writes it)."""
+    owner = ctx.fleet.owner
+    if not agent.version or (st is not None and (st.by != owner or st.state.running)):
         return
-    ctx.actions.append(Settle(pod, st.evolve(gate=vouch_now(pod, agent, agent.version))))
+    if st is None:
+        st = WeightState(
+            state=UnitState.ATTESTED,
+            by=owner,
+            version=agent.version,
+            update_id=ctx.fleet.attempt_id(agent.version, 0),
+            source=agent.source,
+        )
+    gate = vouch_now(pod, agent, agent.version)
+    ctx.actions.append(Settle(pod, st.evolve(gate=gate), release=False))
 
 
 def _reaffirm(ctx: PassContext, pod: PodView, st: WeightState) -> None:

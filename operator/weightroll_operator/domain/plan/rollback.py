@@ -103,7 +103,7 @@ def rollback_target(ctx: PassContext) -> tuple[str, SourceRef] | None:
         (st.previous_version, st.previous_source)
         for p in ctx.fleet.pods
         if (st := p.state) is not None
-        and st.by == owner
+        and st.attempted_by(owner)
         and (st.version == version or st.rollback_of == version)
     }
     if len(targets) != 1:

@@ -163,7 +163,7 @@ def settle(
         if isinstance(action, Claim):
             staged = action.state.state is UnitState.PREFETCHING
             classes[action.pod.name] = PodClass.PREFETCHING if staged else PodClass.IN_FLIGHT
-        elif isinstance(action, Settle):
+        elif isinstance(action, Settle) and action.transition:
             done = {
                 # a verdict for other files or an earlier version (the spec changed after the
                 # agent accepted the update) is no verdict for this spec: wanted again
