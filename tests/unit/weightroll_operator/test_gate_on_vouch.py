@@ -13,16 +13,17 @@ import dataclasses
 
 import pytest
 from weightroll_operator.api.v1alpha1 import WeightUpdateSpec
-from weightroll_operator.domain.actions import GateOff, GateOn, Settle
+from weightroll_operator.domain.actions import Claim, GateOff, GateOn, Settle
 from weightroll_operator.domain.conditions import timestamp
 from weightroll_operator.domain.gate_vouch import GateVouch
 from weightroll_operator.domain.model import AgentView, PodView, UnitState, WeightState
-from weightroll_operator.domain.plan import Persisted
+from weightroll_operator.domain.plan import Persisted, PodClass
 from weightroll_operator.domain.pod_events import pod_event
 
 from tests.unit.weightroll_operator.builders import (
     ME,
     NOW,
+    OTHER,
     V1_SRC,
     agent,
     pod,
@@ -176,3 +177,26 @@ def test_the_next_pass_judges_the_gate_by_its_record(
     assert [(type(a).__name__, getattr(a, "version", None)) for a in acted] == (
         [expected] if expected else []
     )
+
+
+def test_another_finished_update_still_converges_a_pod_we_only_attested() -> None:
+    """An ``Attested`` record says only what our gate vouched for, not that an attempt of ours
+    took the pod: a finished WeightUpdate that wants the pod at another version claims it, as it
+    claimed the pod before the record existed (a new pod after both rollouts finished must
+    converge to the one that has precedence, issue 27 items 1 and 11)."""
+    attested = state(
+        UnitState.ATTESTED,
+        by=OTHER,
+        version="v1",
+        update_id="other-v1-g0-a0",
+        source=V1_SRC,
+        previous_version=None,
+        previous_source=None,
+    )
+    p = run(spec(), [_at(pod("p1", st=attested), HERE)], {"p1": agent("v1")}, DONE)
+    assert any(isinstance(a, Claim) and a.pod.name == "p1" for a in p.actions)
+    assert p.classes["p1"] is PodClass.IN_FLIGHT
+    # a record of another WeightUpdate's attempt is still that update's pod
+    verified = dataclasses.replace(attested, state=UnitState.VERIFIED)
+    p = run(spec(), [_at(pod("p1", st=verified), HERE)], {"p1": agent("v1")}, DONE)
+    assert p.classes["p1"] is PodClass.FOREIGN

@@ -186,7 +186,9 @@ def classify(
         return PodClass.UPDATED
     if serves(agent, version, source) and not contradicts(st, agent, owner):
         return PodClass.UPDATED
-    if st is not None and st.by != owner and completed:
+    # another update's attempt took the pod (an Attested record of theirs only vouched for a
+    # gate: the pod is as free as one with no record)
+    if st is not None and st.by != owner and st.attempted_by(st.by) and completed:
         return PodClass.FOREIGN
     if not reachable:
         return PodClass.UNKNOWN
