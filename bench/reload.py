@@ -21,6 +21,11 @@ engine with weightroll's extension, and times, in the same run and on the same e
   (``apply``: the shadows' copy into live storage and kernel hand-over; ``begin``;
   ``identity``) ran inside.
 
+``host_pack_seconds``: what a CPU post-load step (oneDNN packing of eight MLP-sized weights)
+takes on one thread, on every core, and on every core with one more busy thread beside it — on
+a CPU device the prefetch's read, hash and seal-digest threads are that thread, so its
+post-load steps run slower than vLLM's own reload runs them.
+
 Each is repeated ``--rounds`` times alternating between two checkpoints; medians are reported
 and compared as ratios (machines here are noisy, absolute seconds are not comparable across
 runs). Prints exactly one JSON object on stdout; vLLM's logs (and anything else the process
@@ -211,6 +216,7 @@ def main() -> None:
     out_ok = engine.outputs()  # the engine still serves after all of it
     engine.close()
     hashing = _hash_throughput(destinations["model.embed_tokens.weight"])
+    contention = _host_contention(args.hidden)
 
     median = {k: statistics.median(v) for k, v in results.items()}
     steps = {k: statistics.median(t.get(k, 0.0) for t in breakdowns) for k in breakdowns[0]}
@@ -244,6 +250,7 @@ def main() -> None:
             for k in sorted(window_breakdowns[0])
         },
         "hash_throughput_gb_per_s": hashing,
+        "host_pack_seconds": contention,
         "still_true_guard": {
             "content_check_seconds": round(statistics.median(guard_seconds), 4),
             "period_seconds": DEFAULT_PERIOD_S,
@@ -275,6 +282,52 @@ def _hash_throughput(tensor: Any) -> dict[str, float]:
     for name, digest in (("blake3_host", tensor_digest), ("device_fingerprint", fingerprint)):
         best = min(_seconds(digest, tensor) for _ in range(3))
         result[name] = round(tensor.numel() * tensor.element_size() / best / 1e9, 2)
+    return result
+
+
+def _host_contention(hidden: int) -> dict[str, float] | None:
+    """What one thread beside the engine's OpenMP team costs it on this CPU.
+
+    Packs eight MLP-sized weights for vLLM's oneDNN GEMM (what a CPU post-load step does) on one
+    thread, on every core, and on every core while one more thread hashes (as the prefetch's
+    read, hash and seal-digest threads do beside the post-load). Best of 3 seconds each; ``None``
+    where vLLM's CPU build has no oneDNN kernels."""
+    import threading
+
+    import blake3
+    import torch
+
+    try:
+        from vllm import _custom_ops as ops
+
+        pack = ops.create_onednn_mm
+    except (ImportError, AttributeError):
+        return None
+    weights = [torch.randn(4 * hidden, hidden).to(torch.bfloat16) for _ in range(8)]
+    busy = bytes(64 << 20)
+    stop = threading.Event()
+
+    def hashing() -> None:
+        while not stop.is_set():
+            blake3.blake3(busy, max_threads=1).digest()
+
+    def best(threads: int) -> float:
+        torch._C.set_num_threads(threads)  # vLLM's CPU worker replaces torch.set_num_threads
+        return round(
+            min(_seconds(lambda ws: [pack(w.t(), 32) for w in ws], weights) for _ in range(3)), 4
+        )
+
+    cores = torch.get_num_threads()
+    result = {"one_thread": best(1), "all_threads": best(cores)}
+    beside = threading.Thread(target=hashing, daemon=True)
+    beside.start()
+    try:
+        result["all_threads_beside_one_busy_thread"] = best(cores)
+    finally:
+        stop.set()
+        beside.join()
+        torch._C.set_num_threads(cores)
+    result["threads"] = cores
     return result
 
 
