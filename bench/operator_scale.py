@@ -21,13 +21,38 @@ Usage: ``python bench/operator_scale.py [--pods 1000] [--update-seconds 20] [--w
 --relist 60]`` (``--poll-interval``/``--interval`` override the defaults, for experiments
 only; ``--watch-lag``/``--relist`` make the pod index see writes late and re-list it as after
 a 410, see :class:`LaggingWatch`). A run takes
-about ``10 * T`` seconds whatever N (10 batches). CI runs a 30-pod smoke test of it
-(``tests/unit/weightroll_operator/test_bench.py``); the 1,000- and 10,000-pod figures are run by
-hand.
+about ``10 * T`` seconds at up to 10,000 pods (10 batches); at 100,000 about 6 minutes and
+0.9 GiB (fifth round below). CI runs a 30-pod smoke test of it
+(``tests/unit/weightroll_operator/test_bench.py``); the 1,000-, 10,000- and 100,000-pod figures
+are run by hand.
 
 Figures (issue 11 G), at the shipped defaults, on 2 cores ("AMD EPYC"); CPU time per pass
 (``passCpuMs``) is reported beside the wall time because other jobs change it far less:
 
+* Fifth round (issue 27 C), 100,000 pods, T = 20 s, 2 cores "AMD EPYC" (avx2, avx512f,
+  avx512_vnni, avx512_bf16; no amx), load 0.5 at the start: rollout **1.73 x ideal**
+  (345 s for 200 s; goal 1.1 x **not met**), pass p50/p95/max 2159/2948/5366 ms (CPU the same),
+  peak RSS 871 MiB (goal 1 GiB met), 4.0 pod writes and 3 pod Events per pod (7.00 API writes
+  per pod), 141 passes, 17.3 agent ``state`` and 10.6 ``get_update`` calls per pod. Before, the
+  parent (48cc234) at T = 10 s (under a sampling profiler) had verified 23,250 of 100,000 pods
+  when the bench gave up at 560 s (ideal 100 s); an earlier run at T = 20 s was over 4.5 x;
+  between the two changes below, 1.96 x and 877 MiB (1,115 MiB with the agent double still
+  holding every request). 10,000 pods, this tree and its parent run one after the other: rollout
+  1.070 -> 1.067 x ideal, pass p50/p95/max 141/219/556 -> 140/213/446 ms (CPU p95 197 -> 210 ms:
+  the same within noise), peak RSS 182 -> 158 MiB; the parent's passes already cost nearly three
+  times the fourth round's (changes to the pass since 8f20301, not looked into here). What
+  changed: (1) a pass starts forward steps on at least a 40th of the units
+  (``plan.STEP_SHARE``), not a fixed 250: a 10,000-unit batch was 40 passes per step (claim,
+  start, complete), each walking the whole fleet, so a rollout's passes grew with N and each
+  pass's cost too (quadratic); (2) the pods' steps for the status (``Plan.steps``) are worked
+  out only for the pods it lists; (3) the agent double keeps no request objects (the agents'
+  memory is not the operator's). What remains, measured with ``py-spy``: every pass walks every
+  pod in a dozen places (classify, budget, deadlines, settle, status; no single one over an
+  eighth of a pass) and asks again every agent whose cached answer expired: with ``stateTtl`` 30
+  s that is about 3,300 agents a second at 100,000 pods, so a longer pass asks more agents (17
+  ``state`` calls per pod over the run). Meeting 1.1 x at 100,000 needs an incremental planner
+  (work in proportion to the pods that changed) and re-verification of serving pods paced apart
+  from the rollout's passes.
 * Fourth round, 10,000 pods, T = 20 s, idle machine, this tree and its parent (8f20301) run ten
   minutes apart: pass p50/p95/max 95.7/199/386 -> 50.8/81.7/349 ms (0.53x / 0.41x); rollout
   1.062 -> **1.037 x ideal**; peak RSS 150 MiB; 4.0 pod writes and 3 pod Events per pod (7.02
@@ -105,6 +130,7 @@ from engine_agent.protocol import (
     AgentState,
     EngineState,
     SourceSpec,
+    UpdateMode,
     UpdatePhase,
     UpdateRequest,
     UpdateStatus,
@@ -226,29 +252,31 @@ class MemAgents:
         self.version: dict[str, str] = {}
         #: pod -> id of the update that committed what it serves (the live state reports it)
         self.committed: dict[str, str] = {}
-        #: pod/update id -> (request, when its read ends, when it commits: None until swapped)
-        self.updates: dict[str, tuple[UpdateRequest, float, float | None]] = {}
+        #: pod/update id -> (its version and mode, when its read ends, when it commits: None
+        #: until swapped). Not the request itself: the agents' memory is no part of the
+        #: operator's, whose peak RSS this process measures (100,000 requests are ~100 MiB).
+        self.updates: dict[str, tuple[tuple[str, UpdateMode], float, float | None]] = {}
         self.calls: Counter[str] = Counter()
 
     def _status(self, pod: str, uid: str) -> UpdateStatus | None:
         entry = self.updates.get(f"{pod}/{uid}")
         if entry is None:
             return None
-        req, read_until, done_at = entry
+        (version, mode), read_until, done_at = entry
         now = time.monotonic()
         if done_at is None:
             phase = UpdatePhase.PREFETCHED if now >= read_until else UpdatePhase.PREFETCHING
         elif now >= done_at:
             phase = UpdatePhase.COMMITTED
-            self.version[pod] = req.version
-            self.committed[pod] = req.id
+            self.version[pod] = version
+            self.committed[pod] = uid
         else:
             phase = UpdatePhase.LOADING
         committed = phase is UpdatePhase.COMMITTED
         return UpdateStatus(
-            id=req.id,
-            version=req.version,
-            mode=req.mode,
+            id=uid,
+            version=version,
+            mode=mode,
             phase=phase,
             verdict=Verdict(committed=True) if committed else None,
         )
@@ -273,18 +301,20 @@ class MemAgents:
         self.calls["start_update"] += 1
         key = f"{target.pod}/{request.id}"
         now = time.monotonic()
+        what = (request.version, request.mode)
+        entry: tuple[tuple[str, UpdateMode], float, float | None]
         if request.prefetch.await_swap:
-            entry = (request, now + self.prefetch_seconds, None)
+            entry = (what, now + self.prefetch_seconds, None)
         else:  # the read happens inside the drain
-            entry = (request, now, now + self.prefetch_seconds + self.seconds)
+            entry = (what, now, now + self.prefetch_seconds + self.seconds)
         self.updates.setdefault(key, entry)
 
     async def swap_update(self, target: AgentTarget, update_id: str) -> None:
         self.calls["swap_update"] += 1
         key = f"{target.pod}/{update_id}"
-        request, read_until, done_at = self.updates[key]
+        what, read_until, done_at = self.updates[key]
         if done_at is None:
-            self.updates[key] = (request, read_until, time.monotonic() + self.seconds)
+            self.updates[key] = (what, read_until, time.monotonic() + self.seconds)
 
     async def abort_update(self, target: AgentTarget, update_id: str) -> None:
         self.calls["abort_update"] += 1

@@ -108,3 +108,14 @@ def test_restores_stop_at_the_limit() -> None:
     assert _of(p, "GateOn") == ["p0", "p1"]
     assert p.deferred
     assert _of(run(spec(), pods, serving), "GateOn") == ["p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize(("units", "claimed"), [(40 * 3 - 1, 2), (40 * 3, 3), (40 * 5, 5)])
+def test_the_limit_grows_with_the_fleet(units: int, claimed: int) -> None:
+    """A pass walks every pod anyway: it starts steps on at least one ``STEP_SHARE``-th (40th)
+    of the units, so a batch takes as many passes at 100,000 pods as at 10,000 (issue 27 C)."""
+    pods = [pod(f"p{i:03d}") for i in range(units)]
+    agents = {f"p{i:03d}": agent("v1") for i in range(units)}
+    p = run(spec(maxUnavailable="100%"), pods, agents, step_limit=2)
+    assert _of(p, "Claim") == [f"p{i:03d}" for i in range(claimed)]
+    assert p.deferred

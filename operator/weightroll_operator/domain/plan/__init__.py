@@ -112,6 +112,16 @@ __all__ = [
     "unsettled",
 ]
 
+#: The step limit is never below the units divided by this. A pass walks every pod anyway
+#: (classify, budget, status: a few microseconds each), so forward steps on a share of the
+#: units add to its time about in proportion to that walk, while a fixed limit alone makes a
+#: batch of ``maxUnavailable`` units take ``batch / limit`` passes, each walking the whole
+#: fleet: at 100,000 pods and 10 % a batch was 40 passes per step (claim, start, complete) of
+#: over a second each, and the rollout ran at many times its ideal (issue 27 C). With this
+#: share a batch takes the same number of passes whatever the fleet size; at 10,000 pods the
+#: share (250) is the default ``burst``.
+STEP_SHARE = 40
+
 
 def plan(
     spec: WeightUpdateSpec,
@@ -137,7 +147,8 @@ def plan(
             completions, restores; a unit is never split); the rest wait for the next pass
             (:attr:`Plan.deferred`). Drains, aborts and failures are never limited. It bounds
             the time of one pass, as the ReplicaSet controller's ``burstReplicas`` does: at
-            10,000 pods one batch is 1,000 units. ``None``: no limit.
+            10,000 pods one batch is 1,000 units. It is never below one ``STEP_SHARE``-th of
+            the units (see there). ``None``: no limit.
         provisional: claim pods on cached agent answers too (each listed in
             :attr:`Plan.refresh`). Such a plan is the plan of fresh answers only if the caller
             asked those agents again and got the very answers it was made on (``fleet.cached``
@@ -149,10 +160,10 @@ def plan(
     """
     ctx = PassContext(spec, fleet, now)
     ctx.clock_floor = parse_time(persisted.clock_floor)
-    if step_limit is not None:
-        ctx.steps_left = ctx.step_limit = max(1, step_limit)
     ctx.provisional = provisional
     seen = classify_fleet(spec, fleet, persisted)
+    if step_limit is not None:
+        ctx.steps_left = ctx.step_limit = max(1, step_limit, len(seen.units) // STEP_SHARE)
     flying = advance_units(ctx, seen)
     staged = advance_prefetches(ctx, seen, halted=persisted.aborted_at is not None)
     # prefetching units are at work (progress deadline) and not a verdict (canary)

@@ -31,37 +31,27 @@ _DONE = frozenset({PodClass.UPDATED, PodClass.FOREIGN, PodClass.FAILED})
 _NOTED = frozenset({PodClass.UNKNOWN, PodClass.PENDING, PodClass.IN_FLIGHT})
 
 
-class _Notes(Mapping[str, str]):
-    """Why a pod is not being worked on, or is worked on again, by pod name (:func:`_note`).
+class _ByPod(Mapping[str, str]):
+    """A per-pod string worked out when asked (:meth:`_of`), for the pods of ``classes``: the
+    status names at most ``MAX_POD_RESULTS`` pods, and at 10,000 pods working out every one
+    cost a tenth of a pass (at 100,000, a walk over the fleet each pass for nothing)."""
 
-    Worked out per pod when asked: the status names at most ``MAX_POD_RESULTS`` pods, and at
-    10,000 pending pods working out every note cost a tenth of a pass.
-    """
-
-    __slots__ = ("_classes", "_fleet", "_pods", "_source", "_version")
+    __slots__ = ("_classes", "_fleet", "_pods")
 
     def __init__(
-        self,
-        fleet: Fleet,
-        version: str,
-        source: SourceRef,
-        classes: Mapping[str, PodClass],
-        pods: Mapping[str, PodView],
+        self, fleet: Fleet, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
     ) -> None:
-        self._fleet, self._version, self._source = fleet, version, source
-        self._classes, self._pods = classes, pods
+        self._fleet, self._classes, self._pods = fleet, classes, pods
+
+    def _of(self, name: str, cls: PodClass) -> str | None:
+        raise NotImplementedError
 
     def __getitem__(self, name: str) -> str:
         cls = self._classes.get(name)
-        note = None
-        if cls in _NOTED:
-            assert cls is not None
-            fleet = self._fleet
-            agent, pod = fleet.agents.get(name), self._pods[name]
-            note = _note(cls, pod, agent, fleet.owner, self._version, self._source)
-        if note is None:
+        value = None if cls is None else self._of(name, cls)
+        if value is None:
             raise KeyError(name)
-        return note
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return (name for name in self._classes if name in self)
@@ -75,6 +65,49 @@ class _Notes(Mapping[str, str]):
         except KeyError:
             return False
         return True
+
+
+class _Notes(_ByPod):
+    """Why a pod is not being worked on, or is worked on again, by pod name (:func:`_note`)."""
+
+    __slots__ = ("_source", "_version")
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        version: str,
+        source: SourceRef,
+        classes: Mapping[str, PodClass],
+        pods: Mapping[str, PodView],
+    ) -> None:
+        super().__init__(fleet, classes, pods)
+        self._version, self._source = version, source
+
+    def _of(self, name: str, cls: PodClass) -> str | None:
+        if cls not in _NOTED:
+            return None
+        fleet = self._fleet
+        agent, pod = fleet.agents.get(name), self._pods[name]
+        return _note(cls, pod, agent, fleet.owner, self._version, self._source)
+
+
+class _Steps(_ByPod):
+    """Where each pod being worked on stands, by pod name (:func:`pod_step`)."""
+
+    __slots__ = ("_restored",)
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        classes: Mapping[str, PodClass],
+        pods: Mapping[str, PodView],
+        restored: frozenset[str] | set[str],
+    ) -> None:
+        super().__init__(fleet, classes, pods)
+        self._restored = restored
+
+    def _of(self, name: str, cls: PodClass) -> str | None:
+        return pod_step(cls, self._pods[name], self._fleet.agents.get(name), self._restored)
 
 
 def _note(
@@ -229,11 +262,7 @@ def settle(
         rollback_remaining=rollback_remaining,
         refresh=frozenset(ctx.refresh),
         deferred=ctx.deferred,
-        steps={
-            name: step
-            for name, cls in classes.items()
-            if (step := pod_step(cls, pods[name], fleet.agents.get(name), restored)) is not None
-        },
+        steps=_Steps(fleet, classes, pods, restored),
     )
 
 
