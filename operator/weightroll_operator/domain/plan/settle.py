@@ -4,7 +4,7 @@ and the :class:`~.context.Plan`; :func:`unsettled` takes back what failed writes
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 
 from engine_agent.protocol import UpdatePhase
@@ -15,7 +15,6 @@ from weightroll_operator.domain.model import AgentView, OwnerKey, PodView, Sourc
 from weightroll_operator.domain.plan.claim import can_claim
 from weightroll_operator.domain.plan.classify import Seen, serves, spelled, verified_at
 from weightroll_operator.domain.plan.context import (
-    Fleet,
     PassContext,
     Persisted,
     Plan,
@@ -32,19 +31,18 @@ _NOTED = frozenset({PodClass.UNKNOWN, PodClass.PENDING, PodClass.IN_FLIGHT})
 
 
 class _ByPod(Mapping[str, str]):
-    """A per-pod string worked out when asked (:meth:`_of`), for the pods of ``classes``: the
-    status names at most ``MAX_POD_RESULTS`` pods, and at 10,000 pods working out every one
-    cost a tenth of a pass (at 100,000, a walk over the fleet each pass for nothing)."""
+    """A per-pod string worked out when asked (``of(name, class)``, ``None``: nothing to say),
+    for the pods of ``classes``: the status names at most ``MAX_POD_RESULTS`` pods, and at
+    10,000 pods working out every one cost a tenth of a pass (at 100,000, a walk over the fleet
+    each pass for nothing). The plan's ``notes`` (:func:`_note`) and ``steps``
+    (:func:`pod_step`)."""
 
-    __slots__ = ("_classes", "_fleet", "_pods")
+    __slots__ = ("_classes", "_of")
 
     def __init__(
-        self, fleet: Fleet, classes: Mapping[str, PodClass], pods: Mapping[str, PodView]
+        self, classes: Mapping[str, PodClass], of: Callable[[str, PodClass], str | None]
     ) -> None:
-        self._fleet, self._classes, self._pods = fleet, classes, pods
-
-    def _of(self, name: str, cls: PodClass) -> str | None:
-        raise NotImplementedError
+        self._classes, self._of = classes, of
 
     def __getitem__(self, name: str) -> str:
         cls = self._classes.get(name)
@@ -65,49 +63,6 @@ class _ByPod(Mapping[str, str]):
         except KeyError:
             return False
         return True
-
-
-class _Notes(_ByPod):
-    """Why a pod is not being worked on, or is worked on again, by pod name (:func:`_note`)."""
-
-    __slots__ = ("_source", "_version")
-
-    def __init__(
-        self,
-        fleet: Fleet,
-        version: str,
-        source: SourceRef,
-        classes: Mapping[str, PodClass],
-        pods: Mapping[str, PodView],
-    ) -> None:
-        super().__init__(fleet, classes, pods)
-        self._version, self._source = version, source
-
-    def _of(self, name: str, cls: PodClass) -> str | None:
-        if cls not in _NOTED:
-            return None
-        fleet = self._fleet
-        agent, pod = fleet.agents.get(name), self._pods[name]
-        return _note(cls, pod, agent, fleet.owner, self._version, self._source)
-
-
-class _Steps(_ByPod):
-    """Where each pod being worked on stands, by pod name (:func:`pod_step`)."""
-
-    __slots__ = ("_restored",)
-
-    def __init__(
-        self,
-        fleet: Fleet,
-        classes: Mapping[str, PodClass],
-        pods: Mapping[str, PodView],
-        restored: frozenset[str] | set[str],
-    ) -> None:
-        super().__init__(fleet, classes, pods)
-        self._restored = restored
-
-    def _of(self, name: str, cls: PodClass) -> str | None:
-        return pod_step(cls, self._pods[name], self._fleet.agents.get(name), self._restored)
 
 
 def _note(
@@ -248,7 +203,14 @@ def settle(
         classes=classes,
         pods=pods,
         reasons={**seen.reasons, **ctx.reasons},
-        notes=_Notes(fleet, version, target, classes, pods),
+        notes=_ByPod(
+            classes,
+            lambda name, cls: (
+                _note(cls, pods[name], fleet.agents.get(name), fleet.owner, version, target)
+                if cls in _NOTED
+                else None
+            ),
+        ),
         units_total=len(seen.units),
         max_unavailable=seen.max_unavailable,
         paused_reason=halt.paused_reason,
@@ -262,7 +224,10 @@ def settle(
         rollback_remaining=rollback_remaining,
         refresh=frozenset(ctx.refresh),
         deferred=ctx.deferred,
-        steps=_Steps(fleet, classes, pods, restored),
+        steps=_ByPod(
+            classes,
+            lambda name, cls: pod_step(cls, pods[name], fleet.agents.get(name), restored),
+        ),
     )
 
 
