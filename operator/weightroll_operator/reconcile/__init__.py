@@ -18,6 +18,7 @@ caches, in its own module (layers in ``.importlinter``, ``reconcile-layers``):
 
 - ``selection.py`` :class:`SelectionMemo`: views, selection, units and queries of unchanged pods;
 - ``observe.py`` :class:`AgentObserver`: agent answers (TTL, backoff, tokens);
+- ``confirm.py`` :func:`confirm`: the plan's premises checked (cached answers, peers);
 - ``expectations.py`` :class:`WriteExpectations`: "the index has not seen my write yet";
 - ``report.py`` :class:`Reporter`: status patch, phase Event, metrics;
 - ``left_drained.py`` :class:`LeftDrained`: the series of pods deleted WeightUpdates left drained;
@@ -55,11 +56,10 @@ from weightroll_operator.domain.actions import Action, Claim, Emit, GateOn, Sett
 from weightroll_operator.domain.conditions import timestamp
 from weightroll_operator.domain.fleet import agent_port_mismatch, terminating_units
 from weightroll_operator.domain.model import AgentView, OwnerKey, PodView, owner_key
-from weightroll_operator.domain.ownership import Precedence, precedence
+from weightroll_operator.domain.ownership import precedence
 from weightroll_operator.domain.plan import (
     Fleet,
     Persisted,
-    Plan,
     Query,
     plan,
     unsettled,
@@ -72,6 +72,7 @@ from weightroll_operator.metrics import Metrics
 from weightroll_operator.phantoms import Phantoms
 from weightroll_operator.ports import AgentPort, KubePort, PeerReader, PodReader
 from weightroll_operator.reconcile.admit import Admitter
+from weightroll_operator.reconcile.confirm import confirm
 from weightroll_operator.reconcile.expectations import WriteExpectations
 from weightroll_operator.reconcile.finalize import Finalizer, ReleaseIncomplete
 from weightroll_operator.reconcile.left_drained import LeftDrained
@@ -347,7 +348,7 @@ class Reconciler:
         seen = await self._observe(owner, namespace, pods, selection, views, spec, persisted, token)
         views = seen.views
 
-        # plan (once, then again only on fresh answers that differ)
+        # plan (once)
         with paused_gc():
             ranks = precedence(owner, meta, persisted.completion_time is not None, views, peers)
             fleet = Fleet(
@@ -360,14 +361,33 @@ class Reconciler:
                 uid=str(meta.get("uid") or ""),
                 generation=int(meta.get("generation") or 0),
                 units=self.selection.group(owner, views, spec.group_by),
-                cached=frozenset(seen.cached),
                 terminating=terminating_units(seen.selection.deleting, spec, namespace, owner),
             )
-            the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst, provisional=True)
-        the_plan, fleet = await self._confirm_fresh(the_plan, fleet, spec, persisted, now, token)
-        the_plan = await self._confirm_peers(
-            the_plan, fleet, ranks, namespace, meta, spec, persisted, now
+            the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst)
+
+        # confirm: a unit whose premise no longer holds is dropped from this pass
+        async def ask_afresh(names: frozenset[str]) -> Mapping[str, AgentView]:
+            fresh = {n: Query(state=True) for n in names}
+            return await self.observer.observe(fleet.pods, fresh, token, fresh_only=True)
+
+        async def peers_changed() -> bool:
+            assert isinstance(self.kube, PeerReader)
+            listed = await self.kube.list_weightupdates(namespace)
+            finished = persisted.completion_time is not None
+            return precedence(owner, meta, finished, fleet.pods, listed) != ranks
+
+        confirmed = await confirm(
+            the_plan.actions,
+            the_plan.premises,
+            seen.cached,
+            ask_afresh,
+            peers_changed if isinstance(self.kube, PeerReader) else None,
         )
+        dropped = confirmed.dropped
+        if confirmed.answers:
+            fleet = replace(fleet, agents={**fleet.agents, **confirmed.answers})
+        if dropped:
+            the_plan = replace(the_plan, actions=confirmed.actions)
 
         # apply
         ctx = ApplyContext(
@@ -386,19 +406,16 @@ class Reconciler:
         self.expectations.remember(results)
 
         # report
+        failed = [r.action for r in results if not r.ok and not isinstance(r.action, Emit)]
         the_plan = unsettled(
             the_plan,
-            (
-                r.action.pod.name
-                for r in results
-                if not r.ok and isinstance(r.action, GateOn | Settle)
-            ),
+            (*dropped, *(a.pod.name for a in failed if isinstance(a, GateOn | Settle))),
             persisted,
+            unclaimed=(*dropped, *(a.pod.name for a in failed if isinstance(a, Claim))),
         )
-        #: Pods with an action that did not happen: what the plan said of them is not so yet.
-        unwritten = frozenset(
-            r.action.pod.name for r in results if not r.ok and not isinstance(r.action, Emit)
-        )
+        #: Pods with an action that did not happen (it failed, or its premise no longer held):
+        #: what the plan said of them is not so yet.
+        unwritten = dropped | {a.pod.name for a in failed}
         notes = {
             r.action.pod.name: f"{type(r.action).__name__}Failed: {r.error}"[:300]
             for r in results
@@ -417,8 +434,11 @@ class Reconciler:
         # unit becomes startable on a pod event (a restore, a pod turning Ready), which wakes the
         # loop (loop.py).
         busy = the_plan.in_flight_units > 0
-        # Steps the burst limit left for later are taken by the next pass, at once.
-        delay = 0.0 if the_plan.deferred else self.poll_interval if busy else self.idle_interval
+        # Steps the burst limit left for later, and units dropped for a premise that no longer
+        # held (on the fresh answers now cached), are taken by the next pass, at once.
+        delay = self.poll_interval if busy else self.idle_interval
+        if the_plan.deferred or dropped:
+            delay = 0.0
         if self.gc_pacer is not None:
             self.gc_pacer.after_pass()
         return PassResult(
@@ -461,73 +481,6 @@ class Reconciler:
             cached = set()
             agents = await self.observer.observe(views, asked, token, cached)
         return _Observed(selection, views, agents, cached)
-
-    async def _confirm_fresh(
-        self,
-        the_plan: Plan,
-        fleet: Fleet,
-        spec: WeightUpdateSpec,
-        persisted: Persisted,
-        now: datetime,
-        token: str | None,
-    ) -> tuple[Plan, Fleet]:
-        """A claim needs a fresh answer from the agents it names; the plan made some on cached
-        ones (``Plan.refresh``): ask those agents now. The very same answers confirm the plan
-        (it is then the plan those fresh answers make); other answers (a trainer push
-        meanwhile) are planned again, rather than a pass later. Still resting on answers not
-        confirmed after two rounds: only claims made on fresh ones go out."""
-        agents, cached = dict(fleet.agents), set(fleet.cached)
-        for _round in range(2):
-            if not the_plan.refresh:
-                break
-            refresh = the_plan.refresh
-            fresh = {n: Query(state=True) for n in refresh}
-            answers = await self.observer.observe(fleet.pods, fresh, token, fresh_only=True)
-            confirmed = all(answers.get(n) == agents.get(n) for n in refresh)
-            agents = {**agents, **answers}
-            cached -= refresh
-            fleet = replace(fleet, agents=agents, cached=frozenset(cached))
-            if confirmed:
-                the_plan = replace(the_plan, refresh=frozenset())
-                break
-            with paused_gc():
-                the_plan = plan(
-                    spec, fleet, persisted, now, step_limit=self.burst, provisional=True
-                )
-        if the_plan.refresh:
-            with paused_gc():
-                the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst)
-        return the_plan, fleet
-
-    async def _confirm_peers(
-        self,
-        the_plan: Plan,
-        fleet: Fleet,
-        ranks: Precedence,
-        namespace: str,
-        meta: Mapping[str, Any],
-        spec: WeightUpdateSpec,
-        persisted: Persisted,
-        now: datetime,
-    ) -> Plan:
-        """A claim rests on a fresh view of the peers too, as on fresh agent answers: the index
-        of WeightUpdates may not hold an older one created together with this one (each drained
-        a pod in its first pass, issue 27 item 3). The API server's list does; precedence
-        decided on it again is planned again if it differs. A list that fails raises before
-        anything is applied: no claim on an unconfirmed view."""
-        if not (_starts_units(the_plan, fleet.owner) and isinstance(self.kube, PeerReader)):
-            return the_plan
-        listed = await self.kube.list_weightupdates(namespace)
-        listed_ranks = precedence(
-            fleet.owner, meta, persisted.completion_time is not None, fleet.pods, listed
-        )
-        if listed_ranks != ranks:
-            fleet = replace(
-                fleet, peers=listed_ranks.blocked_by, superseded=listed_ranks.superseded
-            )
-            with paused_gc():
-                the_plan = plan(spec, fleet, persisted, now, step_limit=self.burst)
-        return the_plan
 
     async def finalize(
         self,
@@ -580,12 +533,6 @@ class Reconciler:
         """:meth:`LeftDrained.note`: track ``pod`` if a deleted WeightUpdate left it drained
         (its drained series is exported); a ``deleted`` pod loses its series."""
         self.left_drained.note(pod, deleted=deleted)
-
-
-def _starts_units(the_plan: Plan, owner: OwnerKey) -> bool:
-    """The plan claims a pod this WeightUpdate does not own yet (a unit starts, or a rollback
-    drains a released pod); a new attempt on a pod it owns (a retarget) starts nothing."""
-    return any(isinstance(a, Claim) and a.pod.owner != owner for a in the_plan.actions)
 
 
 def _phase_of(body: Mapping[str, Any]) -> Phase:

@@ -4,10 +4,10 @@ A ``/v1/state`` answer is reused for an unchanged pod (same incarnation, our sam
 while it is fresh: at most ``state_ttl`` seconds, each answer expiring at a random time in the
 second half, so the answers of one pass do not all expire in one later pass. Only pods in
 traffic are answered from the cache: a fresh answer is needed to put a pod into traffic
-(restore, a joining pod), and the planner asks again before a claim (``Plan.refresh``). An agent
-that does not answer is backed off exponentially, with jitter; its last failure stands until
-the retry. Agent tokens are read from their Secret once per pass (``token_ttl`` 0) or reused for
-``token_ttl`` seconds.
+(restore, a joining pod), and a claim resting on a cached one is asked again before it is
+applied (``confirm.py``). An agent that does not answer is backed off exponentially, with
+jitter; its last failure stands until the retry. Agent tokens are read from their Secret once per
+pass (``token_ttl`` 0) or reused for ``token_ttl`` seconds.
 
 Limitations: the caches are keyed per pod (namespace, name) and emptied wholesale at
 ``cache_limit`` entries (pods that vanished leave theirs behind until then).

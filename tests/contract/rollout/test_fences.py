@@ -78,3 +78,33 @@ async def test_a_claim_on_a_cached_answer_confirmed_fresh_is_planned_once(
 async def _verified(h: Harness, pod: str) -> bool:
     st = await h.state_of(pod)
     return st is not None and st.state.value == "Verified"
+
+
+async def test_a_claim_whose_cached_answer_changed_is_dropped_and_not_reported(
+    h: Harness,
+) -> None:
+    """The claim pass plans pod-1's claim on its cached ``v1`` answer; asked afresh, the agent
+    says ``step-7`` (a trainer push meanwhile). The claim is dropped from the pass, as a write
+    on a stale ``resourceVersion`` is: no write, no Event, the status does not count pod-1 in
+    flight, and the next pass runs at once and claims it on the fresh answer."""
+    await h.add_pods(2)
+    rec = h.new_reconciler(state_ttl=30.0)
+    await h.create_wu("wu", "v2", strategy={"maxUnavailable": 1})
+    await h.tick("wu", rec)  # pod-0 claimed; pod-1's v1 answer cached
+    await h.run_until(["wu"], lambda: _verified(h, "pod-0"), rec=rec)
+    pushed = h.agents["pod-1"]
+    pushed.version = pushed.committed_version = "step-7"
+    pushed.source = "/weights/step-7"
+    result = await h.tick("wu", rec)
+    assert not [a for a in result.actions if getattr(a, "pod", None) is not None]
+    assert result.delay == 0.0  # the next pass at once, on the fresh answer
+    assert await h.state_of("pod-1") is None and await h.gate("pod-1") == "True"
+    status = await h.status("wu")
+    assert status["replicas"]["draining"] == 0, status["replicas"]
+    assert {"name": "pod-1", "state": "Pending"} in status["pods"], status["pods"]
+    assert "0 units in flight" in h.condition(status, "Progressing")["message"]
+    events = [e["reason"] for e in await h.kube.list_events("default", "wu")]
+    assert "UnitDraining" not in events[1:], events
+    result = await h.tick("wu", rec)
+    st = await h.state_of("pod-1")
+    assert st is not None and st.previous_version == "step-7"

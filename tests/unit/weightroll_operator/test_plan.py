@@ -27,6 +27,7 @@ from weightroll_operator.domain.plan import (
     Fleet,
     Persisted,
     PodClass,
+    Premise,
     aggregate_emits,
     emit_holding,
     plan,
@@ -1058,12 +1059,15 @@ def test_a_verdict_vouches_for_the_containers_it_was_made_on(
     assert p.classes["p0"] is (PodClass.UNKNOWN if unknown else PodClass.UPDATED)
 
 
-def test_a_contradicted_verdict_is_withdrawn_only_on_a_fresh_answer() -> None:
+def test_a_contradicted_verdict_is_withdrawn_resting_on_the_answer_that_contradicts_it() -> None:
+    """The withdrawal (and the gate attested again for what the pod serves) rests on the
+    agent's answer: the reconciler applies it only while the agent still says it (a cached
+    answer is asked again first, ``reconcile/confirm.py``)."""
     p0 = pod("p0", st=state(UnitState.VERIFIED))
-    fleet = Fleet(name="wu", owner=ME, pods=(p0, *_BUSY), agents={"p0": agent("v1")},
-                  cached=frozenset({"p0"}))  # fmt: skip
+    fleet = Fleet(name="wu", owner=ME, pods=(p0, *_BUSY), agents={"p0": agent("v1")})
     p = plan(spec(maxUnavailable=1), fleet, Persisted(target_version="v2"), NOW)
-    assert "p0" in p.refresh and not [a for a in p.actions if isinstance(a, Settle)]
+    assert [a.state.state for a in p.actions if isinstance(a, Settle)] == [UnitState.WITHDRAWN]
+    assert p.premises == (Premise(("p0",), {"p0": agent("v1")}),)
 
 
 def test_a_new_pod_serving_the_rollback_target_gets_its_gate_during_a_rollback() -> None:

@@ -9,7 +9,7 @@ import pytest
 from weightroll_operator.domain.actions import AbortUpdate, Claim, Settle
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.model import UnitState
-from weightroll_operator.domain.plan import Fleet, Persisted, plan, queries
+from weightroll_operator.domain.plan import Fleet, Persisted, PodClass, Premise, plan, queries
 
 from engine_agent.protocol import UpdatePhase
 from tests.unit.weightroll_operator.builders import (
@@ -91,43 +91,50 @@ def test_a_booting_pod_tried_before_is_not_claimed() -> None:
     assert claimed(run(spec(), pods, {"p0": mixed}, RETRIED)) == ["p0"]
 
 
-def _claimable_fleet(cached: frozenset[str]) -> Fleet:
-    pods = (pod("p0"), pod("p1"))
-    asked = queries(pods, ME, "v2", V2_SRC)
+def _claimable_fleet(pods: tuple[object, ...] = (pod("p0"), pod("p1"))) -> Fleet:
+    asked = queries(pods, ME, "v2", V2_SRC)  # type: ignore[arg-type]
     return Fleet(
         name="wu",
         owner=ME,
-        pods=pods,
+        pods=pods,  # type: ignore[arg-type]
         agents={k: v for k, v in FRESH.items() if k in asked},
-        cached=cached,
     )
 
 
-def test_only_a_fresh_agent_answer_is_claimed_on() -> None:
-    """Before: a 30 s-old cached answer was claimed on; it could hide a trainer push (a wrong
-    rollback target, a claim in the middle of a push)."""
-    p = plan(
-        spec(maxUnavailable=1),
-        _claimable_fleet(frozenset({"p0"})),
-        Persisted(target_version="v2"),
-        NOW,
-    )
-    assert claimed(p) == []
-    assert p.refresh == frozenset({"p0"})  # asked again at once by the caller
-    p = plan(
-        spec(maxUnavailable=1), _claimable_fleet(frozenset()), Persisted(target_version="v2"), NOW
-    )
-    assert (claimed(p), p.refresh) == (["p0"], frozenset())
+def test_a_claim_names_the_agent_answers_it_rests_on() -> None:
+    """Before (issue 11 D): a 30 s-old cached answer was claimed on; it could hide a trainer
+    push (a wrong rollback target, a claim in the middle of a push). The planner knows no
+    cache: it names what the claim rests on (its premise), and the reconciler applies it only
+    while the agents still say it (``reconcile/confirm.py``); a pod not ours yet rests on the
+    peers' precedence too."""
+    p = plan(spec(maxUnavailable=1), _claimable_fleet(), Persisted(target_version="v2"), NOW)
+    assert claimed(p) == ["p0"]
+    assert p.premises == (Premise(("p0",), {"p0": FRESH["p0"]}, peers=True),)
+    assert p.claimed_from == {"p0": PodClass.PENDING}
 
 
-def test_refreshes_are_bounded_by_the_budget() -> None:
-    p = plan(
-        spec(maxUnavailable=1),
-        _claimable_fleet(frozenset({"p0", "p1"})),
-        Persisted(target_version="v2"),
-        NOW,
-    )
-    assert p.refresh == frozenset({"p0"})
+def test_premises_are_bounded_by_the_budget() -> None:
+    p = plan(spec(maxUnavailable=3), _claimable_fleet(), Persisted(target_version="v2"), NOW)
+    assert claimed(p) == ["p0", "p1"]
+    assert [q.pods for q in p.premises] == [("p0",), ("p1",)]
+    p = plan(spec(maxUnavailable=1), _claimable_fleet(), Persisted(target_version="v2"), NOW)
+    assert [q.pods for q in p.premises] == [("p0",)]
+
+
+def test_a_unit_rests_on_every_answer_of_its_pods_together() -> None:
+    """A group claims together (one attempt on every pod): one premise names all its pods, so
+    the caller drops the whole unit when one answer changed."""
+    group = (pod("p0", unit="g"), pod("p1", unit="g"))
+    p = plan(spec(maxUnavailable=1), _claimable_fleet(group), Persisted(target_version="v2"), NOW)
+    assert claimed(p) == ["p0", "p1"]
+    assert p.premises == (Premise(("p0", "p1"), {"p0": FRESH["p0"], "p1": FRESH["p1"]}, True),)
+
+
+def test_a_retried_claim_of_a_pod_already_ours_does_not_rest_on_the_peers() -> None:
+    pods = _failed_canary()
+    p = run(spec(), pods, {"p0": agent("v1", ready=False, clean=False)}, RETRIED)
+    assert claimed(p) == ["p0"]
+    assert [(q.pods, q.peers) for q in p.premises] == [(("p0",), False)]
 
 
 LATER, EARLIER = "2026-01-01T12:00:30Z", "2026-01-01T11:50:00Z"
@@ -248,20 +255,3 @@ def test_pause_after_canary_holds_however_many_units_were_touched() -> None:
     p = run(spec(maxUnavailable=3, canary=1, pauseAfterCanary=True), pods, agents)
     assert (claimed(p), p.paused_reason) == ([], Reason.CANARY_COMPLETE)
     assert claimed(run(spec(maxUnavailable=3, canary=1), pods, agents)) == ["p3", "p4"]
-
-
-@pytest.mark.parametrize("cached", [frozenset({"p0"}), frozenset({"p0", "p1"}), frozenset()])
-def test_a_provisional_plan_is_the_plan_of_fresh_answers_when_they_are_the_same(
-    cached: frozenset[str],
-) -> None:
-    """A provisional plan claims on cached answers too and lists them in ``refresh``; with the
-    same answers fresh, planning again gives the very same plan (the oracle: the reconciler
-    then applies it without planning twice)."""
-    persisted = Persisted(target_version="v2")
-    provisional = plan(
-        spec(maxUnavailable=1), _claimable_fleet(cached), persisted, NOW, provisional=True
-    )
-    fresh = plan(spec(maxUnavailable=1), _claimable_fleet(frozenset()), persisted, NOW)
-    assert claimed(provisional) == ["p0"]
-    assert provisional.refresh == cached & {"p0"}
-    assert replace(provisional, refresh=frozenset()) == fresh

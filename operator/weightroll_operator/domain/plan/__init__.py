@@ -79,6 +79,7 @@ from weightroll_operator.domain.plan.context import (
     Persisted,
     Plan,
     PodClass,
+    Premise,
     Query,
     parse_time,
     target_source,
@@ -99,6 +100,7 @@ __all__ = [
     "Persisted",
     "Plan",
     "PodClass",
+    "Premise",
     "Query",
     "aggregate_emits",
     "build_request",
@@ -130,7 +132,6 @@ def plan(
     now: datetime,
     *,
     step_limit: int | None = None,
-    provisional: bool = False,
 ) -> Plan:
     """Compute this pass's actions. Pure: same inputs, same plan.
 
@@ -149,18 +150,14 @@ def plan(
             the time of one pass, as the ReplicaSet controller's ``burstReplicas`` does: at
             10,000 pods one batch is 1,000 units. It is never below one ``STEP_SHARE``-th of
             the units (see there). ``None``: no limit.
-        provisional: claim pods on cached agent answers too (each listed in
-            :attr:`Plan.refresh`). Such a plan is the plan of fresh answers only if the caller
-            asked those agents again and got the very answers it was made on (``fleet.cached``
-            matters nowhere else); otherwise the caller must plan again. Saves planning twice
-            at 10,000 pods, where a claim pass otherwise always does.
 
     Returns:
-        The plan; its actions must be applied in order per pod.
+        The plan; its actions must be applied in order per pod, each unit's only while its
+        :attr:`Plan.premises` hold (the agents still say what they said, the peers are the
+        same: ``reconcile/confirm.py``).
     """
     ctx = PassContext(spec, fleet, now)
     ctx.clock_floor = parse_time(persisted.clock_floor)
-    ctx.provisional = provisional
     seen = classify_fleet(spec, fleet, persisted)
     if step_limit is not None:
         ctx.steps_left = ctx.step_limit = max(1, step_limit, len(seen.units) // STEP_SHARE)

@@ -1,14 +1,15 @@
 """Claims, shared by :func:`~.start.start_units`, :func:`~.rollback.roll_back` and
-:func:`~.prefetch.start_prefetches`: whom a pass may claim (:func:`can_claim`, :func:`idle`,
-:func:`on_fresh_answers`) and the claim itself (:func:`claim`: a new attempt recorded on the
-pod, then its drain; or, prefetching, no drain yet). :func:`claim_prefetched` drains a unit whose
-prefetch verified, for the attempt it already runs.
+:func:`~.prefetch.start_prefetches`: whom a pass may claim (:func:`can_claim`, :func:`idle`)
+and the claim itself (:func:`claim`: a new attempt recorded on the pod, then its drain; or,
+prefetching, no drain yet). :func:`claim_prefetched` drains a unit whose prefetch verified, for
+the attempt it already runs.
 
 A claim is a new attempt, so it rests on what the agent says in this pass: that it answers and
 runs no update. A rollback claim is no exception: an operator stopped between a unit's
 ``Settle(Failed)`` and its ``AbortUpdate`` (a crash, the Lease fence) left the failed attempt
 running, and a rollback claimed over it recorded a second attempt on a pod whose agent ran the
-first (found by the simulation tier).
+first (found by the simulation tier). What it says is the claim's premise
+(:class:`~.context.Premise`): the caller applies the claim only while the agents still say it.
 """
 
 from __future__ import annotations
@@ -32,17 +33,6 @@ from weightroll_operator.domain.standing import vouch_now, vouch_of
 def idle(agent: AgentView | None) -> bool:
     """The agent answered and runs no update: a new attempt may be recorded on its pod."""
     return agent is not None and agent.reachable and not agent.active_update_id
-
-
-def on_fresh_answers(ctx: PassContext, unit: Unit) -> bool:
-    """Whether ``unit`` may be claimed on the agent answers of this pass. A claim records what
-    the pod serves (the rollback target) and that it runs no update: only an answer from this
-    pass may say so, never a cached one (a trainer push changes both without touching the pod).
-    Cached ones are listed in :attr:`Plan.refresh`: the caller asks afresh, then applies a
-    ``provisional`` plan only if the fresh answers are the cached ones, else plans again."""
-    stale = [p.name for p in unit.pods if p.name in ctx.fleet.cached]
-    ctx.refresh.update(stale)
-    return not stale or ctx.provisional
 
 
 def can_claim(pod: PodView, agent: AgentView | None, owner: OwnerKey, version: str) -> bool:
@@ -87,6 +77,9 @@ def claim(
     untouched) until :func:`claim_prefetched`."""
     owner, now = ctx.fleet.owner, ctx.now
     tl = ctx.spec.strategy.traffic_label
+    # What the pod serves and that it runs no update, and, for a pod not ours yet, that no
+    # older WeightUpdate selects it (a claim is a new attempt: see the module docstring).
+    ctx.rest_on(unit.pods, peers=any(p.owner != owner for p in unit.pods))
     for pod in unit.pods:
         agent = ctx.fleet.agents.get(pod.name)
         prior = pod.state if pod.state is not None and pod.state.by == owner else None

@@ -120,8 +120,6 @@ class Fleet:
     #: ``group_units(pods)``, when the caller already grouped them (it reuses the units of
     #: unchanged pods from pass to pass); ``None``: grouped here.
     units: tuple[Unit, ...] | None = None
-    #: Pods whose agent answer is an earlier pass's (cached): they are not claimed on it.
-    cached: frozenset[str] = frozenset()
     #: Selected pods being deleted: unit key -> the end of their grace period
     #: (``deletionTimestamp``). Until then they are out of traffic and not gone, so each such
     #: unit counts as unavailable (its replacement may not be seen yet); a pod still there after
@@ -193,6 +191,28 @@ def unit_label(unit: Unit) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Premise:
+    """What the actions of one unit in a pass rest on, as a pod write rests on the
+    ``resourceVersion`` it was read at: the agent answers they were decided on, and for a claim
+    of a pod this WeightUpdate does not own yet, its precedence among its peers.
+
+    The planner decides on whatever answers it is given and names its premises; it knows
+    nothing of where the answers came from. The caller, which does (an earlier pass's answer
+    reused, an index of WeightUpdates that may lag), checks them before applying and drops the
+    unit's actions where one no longer holds (``reconcile/confirm.py``). A claim records what
+    the pod serves (its rollback target) and that it runs no update, and a re-attestation or
+    a withdrawal what it serves now: a trainer push changes that without touching the pod.
+    """
+
+    #: The pods whose actions (and the Events naming them) stand or fall together.
+    pods: tuple[str, ...]
+    #: The agent answers the actions were decided on, by pod name (``None``: not asked).
+    answers: Mapping[str, AgentView | None]
+    #: The actions rest on the peers too: no older WeightUpdate unseen in ``Fleet.peers``.
+    peers: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """What to do this pass and what was seen (the status is computed from it)."""
 
@@ -218,10 +238,12 @@ class Plan:
     completed: bool
     rolling_back: bool
     rollback_remaining: int
-    #: Pods a claim needs a fresh agent answer for: ask them afresh and plan again. In a
-    #: ``provisional`` plan they are claimed already, on their cached answers: the plan holds
-    #: only if the fresh answers equal those.
-    refresh: frozenset[str] = frozenset()
+    #: What this pass's claims, re-attestations and withdrawals rest on, one premise per unit
+    #: (:class:`Premise`): the caller applies a unit's actions only while its premise holds.
+    premises: tuple[Premise, ...] = ()
+    #: The class each pod claimed this pass had before its claim (what it is if the claim
+    #: does not happen: :func:`~.settle.unsettled`).
+    claimed_from: Mapping[str, PodClass] = field(default_factory=dict)
     #: Forward steps were left for the next pass (``plan``'s ``step_limit``): run it at once.
     deferred: bool = False
     #: Where each pod being worked on stands (:func:`~.settle.pod_step`), by pod name.
@@ -246,15 +268,13 @@ class PassContext:
         #: ``Persisted.clock_floor``: no timer counts time before it.
         self.clock_floor: datetime | None = None
         self.step_limit = 0
-        #: Pods a claim waits for a fresh agent answer for (:attr:`Plan.refresh`).
-        self.refresh: set[str] = set()
+        #: What the actions so far rest on (:attr:`Plan.premises`).
+        self.premises: list[Premise] = []
         #: Pods this pass may still start a forward step on (``plan``'s ``step_limit``);
         #: ``None``: no limit.
         self.steps_left: int | None = None
         #: A forward step was left for the next pass by the limit (:attr:`Plan.deferred`).
         self.deferred = False
-        #: Claims may rest on cached answers (``plan``'s ``provisional``).
-        self.provisional = False
         #: In-flight units whose claim's drain never landed: they wait for a slot
         #: (``advance.drain_waiting_claims``), in traffic, and hold none until drained.
         self.undrained: list[Unit] = []
@@ -271,6 +291,13 @@ class PassContext:
             return False
         self.steps_left -= pods
         return True
+
+    def rest_on(self, pods: Iterable[PodView], *, peers: bool = False) -> None:
+        """The actions this pass adds for ``pods`` rest on what their agents said (and, with
+        ``peers``, on this WeightUpdate's precedence among its peers): :class:`Premise`."""
+        names = tuple(p.name for p in pods)
+        answers = {n: self.fleet.agents.get(n) for n in names}
+        self.premises.append(Premise(pods=names, answers=answers, peers=peers))
 
     def answer(self, pod: PodView) -> tuple[AgentView | None, UpdateView | None]:
         """What ``pod``'s agent said this pass (``None``: not asked), and about the update

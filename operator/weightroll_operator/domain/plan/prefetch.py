@@ -34,7 +34,7 @@ from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.fleet import Unit
 from weightroll_operator.domain.model import PodView, UnitState
 from weightroll_operator.domain.plan.advance import fail_unit, outdated
-from weightroll_operator.domain.plan.claim import claim, on_fresh_answers
+from weightroll_operator.domain.plan.claim import claim
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import (
     PREFETCH_FAILED,
@@ -208,6 +208,5 @@ def start_prefetches(
         if not ctx.take_steps(len(unit.pods)):
             break
         free -= 1
-        if on_fresh_answers(ctx, unit):
-            claim(ctx, unit, prefetch=True)
-            ctx.progressed = True
+        claim(ctx, unit, prefetch=True)
+        ctx.progressed = True

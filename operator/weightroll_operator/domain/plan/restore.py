@@ -71,8 +71,8 @@ def withdraw(ctx: PassContext) -> None:
     """Step 7: a verdict of this WeightUpdate that a ready agent contradicts is withdrawn at
     once (``domain.standing``), unless this pass drains the pod already (its claim rewrites the
     record); and every gate of ours that stays True is judged on what it vouches for
-    (``domain.gate_vouch``), whatever its record's state. Judged on a fresh answer only, as a
-    claim is (:attr:`Plan.refresh`)."""
+    (``domain.gate_vouch``), whatever its record's state. The agent's answer is the premise of a
+    withdrawal or a re-attestation, as it is a claim's (:class:`~.context.Premise`)."""
     owner = ctx.fleet.owner
     # A pod whose gate step 6 sets again is withdrawn too: its record still named the old
     # verdict after that pass, Ready (a pod restored at a reverted spec's version, found by the
@@ -107,10 +107,7 @@ def withdraw(ctx: PassContext) -> None:
             continue
         if agent is None or agent.version is None:
             continue
-        if pod.name in ctx.fleet.cached:
-            ctx.refresh.add(pod.name)
-            if not ctx.provisional:
-                continue
+        ctx.rest_on((pod,))
         # The gate is attested for what the agent serves *before* the verdict is recorded
         # withdrawn: an operator stopped between the two writes (a crash, the Lease fence)
         # leaves the verdict standing, so its successor withdraws it again, both writes. In
@@ -150,10 +147,8 @@ def _judge_gate(
     breach = gate_breach(st, pod, agent)
     if breach is None:
         return False
-    if breach.now is not None and pod.name in ctx.fleet.cached:
-        ctx.refresh.add(pod.name)
-        if not ctx.provisional:
-            return True
+    if breach.now is not None:
+        ctx.rest_on((pod,))
     if breach.now is None:
         vouched = vouch_of(st)
         what = f"{vouched.version} on containers {vouched.incarnation}" if vouched else "?"

@@ -8,7 +8,7 @@ from weightroll_operator.domain.actions import AbortUpdate, Settle
 from weightroll_operator.domain.availability import Slots
 from weightroll_operator.domain.conditions import Reason
 from weightroll_operator.domain.model import SourceRef, UnitState
-from weightroll_operator.domain.plan.claim import claim, idle, on_fresh_answers
+from weightroll_operator.domain.plan.claim import claim, idle
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import (
     PREFETCH_FAILED,
@@ -90,8 +90,7 @@ def roll_back(ctx: PassContext, seen: Seen, flying: frozenset[str], slots: Slots
         if not ctx.take_steps(len(unit.pods)):
             continue
         slots.take(unit)
-        if on_fresh_answers(ctx, unit):
-            claim(ctx, unit, rollback_of=version)
+        claim(ctx, unit, rollback_of=version)
     return remaining
 
 

@@ -15,6 +15,7 @@ from weightroll_operator.domain.model import AgentView, OwnerKey, PodView, Sourc
 from weightroll_operator.domain.plan.claim import can_claim
 from weightroll_operator.domain.plan.classify import Seen, serves, spelled, verified_at
 from weightroll_operator.domain.plan.context import (
+    WANTING_CLASSES,
     PassContext,
     Persisted,
     Plan,
@@ -38,6 +39,10 @@ class _ByPod(Mapping[str, str]):
     (:func:`pod_step`)."""
 
     __slots__ = ("_classes", "_of")
+
+    def over(self, classes: Mapping[str, PodClass]) -> _ByPod:
+        """The same strings, worked out for the pods of ``classes`` instead."""
+        return _ByPod(classes, self._of)
 
     def __init__(
         self, classes: Mapping[str, PodClass], of: Callable[[str, PodClass], str | None]
@@ -147,8 +152,10 @@ def settle(
     now, version, fleet, target = ctx.now, ctx.spec.version, ctx.fleet, target_source(ctx.spec)
     classes = dict(seen.classes)
     restored = {a.pod.name for a in ctx.actions if isinstance(a, GateOn)}
+    claimed_from: dict[str, PodClass] = {}
     for action in ctx.actions:
         if isinstance(action, Claim):
+            claimed_from.setdefault(action.pod.name, classes[action.pod.name])
             staged = action.state.state is UnitState.PREFETCHING
             classes[action.pod.name] = PodClass.PREFETCHING if staged else PodClass.IN_FLIGHT
         elif isinstance(action, Settle) and action.transition:
@@ -222,7 +229,8 @@ def settle(
         completed=new_persisted.completion_time is not None,
         rolling_back=rollback,
         rollback_remaining=rollback_remaining,
-        refresh=frozenset(ctx.refresh),
+        premises=tuple(ctx.premises),
+        claimed_from=claimed_from,
         deferred=ctx.deferred,
         steps=_ByPod(
             classes,
@@ -231,7 +239,9 @@ def settle(
     )
 
 
-def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
+def unsettled(
+    the_plan: Plan, failed: Iterable[str], before: Persisted, unclaimed: Iterable[str] = ()
+) -> Plan:
     """The plan once some of its pod writes failed (``failed``: pod names whose ``GateOn``, or
     ``Settle`` as verified, did not happen, e.g. a 409 because kubelet wrote the pod meanwhile).
 
@@ -243,8 +253,18 @@ def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
     could be written yet.) A unit with such a pod did not finish this pass either: it leaves
     ``finished`` and ``durations`` (the unit-duration histogram), since the next pass plans its
     end again and reports it then, once.
+
+    ``unclaimed``: pods whose ``Claim`` did not happen (it failed, or the caller dropped it, its
+    premise no longer holding: ``reconcile/confirm.py``). They are what they were before it
+    (:attr:`Plan.claimed_from`): not in flight, and no start time is persisted for a rollout
+    whose every claim of this pass did not happen.
     """
     names = frozenset(name for name in failed if name in the_plan.pods)
+    back = {n: the_plan.claimed_from[n] for n in unclaimed if n in the_plan.claimed_from}
+    if not names and not back:
+        return the_plan
+    if back:
+        the_plan = _unclaimed(the_plan, back, before)
     if not names:
         return the_plan
     units = {the_plan.pods[name].unit for name in names}
@@ -263,4 +283,29 @@ def unsettled(the_plan: Plan, failed: Iterable[str], before: Persisted) -> Plan:
         completed=persisted.completion_time is not None,
         finished={k: v for k, v in the_plan.finished.items() if k not in units},
         durations={k: v for k, v in the_plan.durations.items() if k not in units},
+    )
+
+
+def _unclaimed(the_plan: Plan, back: Mapping[str, PodClass], before: Persisted) -> Plan:
+    """:func:`unsettled` for the pods of ``back`` whose claims did not happen: each has the
+    class it had before its claim."""
+    classes = {**the_plan.classes, **back}
+    drained = {
+        the_plan.pods[n].unit
+        for n, cls in back.items()
+        if the_plan.classes.get(n) is PodClass.IN_FLIGHT and cls is not PodClass.IN_FLIGHT
+    }
+    pending = {the_plan.pods[n].unit for n, cls in back.items() if cls in WANTING_CLASSES}
+    persisted = the_plan.persisted
+    if before.start_time is None and back.keys() >= the_plan.claimed_from.keys():
+        persisted = replace(persisted, start_time=None)
+    notes, steps = the_plan.notes, the_plan.steps
+    return replace(
+        the_plan,
+        classes=classes,
+        persisted=persisted,
+        in_flight_units=max(0, the_plan.in_flight_units - len(drained)),
+        pending_units=the_plan.pending_units + len(pending),
+        notes=notes.over(classes) if isinstance(notes, _ByPod) else notes,
+        steps=steps.over(classes) if isinstance(steps, _ByPod) else steps,
     )

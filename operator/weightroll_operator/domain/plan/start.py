@@ -15,7 +15,6 @@ from weightroll_operator.domain.plan.claim import (
     can_claim,
     claim,
     claim_prefetched,
-    on_fresh_answers,
 )
 from weightroll_operator.domain.plan.classify import Seen, drained_failure
 from weightroll_operator.domain.plan.context import (
@@ -124,7 +123,7 @@ def start_units(
             if staged_here:
                 claim_prefetched(ctx, unit)
                 ctx.progressed = True
-            elif on_fresh_answers(ctx, unit):
+            else:
                 claim(ctx, unit)
         return
     canary = ctx.spec.strategy.canary
@@ -157,5 +156,4 @@ def start_units(
         if fresh and limit is not None:
             limit -= 1
         slots.take(unit)
-        if on_fresh_answers(ctx, unit):
-            claim(ctx, unit)
+        claim(ctx, unit)
