@@ -491,6 +491,33 @@ def test_a_completion_needs_the_writes_that_reach_it(
     assert unsettled(p, failed, earlier).completed
 
 
+@pytest.mark.parametrize(
+    ("unclaimed", "classes", "in_flight", "started"),
+    [
+        ((), [PodClass.IN_FLIGHT] * 3, 2, True),
+        # the claim of p2 was dropped (its premise no longer held) or refused (409)
+        (("p2",), [PodClass.IN_FLIGHT, PodClass.IN_FLIGHT, PodClass.PENDING], 1, True),
+        # one pod of the group g: the other is draining, the unit is in flight still
+        (("p0",), [PodClass.PENDING, PodClass.IN_FLIGHT, PodClass.IN_FLIGHT], 2, True),
+        # no claim of the pass happened: nothing started
+        (("p0", "p1", "p2"), [PodClass.PENDING] * 3, 0, False),
+    ],
+)
+def test_a_claim_that_did_not_happen_is_not_reported_as_made(
+    unclaimed: tuple[str, ...], classes: list[PodClass], in_flight: int, started: bool
+) -> None:
+    """A claim dropped by the reconciler's confirm step (or refused) leaves the pod as it was:
+    not in flight in the status, and no start time for a rollout that started nothing."""
+    pods = [pod("p0", unit="g"), pod("p1", unit="g"), pod("p2")]
+    before = Persisted(target_version="v2")
+    p = run(spec(maxUnavailable=2), pods, FRESH, before)
+    assert (p.in_flight_units, sorted(p.claimed_from)) == (2, ["p0", "p1", "p2"])
+    after = unsettled(p, (), before, unclaimed=unclaimed)
+    assert [after.classes[n] for n in ("p0", "p1", "p2")] == classes
+    assert after.in_flight_units == in_flight
+    assert (after.persisted.start_time is not None) is started
+
+
 _VERIFIED = {f"p{i}": Emit("UnitVerified", f"Verified p{i}", pods=(f"p{i}",)) for i in range(3)}
 
 

@@ -290,12 +290,16 @@ def _unclaimed(the_plan: Plan, back: Mapping[str, PodClass], before: Persisted) 
     """:func:`unsettled` for the pods of ``back`` whose claims did not happen: each has the
     class it had before its claim."""
     classes = {**the_plan.classes, **back}
+    # a unit is out of flight (or pending again) only when none of its claims happened: a claim
+    # that failed on one pod of a group leaves the others draining
+    kept = {the_plan.pods[n].unit for n in the_plan.claimed_from if n not in back}
+    units = {n: the_plan.pods[n].unit for n in back if the_plan.pods[n].unit not in kept}
     drained = {
-        the_plan.pods[n].unit
-        for n, cls in back.items()
-        if the_plan.classes.get(n) is PodClass.IN_FLIGHT and cls is not PodClass.IN_FLIGHT
+        u
+        for n, u in units.items()
+        if the_plan.classes.get(n) is PodClass.IN_FLIGHT and back[n] is not PodClass.IN_FLIGHT
     }
-    pending = {the_plan.pods[n].unit for n, cls in back.items() if cls in WANTING_CLASSES}
+    pending = {u for n, u in units.items() if back[n] in WANTING_CLASSES}
     persisted = the_plan.persisted
     if before.start_time is None and back.keys() >= the_plan.claimed_from.keys():
         persisted = replace(persisted, start_time=None)
