@@ -434,10 +434,12 @@ class Reconciler:
         # unit becomes startable on a pod event (a restore, a pod turning Ready), which wakes the
         # loop (loop.py).
         busy = the_plan.in_flight_units > 0
-        # Steps the burst limit left for later, and units dropped for a premise that no longer
-        # held (on the fresh answers now cached), are taken by the next pass, at once.
-        delay = self.poll_interval if busy else self.idle_interval
-        if the_plan.deferred or dropped:
+        # Steps the burst limit left for later, and units dropped for an agent answer that
+        # changed (the fresh one is cached now), are taken by the next pass, at once. Units
+        # dropped for their peers wait for the index of WeightUpdates to catch up: polled, so a
+        # lagging watch does not turn the loop into back-to-back listings of the namespace.
+        delay = self.poll_interval if busy or dropped else self.idle_interval
+        if the_plan.deferred or confirmed.answer_changed:
             delay = 0.0
         if self.gc_pacer is not None:
             self.gc_pacer.after_pass()

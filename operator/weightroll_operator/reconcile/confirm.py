@@ -13,8 +13,9 @@ the premised one (a trainer push since, which changes what the pod serves withou
 pod), or the peers' precedence does, that unit's actions and the Events naming its pods are
 dropped from this pass, as a pod write made on a stale ``resourceVersion`` is refused. The
 fresh answers are the observer's (its cache keeps them), and the caller runs the next pass at
-once, which plans on them. The caller reports the dropped pods as it reports any action that
-did not happen (``unsettled``, ``unwritten``).
+once, which plans on them (a unit dropped for its peers waits for the index to catch up, a
+watch event away, so the caller polls then instead). The caller reports the dropped pods as it
+reports any action that did not happen (``unsettled``, ``unwritten``).
 
 Why not plan again here (as the reconciler once did, up to three times a pass): the plan is a
 function of the observation; carrying the cache's protocol into its signature made the planner
@@ -22,8 +23,8 @@ know caches, and a pass plan up to three times. A dropped unit costs one pass mo
 and only when an answer changed under the cache.
 
 Limitations: a listing of the peers that fails raises before anything is applied (no claim on
-an unconfirmed view); a unit dropped for its peers waits for the index to catch up, a pass at a
-time.
+an unconfirmed view); a unit dropped for its peers is dropped again, each pass listing the peers,
+until the index holds what the list holds.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Confirmed:
     dropped: frozenset[str] = frozenset()
     #: The fresh answers asked for, by pod name (they replace the cached ones).
     answers: Mapping[str, AgentView] = field(default_factory=dict)
+    #: Some pods were dropped because an agent's answer changed: the next pass, which plans
+    #: on the fresh answers (cached now), may run at once.
+    answer_changed: bool = False
 
 
 async def confirm(
@@ -86,16 +90,15 @@ async def confirm(
         return Confirmed(tuple(actions))
     answers = dict(await ask_afresh(recheck)) if recheck else {}
     peers_differ = bool(on_peers) and peers_changed is not None and await peers_changed()
-    dropped = frozenset(
-        n
+    changed = [
+        p
         for p in premises
-        if (p.peers and peers_differ)
-        or any(n in answers and answers[n] != seen for n, seen in p.answers.items())
-        for n in p.pods
-    )
+        if any(n in answers and answers[n] != seen for n, seen in p.answers.items())
+    ]
+    dropped = frozenset(n for p in (*changed, *(on_peers if peers_differ else ())) for n in p.pods)
     if not dropped:
         return Confirmed(tuple(actions), answers=answers)
-    return Confirmed(_without(actions, dropped), dropped, answers)
+    return Confirmed(_without(actions, dropped), dropped, answers, bool(changed))
 
 
 def _without(actions: Sequence[Action], dropped: frozenset[str]) -> tuple[Action, ...]:

@@ -98,6 +98,10 @@ def test_confirm(
     assert asked == ([frozenset(cached)] if cached else []), case
     assert dict(got.answers) == {n: fresh[n] for n in cached}, case
     assert listed == ([True] if peers_differ is not None else []), case
+    # only a changed answer calls for the next pass at once (peers: the index must catch up)
+    assert got.answer_changed is bool(
+        set(dropped) - ({"p0", "p1", "p2"} if peers_differ else set())
+    )
     # an Event reporting a dropped pod goes with it; the others' stay
     assert _events(got.actions) == [
         m for m, pods in (("Draining group g", "p0"), ("Draining p2", "p2")) if pods in kept
