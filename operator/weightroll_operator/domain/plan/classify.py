@@ -210,6 +210,12 @@ class Seen:
     frozen: frozenset[str]
     #: Failure reasons recorded on the pods of failed units.
     reasons: Mapping[str, str]
+    #: The units with an in-flight pod, and with a prefetching one, in ``units`` order: the
+    #: steps that move them walk these few, not every unit of the fleet each pass.
+    in_flight: tuple[Unit, ...]
+    prefetching: tuple[Unit, ...]
+    #: The keys of the units with a failed pod (``FAILED_CLASSES``).
+    failing: frozenset[str]
 
 
 def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -> Seen:
@@ -234,15 +240,29 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
             blocked.add(str(p.owner))
         if p.stale:
             frozen.add(p.unit)
+    by_unit: dict[str, frozenset[PodClass]] = {}
+    in_flight: list[Unit] = []
+    prefetching: list[Unit] = []
+    failing: set[str] = set()
+    for u in units:
+        if len(u.pods) == 1:
+            of_unit = _ONE_CLASS[classes[u.pods[0].name]]
+        else:
+            of_unit = frozenset(classes[p.name] for p in u.pods)
+        by_unit[u.key] = of_unit
+        if PodClass.IN_FLIGHT in of_unit:
+            in_flight.append(u)
+        if PodClass.PREFETCHING in of_unit:
+            prefetching.append(u)
+        if not of_unit.isdisjoint(FAILED_CLASSES):
+            failing.add(u.key)
     return Seen(
         units=units,
         classes=classes,
-        by_unit={
-            u.key: _ONE_CLASS[classes[u.pods[0].name]]
-            if len(u.pods) == 1
-            else frozenset(classes[p.name] for p in u.pods)
-            for u in units
-        },
+        by_unit=by_unit,
+        in_flight=tuple(in_flight),
+        prefetching=tuple(prefetching),
+        failing=frozenset(failing),
         blocked_by=tuple(sorted(blocked | set(fleet.peers))),
         max_unavailable=resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units))),
         frozen=frozenset(frozen),
@@ -253,6 +273,6 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
 def drained_failure(seen: Seen, unit: Unit) -> bool:
     """``unit`` failed and the rollout keeps it out of traffic: every failure but one whose
     prefetch failed before its drain (``prefetch``): Ready, each gate open, it still serves."""
-    if seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES):
+    if unit.key not in seen.failing:
         return False
     return not (unit.ready and all(p.has_gate and p.gate is True for p in unit.pods))
