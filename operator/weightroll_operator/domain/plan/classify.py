@@ -39,6 +39,8 @@ _YIELDED = frozenset({PodClass.PENDING, PodClass.UNKNOWN, PodClass.UPDATED})
 _SERVING = (PodClass.UPDATED, True)
 #: The class set of a one-pod unit (most units): built once, not once per unit and pass.
 _ONE_CLASS = {c: frozenset((c,)) for c in PodClass}
+#: The classes whose units ``Seen`` lists apart (in flight, prefetching, failed).
+_LISTED = frozenset({PodClass.IN_FLIGHT, PodClass.PREFETCHING} | FAILED_CLASSES)
 
 
 def queries(
@@ -163,7 +165,7 @@ def classify(
             return PodClass.IN_FLIGHT
         if pod.owner == owner and st.state is UnitState.PREFETCHING:
             return PodClass.PREFETCHING
-        if _retried(st, retried_at) and st.state in (UnitState.FAILED, UnitState.ROLLED_BACK):
+        if st.state in (UnitState.FAILED, UnitState.ROLLED_BACK) and _retried(st, retried_at):
             # retried: a settled failure (or rollback) is pending again, tried by a new attempt
             reachable = agent is not None and agent.reachable
             if serves(agent, version, source):
@@ -250,6 +252,8 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
         else:
             of_unit = frozenset(classes[p.name] for p in u.pods)
         by_unit[u.key] = of_unit
+        if of_unit.isdisjoint(_LISTED):
+            continue  # most units: pending or updated
         if PodClass.IN_FLIGHT in of_unit:
             in_flight.append(u)
         if PodClass.PREFETCHING in of_unit:
