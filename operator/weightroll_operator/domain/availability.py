@@ -40,7 +40,7 @@ __all__ = ["Slots", "held_by_agent", "held_by_gate"]
 def held_by_gate(unit: Unit) -> bool:
     """Every pod of ``unit`` is out of traffic by our gate (so a claim keeps nothing out that
     would serve)."""
-    return all(p.has_gate and p.gate is not True for p in unit.pods)
+    return unit.gated_out
 
 
 def held_by_agent(unit: Unit, agents: Mapping[str, AgentView]) -> bool:

@@ -219,13 +219,21 @@ class Unit:
 
     key: str
     pods: tuple[PodView, ...]
-    #: Every pod is Ready (computed once: a pass reads it several times per unit).
+    #: Every pod is Ready. This and the two below are computed once: a pass reads them
+    #: several times per unit, and a unit of unchanged pods is reused from pass to pass.
     ready: bool = field(init=False)
+    #: Every pod has our readiness gate and it is not True: our gate holds the unit out.
+    gated_out: bool = field(init=False)
+    #: Some pod has our readiness gate and it is not True.
+    partly_gated_out: bool = field(init=False)
 
     def __post_init__(self) -> None:
         pods = self.pods
         ready = pods[0].ready if len(pods) == 1 else all(p.ready for p in pods)
         object.__setattr__(self, "ready", ready)
+        out = [p.has_gate and p.gate is not True for p in pods]
+        object.__setattr__(self, "gated_out", all(out))
+        object.__setattr__(self, "partly_gated_out", any(out))
 
 
 def group_units(

@@ -96,9 +96,10 @@ def breach(
         return Breach(why, None)
     if not ready or not version:
         return None
-    now = GateVouch(version, committed_update_id, incarnation or None)
     if version != vouch.version:
-        return Breach(f"its agent serves {version}, not {vouch.version}", now)
-    if committed_update_id not in (None, vouch.update_id):
-        return Breach(f"its agent serves {version} committed by {committed_update_id}", now)
-    return None
+        why = f"its agent serves {version}, not {vouch.version}"
+    elif committed_update_id not in (None, vouch.update_id):
+        why = f"its agent serves {version} committed by {committed_update_id}"
+    else:
+        return None  # judged for every gate every pass: no vouch built for one that holds
+    return Breach(why, GateVouch(version, committed_update_id, incarnation or None))

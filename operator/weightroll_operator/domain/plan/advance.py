@@ -36,7 +36,6 @@ from weightroll_operator.domain.plan.claim import idle
 from weightroll_operator.domain.plan.classify import Seen
 from weightroll_operator.domain.plan.context import (
     PassContext,
-    PodClass,
     parse_time,
     target_source,
     unit_label,
@@ -48,9 +47,7 @@ from weightroll_operator.domain.wire import build_request
 def advance_units(ctx: PassContext, seen: Seen) -> frozenset[str]:
     """Step 2: move each in-flight unit one step; return the keys of those still in flight."""
     flying = set()
-    for unit in seen.units:
-        if PodClass.IN_FLIGHT not in seen.by_unit[unit.key]:
-            continue
+    for unit in seen.in_flight:
         if unit.key in seen.frozen or _advance_in_flight(ctx, unit):
             flying.add(unit.key)
     return frozenset(flying)

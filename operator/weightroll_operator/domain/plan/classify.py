@@ -40,6 +40,8 @@ _YIELDED = frozenset({PodClass.PENDING, PodClass.UNKNOWN, PodClass.UPDATED, PodC
 _SERVING = (PodClass.UPDATED, True)
 #: The class set of a one-pod unit (most units): built once, not once per unit and pass.
 _ONE_CLASS = {c: frozenset((c,)) for c in PodClass}
+#: The classes whose units ``Seen`` lists apart (in flight, prefetching, failed).
+_LISTED = frozenset({PodClass.IN_FLIGHT, PodClass.PREFETCHING} | FAILED_CLASSES)
 
 
 def queries(
@@ -163,7 +165,7 @@ def classify(
             return PodClass.IN_FLIGHT
         if pod.owner == owner and st.state is UnitState.PREFETCHING:
             return PodClass.PREFETCHING
-        if _retried(st, retried_at) and st.state in (UnitState.FAILED, UnitState.ROLLED_BACK):
+        if st.state in (UnitState.FAILED, UnitState.ROLLED_BACK) and _retried(st, retried_at):
             # retried: a settled failure (or rollback) is pending again, tried by a new attempt
             reachable = agent is not None and agent.reachable
             if serves(agent, version, source):
@@ -206,6 +208,12 @@ class Seen:
     frozen: frozenset[str]
     #: Failure reasons recorded on the pods of failed units.
     reasons: Mapping[str, str]
+    #: The units with an in-flight pod, and with a prefetching one, in ``units`` order: the
+    #: steps that move them walk these few, not every unit of the fleet each pass.
+    in_flight: tuple[Unit, ...]
+    prefetching: tuple[Unit, ...]
+    #: The keys of the units with a failed pod (``FAILED_CLASSES``).
+    failing: frozenset[str]
 
 
 def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -> Seen:
@@ -229,15 +237,31 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
             blocked.add(str(p.owner))
         if p.stale:
             frozen.add(p.unit)
+    by_unit: dict[str, frozenset[PodClass]] = {}
+    in_flight: list[Unit] = []
+    prefetching: list[Unit] = []
+    failing: set[str] = set()
+    for u in units:
+        if len(u.pods) == 1:
+            of_unit = _ONE_CLASS[classes[u.pods[0].name]]
+        else:
+            of_unit = frozenset(classes[p.name] for p in u.pods)
+        by_unit[u.key] = of_unit
+        if of_unit.isdisjoint(_LISTED):
+            continue  # most units: pending or updated
+        if PodClass.IN_FLIGHT in of_unit:
+            in_flight.append(u)
+        if PodClass.PREFETCHING in of_unit:
+            prefetching.append(u)
+        if not of_unit.isdisjoint(FAILED_CLASSES):
+            failing.add(u.key)
     return Seen(
         units=units,
         classes=classes,
-        by_unit={
-            u.key: _ONE_CLASS[classes[u.pods[0].name]]
-            if len(u.pods) == 1
-            else frozenset(classes[p.name] for p in u.pods)
-            for u in units
-        },
+        by_unit=by_unit,
+        in_flight=tuple(in_flight),
+        prefetching=tuple(prefetching),
+        failing=frozenset(failing),
         blocked_by=tuple(sorted(blocked | set(fleet.peers))),
         max_unavailable=resolve_max_unavailable(spec.strategy.max_unavailable, max(1, len(units))),
         frozen=frozenset(frozen),
@@ -248,6 +272,6 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
 def drained_failure(seen: Seen, unit: Unit) -> bool:
     """``unit`` failed and the rollout keeps it out of traffic: every failure but one whose
     prefetch failed before its drain (``prefetch``): Ready, each gate open, it still serves."""
-    if seen.by_unit[unit.key].isdisjoint(FAILED_CLASSES):
+    if unit.key not in seen.failing:
         return False
     return not (unit.ready and all(p.has_gate and p.gate is True for p in unit.pods))

@@ -122,6 +122,10 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         now=now,
     )
     retried_at = persisted.retried_at
+    # Only a unit with a failed pod, or one that failed this pass, is counted below: most
+    # passes have none, and then the counts need no walk over the units.
+    failing_keys = seen.failing | {key for key, out in finished.items() if out == "failed"}
+    failing = [u for u in units if u.key in failing_keys] if failing_keys else []
     rolled_back = sorted(
         {p.unit for p in ctx.fleet.pods if rollback_recorded(p.state, owner, version, retried_at)}
     )
@@ -130,10 +134,10 @@ def deadlines(ctx: PassContext, seen: Seen, persisted: Persisted, flying: frozen
         finished=persisted.completion_time is not None,
         rolled_back=rolled_back,
         canary_failed=canary_failed,
-        failed_units=sum(1 for u in units if failed(u)),
+        failed_units=sum(1 for u in failing if failed(u)),
         drained_failed_units=sum(
             1
-            for u in units
+            for u in failing
             if drained_failure(seen, u)
             or (
                 finished.get(u.key) == "failed"

@@ -81,9 +81,7 @@ def advance_prefetches(ctx: PassContext, seen: Seen, halted: bool) -> Staged:
     intent persisted), so every prefetch is given up."""
     ready: list[Unit] = []
     keys: set[str] = set()
-    for unit in seen.units:
-        if PodClass.PREFETCHING not in seen.by_unit[unit.key]:
-            continue
+    for unit in seen.prefetching:
         staged = [p for p in unit.pods if seen.classes[p.name] is PodClass.PREFETCHING]
         if unit.key in seen.frozen:
             keys.add(unit.key)

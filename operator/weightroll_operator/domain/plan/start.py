@@ -58,8 +58,8 @@ def held(seen: Seen, flying: frozenset[str], unit: Unit) -> bool:
     return (
         unit.key in flying
         or unit.key in seen.frozen
+        or unit.partly_gated_out
         or drained_failure(seen, unit)
-        or any(p.has_gate and p.gate is not True for p in unit.pods)
     )
 
 

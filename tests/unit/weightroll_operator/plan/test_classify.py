@@ -28,3 +28,24 @@ def test_classify_fleet(
     _, _, seen = classified(pods, {"p0": agent("v1")})
     assert dict(seen.classes) == classes
     assert set(seen.frozen) == frozen and seen.blocked_by == blocked
+
+
+def test_unit_subsets_follow_the_classes() -> None:
+    """``Seen.in_flight``, ``prefetching`` and ``failing`` (what later steps walk instead of
+    every unit) are exactly the units whose classes say so, in unit order."""
+    pods = [
+        pod("a", gate=False, ready=False, st=state()),
+        pod("b"),
+        pod("c", st=state(UnitState.PREFETCHING)),
+        pod("d", gate=False, ready=False, st=state(UnitState.FAILED)),
+        pod("e", gate=False, ready=False, st=state(), unit="g"),
+        pod("f", unit="g"),
+    ]
+    _, _, seen = classified(pods, {n: agent("v1") for n in "abcdef"})
+
+    def having(*classes: PodClass) -> list[str]:
+        return [u.key for u in seen.units if not seen.by_unit[u.key].isdisjoint(classes)]
+
+    assert [u.key for u in seen.in_flight] == having(PodClass.IN_FLIGHT) == ["a", "g"]
+    assert [u.key for u in seen.prefetching] == having(PodClass.PREFETCHING) == ["c"]
+    assert sorted(seen.failing) == having(PodClass.FAILED, PodClass.ROLLBACK_FAILED) == ["d"]
