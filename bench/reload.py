@@ -291,7 +291,8 @@ def _host_contention(hidden: int) -> dict[str, float] | None:
     Packs eight MLP-sized weights for vLLM's oneDNN GEMM (what a CPU post-load step does) on one
     thread, on every core, and on every core while one more thread hashes (as the prefetch's
     read, hash and seal-digest threads do beside the post-load). Best of 3 seconds each; ``None``
-    where vLLM's CPU build has no oneDNN kernels."""
+    where vLLM's CPU build has no oneDNN kernels, or oneDNN has no bf16 matmul on this CPU (an
+    AVX2 one without AVX512-BF16 refuses the primitive; vLLM does not pack bf16 there either)."""
     import threading
 
     import blake3
@@ -318,7 +319,11 @@ def _host_contention(hidden: int) -> dict[str, float] | None:
         )
 
     cores = torch.get_num_threads()
-    result = {"one_thread": best(1), "all_threads": best(cores)}
+    try:
+        result = {"one_thread": best(1), "all_threads": best(cores)}
+    except RuntimeError:  # "could not create a primitive descriptor for the matmul primitive"
+        torch._C.set_num_threads(cores)
+        return None
     beside = threading.Thread(target=hashing, daemon=True)
     beside.start()
     try:
