@@ -105,14 +105,11 @@ SURVEY = os.environ.get("WEIGHTROLL_SIM_SURVEY") == "1"
 #: Faults the generated schedules leave out while the defect they expose is open (fault name ->
 #: the issue item). Each has a strict xfail replay below; delete the entry when its fix lands.
 EXCLUDED_UNTIL_FIXED: dict[str, str] = {
-    # Item 3 itself is fixed (its replay below passes). The defect `overlap` found next (a
-    # finished WeightUpdate stayed Succeeded while an older, unfinished one drained and loaded
-    # a pod it governs, then left that pod at the older one's version) is fixed too, with
-    # replays below; with it back in, sim-ci found the one named here (strict xfail replay
-    # `test_a_younger_update_keeps_to_the_budget_of_an_older_halted_one`): each WeightUpdate
-    # spends only its own budget, over its own selection.
-    "overlap": "a younger WeightUpdate drains a pod while an older, halted one that selects it "
-    "has its failed pod out: two out under the older one's maxUnavailable 1",
+    # Item 3 itself is fixed (its replay below passes, and sim-ci passed with the fault in
+    # under PYTHONHASHSEED 0-3). Kept out for a separate defect a soak run found with it: a
+    # WeightUpdate that finished stays Succeeded while an older, unfinished one converges a
+    # new pod both select (the pod Blocked there, serving the old version, drained).
+    "overlap": "a finished WeightUpdate stays Succeeded while an older one updates its new pod",
     # `leader_lost` (item 12, an operator stopped mid-pass) is back: the defects it found are
     # fixed, each with a replay below; soak runs with it (sim-soak, 624 fresh schedules) found
     # none left, down from 14 of 328 on 0e1cf57.
@@ -1416,56 +1413,4 @@ def test_a_prefetched_unit_meets_its_swap_deadline_on_the_simulated_clock() -> N
         ended = [r for r in agent.store.records.values() if "swap_deadline" in r.message]
         if [r.phase.value for r in ended] != ["Failed"]:
             raise Broken(f"no swap_deadline on simulated time:\n{sim.describe()}")
-        sim.quiesce()
-
-
-def _an_older_update_moves_a_pod_a_finished_younger_one_governs(sim: RolloutMachine) -> None:
-    """wu-b (``tier: b``: p1, p3) is created at the fleet's version v1 and finishes at once;
-    the older wu-a, unfinished, then rolls every pod to v2, p1 and p3 included."""
-    sim.start(pods=4, budget=2, on_failure="Halt", tp=1)
-    sim.second_weightupdate("v2", 1)
-    sim.edit_version("wu-b", "v1")
-    sim.reconcile("wu-b", None)
-    for _ in range(6):
-        sim.reconcile("wu-a", None)
-        sim.reconcile("wu-b", None)
-        for pod in ("p0", "p1", "p2", "p3"):
-            sim.load_ends(pod, True)
-        sim.clock_step(5.0)
-
-
-def test_a_finished_update_is_not_succeeded_while_an_older_one_holds_its_pod() -> None:
-    """The ``overlap`` fault's defect: wu-b stayed ``Succeeded`` at v1 while wu-a drained and
-    loaded its pods (another update's hold is no pod serving the version)."""
-    with replay("e", "Succeeded at v1, but") as sim:
-        _an_older_update_moves_a_pod_a_finished_younger_one_governs(sim)
-        sim.safety()
-
-
-def test_a_finished_update_converges_the_pods_an_older_one_moved_once_it_is_done() -> None:
-    """After wu-a finishes, the pods it moved are wu-b's to bring back to v1 (wu-b is the newer
-    intent for them): a record of wu-a's attempt does not leave them to wu-a."""
-    with replay("e", "Succeeded at") as sim:
-        _an_older_update_moves_a_pod_a_finished_younger_one_governs(sim)
-        drive(sim)
-        sim.safety()
-        assert {n: sim.pods[n].serving()[0] for n in sim.pods} == {
-            "p0": {"v2"},
-            "p1": {"v1"},
-            "p2": {"v2"},
-            "p3": {"v1"},
-        }
-
-
-@pytest.mark.xfail(strict=True, raises=Broken, reason=EXCLUDED_UNTIL_FIXED.get("overlap", ""))
-def test_a_younger_update_keeps_to_the_budget_of_an_older_halted_one() -> None:
-    """wu-a (every pod, budget 1) fails p0 past the unit timeout and halts with p0 drained;
-    wu-b (p1, budget 1) then drains p1: wu-a's pods have two out. A claim should keep to the
-    budget of every WeightUpdate that selects the pod (as an eviction to every
-    PodDisruptionBudget), not only its own."""
-    with replay("a", "2 pods out of traffic by a rollout") as sim:
-        sim.start(pods=3, budget=1, on_failure="Halt", tp=1)
-        sim.second_weightupdate("v2", 1)
-        sim.reconcile("wu-a", None)
-        sim.clock_step(700.0)
         sim.quiesce()

@@ -27,15 +27,6 @@ so my ``Succeeded`` stands). A new pod therefore goes to the newest WeightUpdate
 The two rules never block each other: an older one blocks me only while it is unfinished, a
 younger one supersedes me only once I finished.
 
-**Only precedence leaves a pod to another.** A record another WeightUpdate left on a pod (its
-verdict, its attempt) says what it did, not that the pod is its: once it released the pod, the
-rules above alone decide. So a finished younger WeightUpdate whose pod an older, unfinished one
-drained and loaded is not ``Succeeded`` meanwhile (the pod is ``Blocked`` for it: it does not
-serve its version), and brings the pod back to its version once the older one finished (the
-older one is superseded on it then). Before, the older one's record made the pod ``Foreign``
-for it: both stood ``Succeeded`` over a pod at the older one's version (found by the
-simulation's ``overlap`` fault).
-
 **Claims rest on a fresh list.** A pass is handed its peers from the operator's index of
 WeightUpdates, which may not hold one created together with it yet: handed such a view, each of
 two created together drained a pod in its first pass (issue 27 item 3). So a pass that would

@@ -28,7 +28,7 @@ from weightroll_operator.domain.conditions import (
     set_condition,
 )
 from weightroll_operator.domain.model import OwnerKey, UnitState, WeightState
-from weightroll_operator.domain.plan import NOT_DONE_CLASSES, Plan, PodClass
+from weightroll_operator.domain.plan import WANTING_CLASSES, Plan, PodClass
 
 __all__ = [
     "MAX_POD_RESULTS",
@@ -102,10 +102,9 @@ def compute_phase(plan: Plan, spec: WeightUpdateSpec) -> Phase:
     if plan.units_total == 0:
         return Phase.PENDING
     # A finished rollout is Succeeded again once no pod wants the version: a pod that joined
-    # or restarted since and whose agent cannot be asked is not known to serve it, and one an
-    # older update holds does not serve it
-    not_done = any(c in NOT_DONE_CLASSES for c in plan.classes.values())
-    if plan.completed and not flying and not not_done:
+    # or restarted since and whose agent cannot be asked is not known to serve it
+    wanting = any(c in WANTING_CLASSES for c in plan.classes.values())
+    if plan.completed and not flying and not wanting:
         return Phase.SUCCEEDED
     if plan.paused_reason is not None and not flying:
         return Phase.PAUSED

@@ -196,7 +196,7 @@ def test_another_finished_update_still_converges_a_pod_we_only_attested() -> Non
     p = run(spec(), [_at(pod("p1", st=attested), HERE)], {"p1": agent("v1")}, DONE)
     assert any(isinstance(a, Claim) and a.pod.name == "p1" for a in p.actions)
     assert p.classes["p1"] is PodClass.IN_FLIGHT
-    # nor does a record of another WeightUpdate's attempt: only precedence leaves a pod alone
+    # a record of another WeightUpdate's attempt is still that update's pod
     verified = dataclasses.replace(attested, state=UnitState.VERIFIED)
     p = run(spec(), [_at(pod("p1", st=verified), HERE)], {"p1": agent("v1")}, DONE)
-    assert p.classes["p1"] is PodClass.IN_FLIGHT
+    assert p.classes["p1"] is PodClass.FOREIGN

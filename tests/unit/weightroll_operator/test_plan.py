@@ -424,39 +424,9 @@ def test_pods_driven_by_another_update_block_the_rollout() -> None:
     assert p.actions == ()
 
 
-def test_a_finished_rollout_is_not_succeeded_while_another_update_holds_one_of_its_pods() -> None:
-    """A pod an older, unfinished WeightUpdate drains and loads (``Blocked``) does not serve
-    this version: the finished rollout is ``Progressing`` (blocked) until it does again."""
-    from weightroll_operator.domain.status import compute_phase
-
-    held = dataclasses.replace(
-        pod("p1", gate=False, ready=False, st=state(by=OTHER, version="v3")), owner=OTHER
-    )
-    s = spec()
-    done = dataclasses.replace(DONE, start_time="2026-01-01T10:00:00Z")
-    p = run(s, [pod("p0"), held], {"p0": agent("v2"), "p1": agent("v1")}, done)
-    assert p.classes["p1"] is PodClass.BLOCKED
-    assert compute_phase(p, s).value == "Progressing"
-    p = run(s, [pod("p0"), pod("p1")], {"p0": agent("v2"), "p1": agent("v2")}, done)
-    assert compute_phase(p, s).value == "Succeeded"
-
-
-def test_a_finished_rollout_converges_a_pod_another_left_unless_a_younger_one_selects_it() -> None:
-    """Which WeightUpdate a pod is left to is precedence's (``domain.ownership``), never the
-    record another update left on it: a finished rollout converges a pod an older update (or
-    one deleted since) moved to its version, as it converges a new pod; only a younger one
-    that selects the pod supersedes it. (The record's rule left the pod at the older update's
-    version under a ``Succeeded`` that said otherwise; found by the simulation's ``overlap``.)"""
-    from weightroll_operator.domain.plan import Fleet, plan
-
-    pods = (pod("p0", st=state(UnitState.VERIFIED, by=OTHER, version="v3")),)
-    p = run(spec(), list(pods), {"p0": agent("v3")}, DONE)
-    assert p.classes["p0"] is PodClass.IN_FLIGHT
-    assert claimed(p) == ["p0"]
-    younger = Fleet(
-        name="wu", owner=ME, pods=pods, agents={"p0": agent("v3")}, superseded=frozenset({"p0"})
-    )
-    p = plan(spec(), younger, DONE, NOW)
+def test_foreign_pods_after_completion_are_left_alone() -> None:
+    pods = [pod("p0", st=state(UnitState.VERIFIED, by=OTHER, version="v3"))]
+    p = run(spec(), pods, {"p0": agent("v3")}, DONE)
     assert p.classes["p0"] is PodClass.FOREIGN
     assert p.actions == ()
 

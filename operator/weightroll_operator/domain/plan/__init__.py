@@ -73,7 +73,7 @@ from weightroll_operator.domain.plan.advance import (
 )
 from weightroll_operator.domain.plan.classify import classify_fleet, queries
 from weightroll_operator.domain.plan.context import (
-    NOT_DONE_CLASSES,
+    WANTING_CLASSES,
     Fleet,
     PassContext,
     Persisted,
@@ -95,7 +95,7 @@ from weightroll_operator.domain.wire import build_request, check_wire
 # the modules (as Python's import system does) and calls ``deadlines.deadlines``, so
 # ``weightroll_operator.domain.plan.settle`` means one thing wherever it is named.
 __all__ = [
-    "NOT_DONE_CLASSES",
+    "WANTING_CLASSES",
     "Fleet",
     "Persisted",
     "Plan",

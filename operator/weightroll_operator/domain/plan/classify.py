@@ -34,9 +34,8 @@ from weightroll_operator.domain.standing import contradicts, outlived
 #: The most common query (frozen, so one instance serves every pod).
 _ASK_STATE = Query(state=True)
 #: A pod a younger WeightUpdate selects after this one finished is no work of this one
-#: (``domain.ownership``), unless it already serves this version in traffic; nor is it held
-#: from this one while another update works on it (``BLOCKED``): it was yielded.
-_YIELDED = frozenset({PodClass.PENDING, PodClass.UNKNOWN, PodClass.UPDATED, PodClass.BLOCKED})
+#: (``domain.ownership``), unless it already serves this version in traffic.
+_YIELDED = frozenset({PodClass.PENDING, PodClass.UNKNOWN, PodClass.UPDATED})
 _SERVING = (PodClass.UPDATED, True)
 #: The class set of a one-pod unit (most units): built once, not once per unit and pass.
 _ONE_CLASS = {c: frozenset((c,)) for c in PodClass}
@@ -153,6 +152,7 @@ def classify(
     owner: OwnerKey,
     version: str,
     source: SourceRef,
+    completed: bool,
     retried_at: str | None = None,
 ) -> PodClass:
     """Classify one pod (see :class:`PodClass`); ``source`` is where ``version`` is loaded from:
@@ -188,6 +188,10 @@ def classify(
         return PodClass.UPDATED
     if serves(agent, version, source) and not contradicts(st, agent, owner):
         return PodClass.UPDATED
+    # another update's attempt took the pod (an Attested record of theirs only vouched for a
+    # gate: the pod is as free as one with no record)
+    if st is not None and st.by != owner and st.attempted_by(st.by) and completed:
+        return PodClass.FOREIGN
     if not reachable:
         return PodClass.UNKNOWN
     return PodClass.PENDING
@@ -220,6 +224,7 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
     """Step 1: classify every pod (:func:`classify`) and group them into units."""
     owner, version, source = fleet.owner, spec.version, target_source(spec)
     units = fleet.units if fleet.units is not None else group_units(fleet.pods)
+    completed = persisted.completion_time is not None
     retried_at, agents = persisted.retried_at, fleet.agents
     # One walk over the pods (at 10,000 pods each walk costs about a millisecond).
     classes: dict[str, PodClass] = {}
@@ -227,7 +232,7 @@ def classify_fleet(spec: WeightUpdateSpec, fleet: Fleet, persisted: Persisted) -
     blocked: set[str] = set()
     frozen: set[str] = set()
     for p in fleet.pods:
-        cls = classify(p, agents.get(p.name), owner, version, source, retried_at)
+        cls = classify(p, agents.get(p.name), owner, version, source, completed, retried_at)
         if p.name in fleet.superseded and cls in _YIELDED and (cls, p.gate) != _SERVING:
             cls = PodClass.FOREIGN
         classes[p.name] = cls

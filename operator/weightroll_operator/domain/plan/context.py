@@ -29,7 +29,6 @@ from weightroll_operator.domain.model import (
 
 __all__ = [
     "FAILED_CLASSES",
-    "NOT_DONE_CLASSES",
     "WANTING_CLASSES",
     "PREFETCH_FAILED",
     "Fleet",
@@ -151,7 +150,7 @@ class PodClass(StrEnum):
     ROLLED_BACK = "RolledBack"
     ROLLBACK_FAILED = "RollbackFailed"
     BLOCKED = "Blocked"
-    #: Governed by a younger WeightUpdate that selects it (``domain.ownership``): left alone.
+    #: Last driven by another WeightUpdate after this one completed: left alone.
     FOREIGN = "Foreign"
     #: Version unknown (agent unreachable): cannot be started.
     UNKNOWN = "Unknown"
@@ -167,12 +166,6 @@ FAILED_CLASSES = frozenset({PodClass.FAILED, PodClass.ROLLBACK_FAILED})
 #: it is not known to (``UNKNOWN``: its agent cannot be asked). Work left to the rollout, so
 #: its unit is pending (``deadlines``) and the phase is not ``Succeeded`` (``status``).
 WANTING_CLASSES = frozenset({PodClass.PENDING, PodClass.UNKNOWN})
-#: What keeps a finished rollout from ``Succeeded`` (``status``): a pod that wants the version,
-#: or one another update holds (``BLOCKED``: an older, unfinished WeightUpdate drains and loads a
-#: pod this one governs; it serves this version again only once that one is done, ``domain.
-#: ownership``). Not a wanting class for the deadlines: the hold is that update's, not slowness
-#: of this one.
-NOT_DONE_CLASSES = WANTING_CLASSES | {PodClass.BLOCKED}
 
 
 @dataclass(frozen=True, slots=True)
